@@ -1,0 +1,726 @@
+"""DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles (CVPR 2026).
+
+A reference reproduction in plain PyTorch. Read top to bottom:
+
+  1. Config and the per-dataset defaults table (epochs, batch, beta, lambda_reg)
+  2. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
+  3. role_mask: the role-based per-head attention mask of one vision block
+  4. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion alpha
+  5. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
+  6. The learning-rate schedule (closed form)
+  7. Training (AdamW, autocast on CUDA, checkpoints, resume) and evaluation
+  8. Protocols (b2n, fewshot, xd; zero-shot CLIP through the same code) and the command line
+
+The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12). Code indexes blocks from 0;
+the conversion happens in exactly one place, `DeAR.__init__` (`self.first = J - 1`).
+Every design choice the paper leaves open is a flag; see ../README.md, "Where this reproduction had to choose".
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import clip
+import data
+
+ATTRIBUTES = ("color", "shape", "texture", "object", "location")
+K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
+
+# ----------------------------------------------------------------------------------------------
+# 1. Config
+
+
+# Per-dataset (beta, lambda_reg), the MMRL++ table for base-to-novel and few-shot (research/anchors.md §3).
+# A dataset not listed gets beta 0.9 and lambda_reg 1.0 (MMRL's default weight).
+DATASET_DEFAULTS = {
+    "imagenet":       (0.9, 0.2),
+    "fgvc_aircraft":  (0.9, 2.0),
+    "ucf101":         (0.9, 3.0),
+    "dtd":            (0.9, 7.0),
+    "oxford_pets":    (0.7, 0.01),
+    "stanford_cars":  (0.7, 6.0),
+    "caltech101":     (0.6, 3.0),
+    "sun397":         (0.5, 3.0),
+    "oxford_flowers": (0.4, 7.0),
+    "eurosat":        (0.2, 0.01),
+    "food101":        (0.1, 1.0),
+}
+XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source model (cross-dataset / domain generalisation)
+
+# (epochs, batch size, warm-up epochs) per protocol, MMRL's configs (research/anchors.md §2.4).
+SCHEDULES = {
+    "b2n":          (10, 4, 1),
+    "b2n_imagenet": (5, 32, 1),
+    "fewshot":      (50, 32, 1),
+    "xd":           (1, 32, 0),
+}
+
+
+@dataclass
+class Config:
+    # what to run
+    dataset: str = "eurosat"
+    root: str = "data"
+    protocol: str = "b2n"             # b2n | fewshot | xd
+    method: str = "dear"              # dear | zeroshot
+    shots: int = 16
+    seed: int = 1
+    backbone: str = "ViT-B/16"        # a clip.available_models() name or a checkpoint path
+    targets: str = ""                 # xd: comma-separated target datasets ("" = the 4 variants + 10 datasets)
+    out: str = "runs"
+    # the method (paper names)
+    J: int = 9                        # tokens enter block J (1-based) and live in blocks J..L
+    beta: float = None                # token mixing; None = the DATASET_DEFAULTS table
+    lambda_reg: float = None          # self-regularisation weight; None = the table
+    lambda_fusion: float = 1.0        # weight of -log alpha_cls
+    alpha_cls: float = 0.7            # initial fusion weight of the class logits (the rest shared by the 5 tokens)
+    rep_dim: int = 512                # width of the shared token matrix R
+    mask: str = "role"                # role | generalization-only | none
+    attr_tokens: bool = True          # False: no tokens at all (ablation); the model is then frozen CLIP
+    novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
+    roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
+    # optimisation
+    epochs: int = None                # None = SCHEDULES
+    batch_size: int = None
+    warmup_epochs: int = None
+    lr: float = 1e-3
+    warmup_lr: float = 1e-5
+    weight_decay: float = 5e-4
+    eval_batch_size: int = 100
+    workers: int = 4
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    # bookkeeping
+    eval_only: bool = False
+    load: str = None
+    resume: bool = False
+    force: bool = False
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill every None with its default from the tables above; check values. Returns a new Config."""
+    c = dataclasses.replace(cfg)
+    beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
+    c.beta = beta if c.beta is None else c.beta
+    c.lambda_reg = lam if c.lambda_reg is None else c.lambda_reg
+    key = "b2n_imagenet" if (c.protocol == "b2n" and c.dataset == "imagenet") else c.protocol
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown --protocol {c.protocol!r}; choose b2n, fewshot or xd")
+    epochs, batch, warmup = SCHEDULES[key]
+    c.epochs = epochs if c.epochs is None else c.epochs
+    c.batch_size = batch if c.batch_size is None else c.batch_size
+    c.warmup_epochs = warmup if c.warmup_epochs is None else c.warmup_epochs
+    checks = [(c.method in ("dear", "zeroshot"), f"unknown --method {c.method!r}; choose dear or zeroshot"),
+              (c.mask in ("role", "generalization-only", "none"),
+               f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
+              (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
+              (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
+              (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
+              (0.0 < c.alpha_cls < 1.0, f"--alpha-cls must lie in (0, 1), got {c.alpha_cls}"),
+              (c.epochs >= 1 and c.batch_size >= 1, "--epochs and --batch-size must be >= 1")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    return c
+
+
+def variant_name(c: Config) -> str:
+    """A short name for the non-default method flags, so each ablation gets its own run folder."""
+    c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
+    parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
+             if f.name in ("J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
+                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr")
+             and getattr(c, f.name) != getattr(base, f.name)]
+    if c.roles:
+        parts.append("roles-" + os.path.splitext(os.path.basename(c.roles))[0])
+    return "_".join(parts) or "default"
+
+
+def run_dir(c: Config) -> str:
+    name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
+    return os.path.join(c.out, c.protocol, c.dataset.replace(":", "_").replace("/", "_"), name)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Attribute tokens
+
+
+class AttributeTokens(nn.Module):
+    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in J..L,
+    a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W.
+    Vision and text tokens are projections of the same R, which couples the two modalities."""
+
+    def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
+        super().__init__()
+        self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
+        self.F_v = nn.ModuleList([nn.Linear(rep_dim, vision_width) for _ in range(n_blocks)])
+        self.F_t = nn.ModuleList([nn.Linear(rep_dim, text_width) for _ in range(n_blocks)])
+
+    def vision(self, i: int) -> torch.Tensor:
+        return self.F_v[i](self.R)  # [K, D]: the tokens fed to the i-th block after insertion
+
+    def text(self, i: int) -> torch.Tensor:
+        return self.F_t[i](self.R)  # [K, W]
+
+
+def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
+    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of block l-1).
+    x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays simple)."""
+    tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1:1 + K]  # [B, K, D]
+    return torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The role-based attention mask
+
+
+def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tensor:
+    """The additive mask [H, L, L] of one vision block, L = 1 + K + num_patches, token order
+    [CLS, attr_1..attr_K, patches]; row = query, column = key; 0 = allowed, -inf = blocked.
+
+    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of the
+      five): the originals (CLS, patches) and the attribute tokens never see each other; each attribute
+      token sees only itself. These heads compute exactly what the frozen CLIP computes.
+    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token sees only
+      itself and nobody sees it.
+    - mixed head: no restriction.
+    variant "generalization-only": attribute heads act as mixed; "none": no mask at all (all zeros).
+    """
+    H, L = len(head_roles), 1 + K + num_patches
+    allowed = torch.ones(H, L, L, dtype=torch.bool)
+    attr = torch.arange(1, 1 + K)                   # positions of the attribute tokens
+    orig = torch.tensor([0] + list(range(1 + K, L)))  # CLS and patches
+    eye = torch.eye(K, dtype=torch.bool)
+    for h, entry in enumerate(head_roles):
+        role = entry["role"]
+        if variant == "none" or role == "mixed" or (variant == "generalization-only" and role == "attribute"):
+            continue
+        a = allowed[h]
+        a[attr[:, None], :] = False                  # attribute rows: nothing ...
+        a[:, attr] = False                           # ... and attribute columns: nobody,
+        a[attr[:, None], attr[None, :]] = eye        # except each token itself.
+        if role == "attribute":
+            i = 1 + ATTRIBUTES.index(entry["attribute"])
+            a[i, orig] = True                        # attr_a reads the originals
+            a[orig, i] = True                        # the originals read attr_a
+    mask = torch.zeros(H, L, L)
+    return mask.masked_fill(~allowed, float("-inf"))
+
+
+def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
+    """One [H, L, L] mask per block first..num_layers-1 (0-based), or None where nothing is masked."""
+    if variant == "none":
+        return [None] * (num_layers - first)
+    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]  # roles: 1-based
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The DeAR module
+
+
+class DeAR(nn.Module):
+    """Frozen CLIP + attribute tokens from block J + role masks + a trainable P_attr + fusion weights w."""
+
+    def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
+                 alpha_cls=0.7):
+        super().__init__()
+        self.clip = clip_model.eval()
+        for p in self.clip.parameters():
+            p.requires_grad_(False)
+        visual, L = clip_model.visual, clip_model.visual.transformer.layers
+        if not 1 <= J <= L:
+            raise ValueError(f"J must lie in 1..{L} (the backbone has {L} blocks), got {J}")
+        self.J, self.first, self.L, self.beta, self.use_tokens = J, J - 1, L, beta, attr_tokens  # first: 0-based
+        n = L - self.first  # blocks that carry tokens: J..L in the vision tower, the last n in the text tower
+        self.Lt = clip_model.transformer.layers
+        self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
+        if self.first_text < 0:
+            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}")
+        self.tokens = AttributeTokens(n, rep_dim, visual.transformer.width, clip_model.transformer.width)
+        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], initialised as a copy of proj
+        # fusion weights: alpha = softmax(w), initialised to alpha_cls for the class logits, the rest shared
+        w = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log()
+        self.w = nn.Parameter(w)
+        masks = block_masks(roles, self.first, L, visual.num_patches, mask) if attr_tokens else [None] * n
+        for i, m in enumerate(masks):  # buffers, so .to(device) moves them; not saved in checkpoints
+            self.register_buffer(f"mask_{i}", m, persistent=False)
+        if not attr_tokens:  # nothing but the fusion weights would remain: the model is frozen CLIP
+            for p in self.trainable():
+                p.requires_grad_(False)
+
+    def trainable(self):
+        return [p for name, p in self.named_parameters() if not name.startswith("clip.")]
+
+    def trainable_state(self):
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("clip.")}
+
+    def alpha(self) -> torch.Tensor:
+        return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...
+
+    # --- text side -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def set_classes(self, classnames, template):
+        """Everything class-dependent that never changes: the text prefix (blocks 1..J-1 of every class
+        prompt) and the frozen CLIP text features t^0. Computed once per class list."""
+        prompts = [template.format(c.replace("_", " ")) for c in classnames]
+        device = self.P_attr.device
+        tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
+        self.eot = tokens.argmax(-1)                                    # [C] EOT has the largest id
+        x = self.clip.embed_text(tokens)                                # [C, T, W]
+        self.text_prefix = self.clip.run_text_blocks(x, 0, self.first_text)  # [C, T, W]
+        frozen = self.clip.run_text_blocks(self.text_prefix, self.first_text, self.Lt)
+        self.t0 = F.normalize(self.clip.text_head(frozen, self.eot), dim=-1)  # [C, E]
+        self.classnames = list(classnames)
+
+    def encode_classes(self) -> torch.Tensor:
+        """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]"""
+        if not self.use_tokens:
+            return self.t0
+        x = self.text_prefix
+        C = x.shape[0]
+        for i, b in enumerate(range(self.first_text, self.Lt)):
+            fresh = self.tokens.text(i).to(x.dtype)
+            if i == 0:  # insert right after SOT: [SOT, t_1..t_K, words..., EOT, pad...]
+                x = torch.cat([x[:, :1], fresh.unsqueeze(0).expand(C, -1, -1), x[:, 1:]], dim=1)
+            else:
+                x = mix(x, fresh, self.beta)
+            x = self.clip.run_text_blocks(x, b, b + 1)  # the causal mask of length T + K: tokens see SOT
+            # and earlier tokens, words and EOT see the tokens
+        return F.normalize(self.clip.text_head(x, self.eot + K), dim=-1)  # EOT moved K places right
+
+    # --- image side ------------------------------------------------------------------------------
+    def encode_images(self, images, with_frozen=False):
+        """f_cls [B, E] (frozen proj) and f_attr [B, K, E] (P_attr), normalised; with_frozen also returns the
+        frozen CLIP feature f^0 [B, E], which reuses the prefix (it is needed only for the loss)."""
+        visual = self.clip.visual
+        with torch.no_grad():  # blocks 1..J-1 never change: no autograd
+            x = visual.run_blocks(visual.embed(images), 0, self.first)  # [B, 1+P, D]
+            f0 = None
+            if with_frozen or not self.use_tokens:
+                f0 = F.normalize(visual.head(visual.run_blocks(x, self.first, self.L)[:, 0]), dim=-1)
+        if not self.use_tokens:
+            return f0, None, f0
+        B = x.shape[0]
+        for i, b in enumerate(range(self.first, self.L)):
+            fresh = self.tokens.vision(i).to(x.dtype)
+            if i == 0:  # [CLS, attr_1..attr_K, patches]
+                x = torch.cat([x[:, :1], fresh.unsqueeze(0).expand(B, -1, -1), x[:, 1:]], dim=1)
+            else:
+                x = mix(x, fresh, self.beta)
+            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"))
+        f_cls = visual.head(x[:, 0])                                  # [B, E]
+        f_attr = visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
+        return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0
+
+    def forward(self, images, t=None, with_frozen=False):
+        """Six logit sets [B, 1+K, C] (class first, then the K attribute tokens) and the fused logits [B, C]."""
+        t = self.encode_classes() if t is None else t
+        f_cls, f_attr, f0 = self.encode_images(images, with_frozen)
+        scale = self.clip.logit_scale.exp()
+        feats = f_cls.unsqueeze(1) if f_attr is None else torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)
+        logits = scale * feats @ t.t().to(feats.dtype)                # [B, 1+K, C]
+        alpha = self.alpha()[: logits.shape[1]]
+        fused = (alpha / alpha.sum())[None, :, None].to(logits.dtype).mul(logits).sum(1)  # [B, C]
+        return {"logits": logits, "fused": fused, "f_cls": f_cls, "f0": f0, "t": t}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The loss
+
+
+def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
+    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion * -log alpha_cls.
+    Returns the total and its parts (floats) for the log."""
+    ce = F.cross_entropy(out["fused"].float(), labels)
+    reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
+    reg_txt = 1 - F.cosine_similarity(out["t"].float(), t0.float(), dim=-1).mean()
+    fusion = -alpha[0].log()
+    total = ce + lambda_reg * (reg_img + reg_txt) + lambda_fusion * fusion
+    return total, {"ce": ce.item(), "reg_img": reg_img.item(), "reg_txt": reg_txt.item(), "fusion": fusion.item()}
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The schedule
+
+
+def lr_at(epoch: int, cfg: Config) -> float:
+    """Learning rate of a 0-based epoch: warm-up epochs at a constant warmup_lr, then cosine stepped once per
+    epoch, lr * (1 + cos(pi * (e - W) / E)) / 2 (Dassl's ConstantWarmupScheduler + CosineAnnealingLR)."""
+    if epoch < cfg.warmup_epochs:
+        return cfg.warmup_lr
+    return cfg.lr * (1 + math.cos(math.pi * (epoch - cfg.warmup_epochs) / cfg.epochs)) / 2
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Training and evaluation
+
+
+class RunError(Exception):
+    """A problem the user can fix; the CLI prints the message and exits with status 2."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {name} was asked for but CUDA is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device):
+    """CUDA: bf16 where supported, else fp16 (with a GradScaler); CPU: None (plain fp32)."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Training items with augmentations seeded per (epoch seed, item): an epoch is the same on any machine,
+    with any number of workers, and a resumed epoch replays exactly."""
+
+    def __init__(self, items, transform, seed: int):
+        self.images, self.seed = data.ImageList(items, transform), seed
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        torch.manual_seed(self.seed * 1_000_003 + i)
+        return self.images[i]
+
+
+def epoch_batches(n: int, batch_size: int, seed: int):
+    """The shuffled batches of one epoch (index lists); the last partial batch is dropped as in Dassl."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    if n >= batch_size:
+        order = order[: n - n % batch_size]
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def atomic_save(obj, path: str, as_json=False):
+    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    if as_json:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def train(model, ds, cfg, device, rdir, log, ckpt_every_s=600.0):
+    """Train the trainable parameters on ds.train; checkpoints at every epoch end (and every ckpt_every_s
+    seconds inside an epoch) into rdir/checkpoint.pt, which --resume continues from."""
+    params = [p for p in model.trainable() if p.requires_grad]
+    if not params:
+        log("no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP")
+        return
+    model.set_classes(ds.classnames, ds.template)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    amp = autocast_dtype(device)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
+    transform = data.train_transform(model.clip.visual.input_resolution)
+    ckpt, start_epoch, start_step = os.path.join(rdir, "checkpoint.pt"), 0, 0
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        start_epoch, start_step = state["epoch"], state["step"]
+        log(f"resuming from {ckpt}: epoch {start_epoch + 1}, step {start_step}")
+
+    def save(epoch, step):
+        atomic_save({"model": model.trainable_state(), "optimizer": opt.state_dict(),
+                     "scaler": scaler.state_dict(), "epoch": epoch, "step": step}, ckpt)
+
+    steps = len(epoch_batches(len(ds.train), cfg.batch_size, 0))
+    total, done, t_start, last_save = (cfg.epochs - start_epoch) * steps - start_step, 0, time.time(), time.time()
+    for epoch in range(start_epoch, cfg.epochs):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(epoch, cfg)
+        epoch_seed = cfg.seed * 1000 + epoch
+        batches = epoch_batches(len(ds.train), cfg.batch_size, epoch_seed)
+        first = start_step if epoch == start_epoch else 0
+        loader = torch.utils.data.DataLoader(
+            Augmented(ds.train, transform, epoch_seed), batch_sampler=batches[first:],
+            num_workers=cfg.workers, pin_memory=device.type == "cuda", persistent_workers=False)
+        model.train()
+        correct = seen = 0
+        for step, (images, labels) in enumerate(loader, start=first):
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                out = model(images, with_frozen=True)
+                loss, parts = dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+            if not torch.isfinite(loss):
+                raise RunError(f"the loss became {loss.item()} at epoch {epoch + 1}, step {step + 1} "
+                               f"(parts: {parts}); the last good checkpoint is kept in {ckpt}. Try a lower --lr, "
+                               "or --device cpu to rule out a mixed-precision overflow.")
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            correct += (out["fused"].argmax(-1) == labels).sum().item()
+            seen += labels.numel()
+            done += 1
+            if step + 1 == steps or done % max(1, steps // 5) == 0:
+                eta = (time.time() - t_start) / done * (total - done)
+                log(f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
+                    f"(ce {parts['ce']:.3f}) lr {lr_at(epoch, cfg):.2e} acc {100 * correct / seen:.1f}% eta {fmt_time(eta)}")
+            if time.time() - last_save > ckpt_every_s and step + 1 < steps:
+                save(epoch, step + 1)
+                last_save = time.time()
+        save(epoch + 1, 0)
+        last_save = time.time()
+
+
+@torch.no_grad()
+def evaluate(model, items, classnames, template, cfg, device, logits="fused", log=print, name=""):
+    """Top-1 accuracy (%) of `logits` ("fused" or "cls") on items; class text features computed once."""
+    model.eval()
+    model.set_classes(classnames, template)
+    amp = autocast_dtype(device)
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        t = model.encode_classes()  # [C, E], once for the whole evaluation
+    loader = torch.utils.data.DataLoader(
+        data.ImageList(items, data.test_transform(model.clip.visual.input_resolution)),
+        batch_size=cfg.eval_batch_size, shuffle=False, num_workers=cfg.workers, pin_memory=device.type == "cuda")
+    C = len(classnames)
+    correct, count = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
+    t_start, n_batches = time.time(), len(loader)
+    for i, (images, labels) in enumerate(loader):
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            out = model(images.to(device, non_blocking=True), t=t)
+        scores = out["fused"] if logits == "fused" else out["logits"][:, 0]
+        hit = (scores.argmax(-1).cpu() == labels).long()
+        correct.index_add_(0, labels, hit)
+        count.index_add_(0, labels, torch.ones_like(labels))
+        if (i + 1) % max(1, n_batches // 5) == 0 and i + 1 < n_batches:
+            eta = (time.time() - t_start) / (i + 1) * (n_batches - i - 1)
+            log(f"  eval {name}: {i + 1}/{n_batches} batches, eta {fmt_time(eta)}")
+    acc = 100.0 * correct.sum().item() / max(1, count.sum().item())
+    per_class = [{"class": c, "accuracy": 100.0 * correct[k].item() / max(1, count[k].item()), "n": count[k].item()}
+                 for k, c in enumerate(classnames)]
+    return {"accuracy": acc, "n": int(count.sum()), "logits": logits, "per_class": per_class}
+
+
+def harmonic_mean(base: float, novel: float) -> float:
+    return 2 * base * novel / (base + novel) if base + novel > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Protocols and the command line
+
+
+def load_roles(cfg, model, device, log):
+    """The roles of every head of blocks J..L: from --roles, from the cache, or computed once by entropy.py
+    (probe images: ImageNet val if present under --root, else the training dataset's test images)."""
+    import entropy
+    L, H = model.visual.transformer.layers, model.visual.transformer.heads
+    layers = list(range(cfg.J, L + 1))
+    path = cfg.roles
+    if path is None:
+        probe = "imagenet"
+        try:
+            data.build_dataset("imagenet", cfg.root)
+        except data.DataError:
+            probe = cfg.dataset
+        path = entropy.default_roles_path(model.name, layers, os.path.join(clip.cache_dir(), f"probe-{probe}"))
+        if not os.path.exists(path):
+            log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with entropy.py "
+                f"on the test images of {probe!r} -> {path}")
+            path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
+                               device=str(device))
+    try:
+        roles = entropy.load_roles(path, model_name=model.name, num_layers=L, num_heads=H, layers=layers)
+    except (ValueError, OSError) as e:
+        raise RunError(f"roles file {path}: {e}") from e
+    log(f"head roles: {path}")
+    return roles
+
+
+def build_eval_sets(cfg):
+    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
+    dataset stops the run before any long work."""
+    if cfg.protocol == "b2n":
+        base = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
+        novel = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
+        return base, [(base, "base", "fused"), (novel, "novel", cfg.novel_logits)]
+    source = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
+    evals = [(source, "all", "fused")]
+    if cfg.protocol == "xd":
+        targets = [t for t in cfg.targets.split(",") if t] or \
+            [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
+        missing = []
+        for name in targets:
+            try:
+                evals.append((data.build_dataset(name, cfg.root), "all", cfg.novel_logits))
+            except data.DataError as e:
+                missing.append(f"  {name}: {e}")
+        if missing:
+            raise RunError("target datasets missing (pass --targets to choose fewer):\n" + "\n".join(missing))
+    return source, evals
+
+
+def run(cfg: Config, log_to_stdout=True) -> dict:
+    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results."""
+    if cfg.eval_only:
+        if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")):
+            raise RunError(f"--eval-only needs --load RUN_DIR holding model.pt (got {cfg.load!r})")
+        with open(os.path.join(cfg.load, "config.json")) as f:
+            saved = json.load(f)
+        method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method")
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in method_fields})
+    try:
+        cfg = resolve(cfg)
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{cfg.dataset}") if cfg.eval_only else run_dir(cfg)
+    results_path = os.path.join(rdir, "results.json")
+    if os.path.exists(results_path) and not cfg.force:
+        print(f"done already: {results_path} (pass --force to redo)")
+        with open(results_path) as f:
+            return json.load(f)
+    os.makedirs(rdir, exist_ok=True)
+    ckpt = os.path.join(rdir, "checkpoint.pt")
+    if os.path.exists(ckpt) and cfg.force:
+        os.remove(ckpt)
+    elif os.path.exists(ckpt) and not cfg.resume:
+        raise RunError(f"{rdir} holds an interrupted run; pass --resume to continue it or --force to start over")
+    log_file = open(os.path.join(rdir, "log.txt"), "a")
+
+    def log(msg):
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        log_file.write(line + "\n")
+        log_file.flush()
+        if log_to_stdout:
+            print(line, flush=True)
+
+    try:
+        device = pick_device(cfg.device)
+        seed_everything(cfg.seed)
+        train_ds, evals = build_eval_sets(cfg)
+        log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
+        clip_model, _ = clip.load(cfg.backbone, device=device)
+        use_tokens = cfg.method == "dear" and cfg.attr_tokens
+        roles = load_roles(cfg, clip_model, device, log) if use_tokens and cfg.mask != "none" else None
+        try:
+            model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
+                         attr_tokens=use_tokens, alpha_cls=cfg.alpha_cls).to(device)
+        except ValueError as e:
+            raise RunError(str(e)) from e
+        atomic_save(dataclasses.asdict(cfg), os.path.join(rdir, "config.json"), as_json=True)
+        t0 = time.time()
+        if cfg.eval_only:
+            state = torch.load(os.path.join(cfg.load, "model.pt"), map_location=device, weights_only=True)
+            model.load_state_dict(state, strict=False)
+        elif cfg.method == "dear":
+            log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} epochs, "
+                f"batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}")
+            train(model, train_ds, cfg, device, rdir, log)
+            atomic_save(model.trainable_state(), os.path.join(rdir, "model.pt"))
+        train_s, t1 = time.time() - t0, time.time()
+        results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
+                   "shots": cfg.shots, "seed": cfg.seed, "variant": variant_name(cfg), "config": dataclasses.asdict(cfg),
+                   "evals": []}
+        for ds, split, rule in evals:
+            r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
+                         name=f"{ds.name}/{split}")
+            results["evals"].append({"dataset": ds.name, "split": split, **r})
+            log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits)")
+        if cfg.protocol == "b2n":
+            results["hm"] = harmonic_mean(results["evals"][0]["accuracy"], results["evals"][1]["accuracy"])
+            log(f"HM {results['hm']:.2f}")
+        if use_tokens:
+            results["fusion_weights"] = dict(zip(("cls",) + ATTRIBUTES, model.alpha().tolist()))
+        results["timing"] = {"train_s": train_s, "eval_s": time.time() - t1}
+        atomic_save(results, results_path, as_json=True)
+        if os.path.exists(ckpt):
+            os.remove(ckpt)
+        log(f"wrote {results_path}")
+        return results
+    finally:
+        log_file.close()
+
+
+def parse_args(argv=None) -> Config:
+    d = Config()
+    p = argparse.ArgumentParser(
+        description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention masks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Example: python dear.py --dataset eurosat --shots 16   (base-to-novel, seed 1, ViT-B/16)")
+    g = p.add_argument_group("what to run")
+    g.add_argument("--dataset", default=d.dataset, help="dataset: " + ", ".join(data.DATASETS) + ", or folder:PATH")
+    g.add_argument("--root", default=os.environ.get("DATA", d.root), help="folder holding the datasets (CoOp layout); env DATA")
+    g.add_argument("--protocol", default=d.protocol, choices=["b2n", "fewshot", "xd"],
+                   help="b2n: train on base classes, test base and novel; fewshot: all classes; xd: train on the "
+                        "source (ImageNet) and test on --targets")
+    g.add_argument("--method", default=d.method, choices=["dear", "zeroshot"], help="zeroshot: frozen CLIP, same code")
+    g.add_argument("--shots", type=int, default=d.shots, help="training images per class")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--backbone", default=d.backbone, help="CLIP model name (" + ", ".join(clip.available_models()) + ") or checkpoint path")
+    g.add_argument("--targets", default=d.targets, help="xd: comma-separated targets (default: 4 ImageNet variants + 10 datasets)")
+    g.add_argument("--out", default=d.out, help="output root; each run gets its own folder below it")
+    g = p.add_argument_group("the method")
+    g.add_argument("--J", type=int, default=d.J, help="attribute tokens enter block J (1-based) and stay to the last block")
+    g.add_argument("--beta", type=float, default=None, help="token mixing beta (default: per-dataset table)")
+    g.add_argument("--lambda-reg", type=float, default=None, help="self-regularisation weight (default: per-dataset table)")
+    g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion, help="weight of -log alpha_cls")
+    g.add_argument("--alpha-cls", type=float, default=d.alpha_cls, help="initial fusion weight of the class logits")
+    g.add_argument("--rep-dim", type=int, default=d.rep_dim, help="width of the shared token matrix R")
+    g.add_argument("--mask", default=d.mask, choices=["role", "generalization-only", "none"], help="attention mask variant")
+    g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false", help="ablation: no attribute tokens")
+    g.add_argument("--novel-logits", default=d.novel_logits, choices=["fused", "cls"],
+                   help="logits on novel classes and target datasets (cls: MMRL's class-only rule)")
+    g.add_argument("--roles", default=None, help="roles JSON from entropy.py (default: computed once and cached)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=None, help="default: 10 (b2n), 5 (b2n ImageNet), 50 (fewshot), 1 (xd)")
+    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (ImageNet, fewshot, xd)")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
+    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g = p.add_argument_group("runs")
+    g.add_argument("--eval-only", action="store_true", help="evaluate the model in --load on --dataset/--protocol")
+    g.add_argument("--load", default=None, help="a finished run folder (with model.pt and config.json)")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
+    g.add_argument("--force", action="store_true", help="redo a finished run / restart an interrupted one")
+    args = p.parse_args(argv)
+    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        results = run(cfg)
+    except (RunError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the last checkpoint is kept; rerun the same command with --resume", file=sys.stderr)
+        sys.exit(130)
+    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}))
+
+
+if __name__ == "__main__":
+    main()

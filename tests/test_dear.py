@@ -1,0 +1,190 @@
+"""DeAR model, masks, loss, schedule and the run loop, on a tiny random CLIP."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_clip
+import dear
+from dear import ATTRIBUTES, K, DeAR, role_mask
+
+H, P = 4, 16  # the tiny CLIP: 4 heads per block, 32x32 images with patch 8 -> 16 patches
+ORIG = [0] + list(range(1 + K, 1 + K + P))  # CLS and patches
+ATTR = list(range(1, 1 + K))
+
+
+def roles_all(role, attribute=None, layers=range(1, 5)):
+    return {l: [{"role": role, "attribute": attribute}] * H for l in layers}
+
+
+def mixed_roles():
+    """Block roles with one head of each kind: generalization, color attribute, mixed, other specialist."""
+    block = [{"role": "generalization", "attribute": None}, {"role": "attribute", "attribute": "color"},
+             {"role": "mixed", "attribute": None}, {"role": "specialist", "attribute": None}]
+    return {l: block for l in range(1, 5)}
+
+
+def attention_weights(mask, seed=0):
+    """Weights [H, L, L] of a block of the tiny CLIP on random tokens, with the given mask."""
+    torch.manual_seed(seed)
+    block = tiny_clip(text_layers=3).visual.transformer.resblocks[0]
+    x = torch.randn(1, 1 + K + P, 64)
+    with torch.no_grad():
+        _, w = block.attn(block.ln_1(x), attn_mask=mask, need_weights=True)
+    return w[0]
+
+
+def test_role_mask_semantics_on_attention_weights():
+    w = attention_weights(role_mask(mixed_roles()[1], P))
+    assert torch.allclose(w.sum(-1), torch.ones(H, 1 + K + P), atol=1e-6)
+    g, a, m, s = w  # generalization, color attribute, mixed, other specialist
+    for head in (g, s):  # originals and attribute tokens never exchange weight; attr tokens see only themselves
+        assert head[ORIG][:, ATTR].abs().max() == 0
+        assert head[ATTR][:, ORIG].abs().max() == 0
+        assert torch.allclose(head[ATTR][:, ATTR], torch.eye(K))
+    color = 1 + ATTRIBUTES.index("color")
+    others = [i for i in ATTR if i != color]
+    assert (a[ORIG][:, color] > 0).all() and (a[color][ORIG] > 0).all()  # orig <-> color token, both ways
+    for i in others:  # every other attribute token sees only itself and is seen by nobody else
+        assert a[i, i] == pytest.approx(1.0)
+        assert a[[j for j in range(1 + K + P) if j != i]][:, i].abs().max() == 0
+    assert (m > 0).all()  # mixed: unrestricted
+
+
+def test_mask_variants():
+    roles = mixed_roles()[1]
+    full = role_mask(roles, P, "role")
+    gen_only = role_mask(roles, P, "generalization-only")
+    assert torch.equal(gen_only[0], full[0]) and torch.equal(gen_only[3], full[3])  # gen + specialist kept
+    assert (gen_only[1] == 0).all()  # attribute head acts as mixed
+    assert (role_mask(roles, P, "none") == 0).all()
+    assert full.shape == (H, 1 + K + P, 1 + K + P)
+
+
+def test_mask_none_equals_plain_insertion():
+    """--mask none and an all-mixed role table give the same features as inserting tokens with no mask."""
+    clip_model = tiny_clip(text_layers=3)
+    torch.manual_seed(0)
+    a = DeAR(clip_model, roles_all("mixed"), J=2, mask="role")
+    b = DeAR(clip_model, None, J=2, mask="none")
+    b.load_state_dict(a.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    fa, fb = a.encode_images(images), b.encode_images(images)
+    assert torch.allclose(fa[0], fb[0], atol=1e-6) and torch.allclose(fa[1], fb[1], atol=1e-6)
+    assert all(getattr(b, f"mask_{i}") is None for i in range(3))
+
+
+def test_generalization_heads_isolate_cls_from_tokens():
+    """Every head a generalization head: the CLS output equals frozen CLIP's and gets no gradient from R."""
+    clip_model = tiny_clip(text_layers=3)
+    model = DeAR(clip_model, roles_all("generalization"), J=2)
+    images = torch.randn(3, 3, 32, 32)
+    f_cls, f_attr, f0 = model.encode_images(images, with_frozen=True)
+    frozen = F.normalize(clip_model.encode_image(images), dim=-1)
+    assert torch.allclose(f_cls, frozen, atol=1e-5) and torch.allclose(f0, frozen, atol=1e-5)
+    assert f_cls.requires_grad
+    grad = torch.autograd.grad(f_cls.sum(), model.tokens.R, allow_unused=True, retain_graph=True)[0]
+    assert grad is None or grad.abs().max() == 0
+    # ... while the attribute features do depend on the tokens
+    assert torch.autograd.grad(f_attr.sum(), model.tokens.R)[0].abs().max() > 0
+
+
+def test_attribute_head_lets_its_token_reach_cls():
+    model = DeAR(tiny_clip(text_layers=3), roles_all("attribute", "color"), J=2)
+    f_cls, _, _ = model.encode_images(torch.randn(2, 3, 32, 32))
+    grad = torch.autograd.grad(f_cls.sum(), model.tokens.R)[0]  # [K, rep_dim]
+    color = ATTRIBUTES.index("color")
+    assert grad[color].abs().max() > 0
+    assert grad[[i for i in range(K) if i != color]].abs().max() == 0  # other tokens cannot reach CLS
+
+
+def test_without_tokens_equals_frozen_clip():
+    clip_model = tiny_clip(text_layers=3)
+    model = DeAR(clip_model, None, J=3, attr_tokens=False)
+    assert [p for p in model.trainable() if p.requires_grad] == []
+    model.set_classes(["cat", "dog_house"], "a photo of a {}.")
+    tokens = dear.clip.tokenize(["a photo of a cat.", "a photo of a dog house."])
+    assert torch.allclose(model.encode_classes(), F.normalize(clip_model.encode_text(tokens), dim=-1), atol=1e-5)
+    images = torch.randn(2, 3, 32, 32)
+    out = model(images)
+    ref = 100 * F.normalize(clip_model.encode_image(images), dim=-1) @ model.t0.t()
+    assert torch.allclose(out["fused"], ref * clip_model.logit_scale.exp() / 100, atol=1e-4)
+
+
+def test_text_tokens_after_sot_and_eot_shift():
+    """encode_classes equals a by-hand run: K tokens inserted after SOT at block J, beta mixing after it,
+    a causal mask of length T + K, features read at EOT + K."""
+    clip_model = tiny_clip(text_layers=4)  # both towers 4 blocks; J = 3: tokens in blocks 3 and 4
+    model = DeAR(clip_model, roles_all("mixed"), J=3, beta=0.25)
+    model.set_classes(["cat"], "a photo of a {}.")
+    tokens = dear.clip.tokenize(["a photo of a cat."])
+    blocks = clip_model.transformer.resblocks
+    x = clip_model.embed_text(tokens)
+    for b in (0, 1):
+        x = blocks[b](x, attn_mask=clip_model.causal_mask(77))
+    x = torch.cat([x[:, :1], model.tokens.text(0)[None], x[:, 1:]], 1)  # [1, 77 + K, W]
+    x = blocks[2](x, attn_mask=clip_model.causal_mask(77 + K))
+    x = torch.cat([x[:, :1], 0.25 * model.tokens.text(1)[None] + 0.75 * x[:, 1:1 + K], x[:, 1 + K:]], 1)
+    x = blocks[3](x, attn_mask=clip_model.causal_mask(77 + K))
+    eot = tokens.argmax(-1) + K
+    ref = F.normalize(clip_model.ln_final(x[torch.arange(1), eot]) @ clip_model.text_projection, dim=-1)
+    assert torch.allclose(model.encode_classes(), ref, atol=1e-5)
+    assert not torch.allclose(model.encode_classes(), model.t0, atol=1e-3)  # the tokens do change t
+
+
+def test_fusion_weights_and_loss_terms():
+    model = DeAR(tiny_clip(text_layers=3), roles_all("generalization"), J=3)
+    alpha = model.alpha()
+    assert alpha[0].item() == pytest.approx(0.7) and torch.allclose(alpha[1:], torch.full((K,), 0.06))
+    model.set_classes(["a", "b", "c"], "a photo of a {}.")
+    out = model(torch.randn(4, 3, 32, 32), with_frozen=True)
+    assert out["logits"].shape == (4, 1 + K, 3) and out["fused"].shape == (4, 3)
+    assert torch.allclose(out["fused"], (alpha[None, :, None] * out["logits"]).sum(1), atol=1e-5)
+    labels = torch.tensor([0, 1, 2, 0])
+    total, parts = dear.dear_loss(out, labels, model.t0, alpha, lambda_reg=2.0, lambda_fusion=0.5)
+    assert parts["reg_img"] == pytest.approx(0.0, abs=1e-6)  # generalization heads: f_cls == f^0
+    assert parts["fusion"] == pytest.approx(-math.log(0.7), rel=1e-5)
+    ce = F.cross_entropy(out["fused"], labels).item()
+    assert total.item() == pytest.approx(ce + 2.0 * (parts["reg_img"] + parts["reg_txt"]) + 0.5 * parts["fusion"], rel=1e-5)
+
+
+def test_schedule_values():
+    cfg = dear.resolve(dear.Config(dataset="dtd", protocol="b2n"))
+    assert (cfg.epochs, cfg.batch_size, cfg.beta, cfg.lambda_reg) == (10, 4, 0.9, 7.0)
+    lrs = [dear.lr_at(e, cfg) for e in range(cfg.epochs)]
+    assert lrs[0] == 1e-5 and lrs[1] == pytest.approx(1e-3)
+    assert lrs[2] == pytest.approx(1e-3 * (1 + math.cos(math.pi / 10)) / 2)
+    assert lrs[-1] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 8 / 10)) / 2) and lrs[-1] > 0
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))
+    xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
+    assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
+    assert dear.lr_at(0, xd) == pytest.approx(1e-3)
+    assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="text tower has only 2"):
+        DeAR(tiny_clip(text_layers=2), roles_all("mixed"), J=2)
+    with pytest.raises(ValueError, match="J must lie in 1..4"):
+        DeAR(tiny_clip(), roles_all("mixed"), J=5)
+    with pytest.raises(ValueError, match="--mask"):
+        dear.resolve(dear.Config(mask="half"))
+    with pytest.raises(ValueError, match="--shots"):
+        dear.resolve(dear.Config(shots=0))
+
+
+def test_variant_names_separate_ablations():
+    base = dear.Config(dataset="dtd")
+    assert dear.variant_name(base) == "default"
+    assert dear.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
+    assert dear.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
+    assert dear.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
+
+
+def test_epoch_batches_are_seeded_and_drop_last():
+    a, b = dear.epoch_batches(10, 4, 3), dear.epoch_batches(10, 4, 3)
+    assert a == b and len(a) == 2 and all(len(x) == 4 for x in a)
+    small = dear.epoch_batches(3, 4, 0)  # fewer items than a batch: one partial batch, nothing dropped
+    assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
+    assert dear.epoch_batches(10, 4, 4) != a
