@@ -147,7 +147,10 @@ def variant_name(c: Config) -> str:
 
 def run_dir(c: Config) -> str:
     name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
-    return os.path.join(c.out, c.protocol, c.dataset.replace(":", "_").replace("/", "_"), name)
+    dataset = c.dataset  # "folder:PATH" runs are named after the folder
+    if dataset.startswith("folder:"):
+        dataset = "folder-" + os.path.basename(os.path.normpath(dataset[len("folder:"):]))
+    return os.path.join(c.out, c.protocol, dataset, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,22 +541,23 @@ def load_roles(cfg, model, device, log):
     L, H = model.visual.transformer.layers, model.visual.transformer.heads
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
-    if path is None:
-        probe = "imagenet"
-        try:
-            data.build_dataset("imagenet", cfg.root)
-        except data.DataError:
-            probe = cfg.dataset
-        path = entropy.default_roles_path(model.name, layers, os.path.join(clip.cache_dir(), f"probe-{probe}"))
-        if not os.path.exists(path):
-            log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with entropy.py "
-                f"on the test images of {probe!r} -> {path}")
-            path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                               device=str(device))
     try:
+        if path is None:
+            probe = "imagenet"
+            try:
+                data.build_dataset("imagenet", cfg.root)
+            except data.DataError:
+                probe = cfg.dataset
+            tag = "probe-" + os.path.basename(probe.rstrip("/")).replace(":", "-")
+            path = entropy.default_roles_path(model.name, layers, os.path.join(clip.cache_dir(), tag))
+            if not os.path.exists(path):
+                log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
+                    f"entropy.py on the test images of {probe!r} -> {path}")
+                path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
+                                   device=str(device), pool="toy" if model.name == "toy" else None)
         roles = entropy.load_roles(path, model_name=model.name, num_layers=L, num_heads=H, layers=layers)
-    except (ValueError, OSError) as e:
-        raise RunError(f"roles file {path}: {e}") from e
+    except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
+        raise RunError(f"head roles: {e}") from e
     log(f"head roles: {path}")
     return roles
 

@@ -188,3 +188,132 @@ def test_epoch_batches_are_seeded_and_drop_last():
     small = dear.epoch_batches(3, 4, 0)  # fewer items than a batch: one partial batch, nothing dropped
     assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
     assert dear.epoch_batches(10, 4, 4) != a
+
+
+# ---------------------------------------------------------------------------------------------- the real CLI
+
+COLORS = [(220, 40, 40), (40, 200, 60), (40, 80, 220), (230, 210, 40), (200, 60, 200), (40, 200, 210)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny CLIP checkpoint file and a 6-class folder dataset of noisy coloured squares."""
+    import numpy as np
+    from PIL import Image
+    from conftest import tiny_state_dict
+    root = tmp_path_factory.mktemp("world")
+    ckpt = root / "tiny.pt"
+    torch.save(tiny_state_dict(text_layers=4), ckpt)
+    rng = np.random.default_rng(0)
+    for c, color in enumerate(COLORS):
+        folder = root / "colors" / f"class_{c}"
+        folder.mkdir(parents=True)
+        for i in range(20):
+            pixels = np.clip(np.array(color) + rng.normal(0, 25, (32, 32, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.png")
+    return root, str(ckpt), f"folder:{root / 'colors'}"
+
+
+def cli(world, out, *extra):
+    root, ckpt, dataset = world
+    return ["--dataset", dataset, "--root", str(root), "--backbone", ckpt, "--shots", "4", "--epochs", "2",
+            "--batch-size", "4", "--J", "3", "--workers", "0", "--out", str(out), *extra]
+
+
+def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
+    """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs, base/novel/HM written."""
+    import json
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
+    dear.main(cli(world, tmp_path / "runs"))
+    (rdir,) = (tmp_path / "runs" / "b2n").glob("*/dear-*")
+    results = json.loads((rdir / "results.json").read_text())
+    assert [(e["split"], e["n"]) for e in results["evals"]] == [("base", 18), ("novel", 18)]  # 6 test images x 3 classes
+    base, novel = (e["accuracy"] for e in results["evals"])
+    assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
+    assert sum(results["fusion_weights"].values()) == pytest.approx(1.0)
+    assert results["config"]["J"] == 3 and results["variant"] == "J-3_epochs-2"
+    assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
+    assert "epoch 2/2" in (rdir / "log.txt").read_text()
+    roles = list((tmp_path / "cache").rglob("roles.json"))
+    assert len(roles) == 1  # computed once, cached beside the checkpoint cache
+    dear.main(cli(world, tmp_path / "runs"))  # a finished run is not redone
+    assert "done already" in capsys.readouterr().out
+    # zero-shot CLIP through the same code: no training, no roles
+    dear.main(cli(world, tmp_path / "runs", "--method", "zeroshot"))
+    (zs,) = (tmp_path / "runs" / "b2n").glob("*/zeroshot-*")
+    assert "fusion_weights" not in json.loads((zs / "results.json").read_text())
+
+
+def test_resume_replays_the_interrupted_run_exactly(world, tmp_path, monkeypatch):
+    roles = tmp_path / "roles.json"
+    roles.write_text(__import__("json").dumps(fake_roles_doc(model_name=world[1])))
+    args = cli(world, tmp_path / "a", "--roles", str(roles), "--protocol", "fewshot")
+    dear.main(args)
+    (full,) = (tmp_path / "a").rglob("model.pt")
+    real_lr_at = dear.lr_at
+
+    def interrupt(epoch, cfg):  # Ctrl-C at the start of the second epoch
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real_lr_at(epoch, cfg)
+    monkeypatch.setattr(dear, "lr_at", interrupt)
+    args_b = cli(world, tmp_path / "b", "--roles", str(roles), "--protocol", "fewshot")
+    with pytest.raises(SystemExit) as stop:
+        dear.main(args_b)
+    assert stop.value.code == 130
+    (ckpt,) = (tmp_path / "b").rglob("checkpoint.pt")
+    with pytest.raises(SystemExit) as refused:  # a partial run is neither silently redone nor resumed
+        dear.main(args_b)
+    assert refused.value.code == 2
+    monkeypatch.setattr(dear, "lr_at", real_lr_at)
+    dear.main(args_b + ["--resume"])
+    (resumed,) = (tmp_path / "b").rglob("model.pt")
+    a, b = torch.load(full), torch.load(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fake_roles_doc(model_name=None):
+    """A roles file in entropy.py's format for the tiny CLIP's blocks 3-4: one head of each role."""
+    kinds = [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)]
+    heads = [{"layer": l, "head": h, "entropy": 1.0, "P": {}, "texts": [], "role": r, "attribute": a,
+              **({"concept": "animal"} if r == "specialist" else {})}
+             for l in (3, 4) for h, (r, a) in enumerate(kinds)]
+    return {"format": "dear-roles/1", "model": model_name, "checkpoint_sha256": "", "num_layers": 4, "num_heads": 4,
+            "layers": [3, 4], "probe": {}, "texts_per_head": 20, "rank": 80, "concepts": [],
+            "thresholds": {"low": 0.5, "high": 2.0}, "heads": heads}
+
+
+def test_training_lowers_the_loss(world, tmp_path):
+    root, ckpt, dataset = world
+    model = DeAR(dear.clip.load(ckpt)[0], roles_all("mixed"), J=3)
+    ds = dear.data.build_dataset(dataset, root, shots=4, seed=1)
+    cfg = dear.resolve(dear.Config(epochs=2, batch_size=4, workers=0, lr=5e-3, lambda_reg=0.1))
+
+    def train_loss():
+        images = torch.stack([dear.data.test_transform(32)(__import__("PIL").Image.open(p).convert("RGB"))
+                              for p, _, _ in ds.train])
+        labels = torch.tensor([y for _, y, _ in ds.train])
+        with torch.no_grad():
+            out = model(images, with_frozen=True)
+            return dear.dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)[0].item()
+    model.set_classes(ds.classnames, ds.template)
+    before = train_loss()
+    dear.train(model, ds, cfg, torch.device("cpu"), str(tmp_path), log=lambda m: None)
+    assert train_loss() < before - 0.05
+
+
+def test_bad_roles_file_and_device_stop_with_a_message(world, tmp_path, capsys):
+    bad = tmp_path / "roles.json"
+    doc = fake_roles_doc(model_name=world[1])
+    doc["num_heads"] = 12
+    bad.write_text(__import__("json").dumps(doc))
+    with pytest.raises(SystemExit) as stop:
+        dear.main(cli(world, tmp_path / "r", "--roles", str(bad)))
+    assert stop.value.code == 2 and "num_heads" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            dear.main(cli(world, tmp_path / "r", "--device", "cuda", "--force"))
+        assert "CUDA is not available" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dear.main(cli(world, tmp_path / "r", "--dataset", "eurosatt", "--force"))
+    assert "eurosat" in capsys.readouterr().err

@@ -1,0 +1,603 @@
+"""The CoOp benchmark datasets, read from the folders researchers already have.
+
+Point --root at the folder that holds the datasets in the layout of CoOp's DATASETS.md
+(imagenet/, caltech-101/, oxford_pets/, eurosat/, ...). Each dataset is a list of items
+(path, label, classname) per split, read from the published split files:
+
+    split_zhou_<Name>.json = {"train": [[relative path, label, classname], ...], "val": [...], "test": [...]}
+
+Few-shot subsets are the ones CoOp/Dassl draw for the same seed (see `fewshot_sample`), cached as
+portable JSON in <dataset folder>/split_fewshot/shot_{K}-seed_{S}.json. Base/novel classes follow
+CoOp's `subsample_classes`. Transforms are Dassl's / CLIP's. `python data.py --help` shows the CLI.
+"""
+import argparse
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+CHECK_LIMIT = 1000          # paths per split checked up front; the rest fail clearly when loaded
+CUSTOM_SPLIT_SEED = 1       # folder:PATH datasets are split once, with this seed, and the split is kept
+FEWSHOT_FORMAT = "dear-fewshot/1"
+IMAGENET_FORMAT = "dear-imagenet/1"
+COOP_GUIDE = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
+
+
+class DataError(Exception):
+    """Bad data on disk or bad arguments; the message says what is wrong and how to fix it."""
+
+
+# ----------------------------------------------------------------------------- the dataset table
+
+CALTECH_RENAMES = {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard", "Motorbikes": "motorbike"}
+EUROSAT_RENAMES = {  # folder -> name CoOp uses (the published split JSON already stores these)
+    "AnnualCrop": "Annual Crop Land", "Forest": "Forest", "HerbaceousVegetation": "Herbaceous Vegetation Land",
+    "Highway": "Highway or Road", "Industrial": "Industrial Buildings", "Pasture": "Pasture Land",
+    "PermanentCrop": "Permanent Crop Land", "Residential": "Residential Buildings", "River": "River",
+    "SeaLake": "Sea or Lake"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Where one dataset sits under --root and how to read it."""
+    name: str             # CLI name
+    coop_name: str        # CoOp's DATASET.NAME
+    folder: str           # dataset folder under --root
+    images: str           # split paths are relative to <folder>/<images> ("" = the folder itself)
+    split: str            # split file name ("" for readers with their own files)
+    template: str         # the hand-written prompt template, one '{}'
+    reader: str = "json"  # json | fgvc | imagenet | variant | v2 | toyworld | folder
+    drive: str = ""       # Google Drive id of the split JSON (CoOp DATASETS.md)
+    renames: dict = dataclasses.field(default_factory=dict)  # class-name clean-up applied after reading
+    test_only: bool = False
+
+    def layout(self):
+        """The expected files, for error messages."""
+        f = self.folder
+        if self.reader == "fgvc":
+            return f"{f}/images/*.jpg, {f}/variants.txt, {f}/images_variant_{{train,val,test}}.txt"
+        if self.reader == "imagenet":
+            return f"{f}/images/train/<wnid>/*.JPEG, {f}/images/val/<wnid>/*.JPEG, {f}/classnames.txt"
+        if self.reader == "v2":
+            return f"{f}/{self.images}/{{0..999}}/*.jpeg, {f}/classnames.txt (copied from imagenet/)"
+        if self.reader == "variant":
+            return f"{f}/{self.images}/<wnid>/*, {f}/classnames.txt (copied from imagenet/)"
+        if self.reader == "folder":
+            return f"{f}/<class name>/<image files>"
+        images = f"{f}/{self.images}/..." if self.images else f"{f}/cars_train/..., {f}/cars_test/..."
+        return f"{images} images, {f}/{self.split}"
+
+
+PHOTO = "a photo of a {}."
+SPECS = [
+    Spec("imagenet", "ImageNet", "imagenet", "images", "", PHOTO, reader="imagenet"),
+    Spec("caltech101", "Caltech101", "caltech-101", "101_ObjectCategories", "split_zhou_Caltech101.json", PHOTO,
+         drive="1hyarUivQE36mY6jSomru6Fjd-JzwcCzN", renames=CALTECH_RENAMES),
+    Spec("oxford_pets", "OxfordPets", "oxford_pets", "images", "split_zhou_OxfordPets.json",
+         "a photo of a {}, a type of pet.", drive="1501r8Ber4nNKvmlFVQZ8SeUHTcdTTEqs"),
+    Spec("stanford_cars", "StanfordCars", "stanford_cars", "", "split_zhou_StanfordCars.json", PHOTO,
+         drive="1ObCFbaAgVu0I-k_Au-gIUcefirdAuizT"),
+    Spec("oxford_flowers", "OxfordFlowers", "oxford_flowers", "jpg", "split_zhou_OxfordFlowers.json",
+         "a photo of a {}, a type of flower.", drive="1Pp0sRXzZFZq15zVOzKjKBu4A9i01nozT"),
+    Spec("food101", "Food101", "food-101", "images", "split_zhou_Food101.json", "a photo of {}, a type of food.",
+         drive="1QK0tGi096I0Ba6kggatX1ee6dJFIcEJl"),
+    Spec("fgvc_aircraft", "FGVCAircraft", "fgvc_aircraft", "images", "", "a photo of a {}, a type of aircraft.",
+         reader="fgvc"),
+    Spec("sun397", "SUN397", "sun397", "SUN397", "split_zhou_SUN397.json", PHOTO,
+         drive="1y2RD81BYuiyvebdN-JymPfyWYcd8_MUq"),
+    Spec("dtd", "DescribableTextures", "dtd", "images", "split_zhou_DescribableTextures.json", "{} texture.",
+         drive="1u3_QfB467jqHgNXC00UIzbLZRQCg2S7x"),
+    Spec("eurosat", "EuroSAT", "eurosat", "2750", "split_zhou_EuroSAT.json", "a centered satellite photo of {}.",
+         drive="1Ip7yaCWFi0eaOFUGga0lUdVi_DDQth1o", renames=EUROSAT_RENAMES),
+    Spec("ucf101", "UCF101", "ucf101", "UCF-101-midframes", "split_zhou_UCF101.json",
+         "a photo of a person doing {}.", drive="1I0S0q91hJfsV9Gf4xDIjgDq4AqBNJb1y"),
+    Spec("imagenetv2", "ImageNetV2", "imagenetv2", "imagenetv2-matched-frequency-format-val", "", PHOTO,
+         reader="v2", test_only=True),
+    Spec("imagenet_sketch", "ImageNetSketch", "imagenet-sketch", "images", "", PHOTO, reader="variant",
+         test_only=True),
+    Spec("imagenet_a", "ImageNetA", "imagenet-adversarial", "imagenet-a", "", PHOTO, reader="variant",
+         test_only=True),
+    Spec("imagenet_r", "ImageNetR", "imagenet-rendition", "imagenet-r", "", PHOTO, reader="variant",
+         test_only=True),
+    Spec("toyworld", "ToyWorld", "toyworld", "images", "split_zhou_ToyWorld.json", PHOTO, reader="toyworld"),
+]
+DATASETS = {s.name: s for s in SPECS}
+B2N_DATASETS = ("imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+                "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101")
+DG_TARGETS = ("imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+CLASSNAMES_DRIVE = "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"  # imagenet/classnames.txt (CLIP's names)
+
+
+@dataclasses.dataclass
+class Dataset:
+    """One dataset: items are (path, label, classname); classnames[label] is the name put in the template."""
+    name: str
+    train: list
+    val: list
+    test: list
+    classnames: list
+    template: str
+    folder: str = ""
+
+    @property
+    def num_classes(self):
+        return len(self.classnames)
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def write_json_atomic(path, obj, indent=None):
+    """Write JSON to a temporary file beside `path`, then rename, so a reader never sees half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=indent)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_json(path):
+    """A parsed JSON file, or None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def fingerprint(obj):
+    """SHA256 of an object's canonical JSON: ties a cache to the exact lists it was made from."""
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def progress(i, n, t0, what):
+    """One self-overwriting progress line with an ETA (stderr)."""
+    elapsed = time.time() - t0
+    eta = elapsed / max(i, 1) * (n - i)
+    end = "\n" if i == n else ""
+    print(f"\r{what}: {i}/{n}  {elapsed:.0f}s elapsed, ETA {eta:.0f}s", end=end, file=sys.stderr, flush=True)
+
+
+def list_images(folder):
+    """Image file names in a folder, sorted (so the order is the same on every machine)."""
+    return sorted(f for f in os.listdir(folder) if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS))
+
+
+def list_dirs(folder):
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+
+
+def need(path, what, spec, hint=""):
+    """Stop with one clear message when a file or folder the reader needs is missing."""
+    if not os.path.exists(path):
+        raise DataError(f"{what} not found: {path}\nExpected layout under --root: {spec.layout()}\n"
+                        f"{hint or 'See ' + COOP_GUIDE}")
+
+
+def download_hint(spec, root):
+    hint = f"Get it with: python data.py download {spec.name} --root {root}"
+    if spec.drive:
+        hint += (f"\nor fetch it by hand from https://drive.google.com/file/d/{spec.drive}/view"
+                 f" and save it as {os.path.join(root, spec.folder, spec.split)}")
+    return hint
+
+
+# ----------------------------------------------------------------------------- readers
+# Each reader returns (image_dir, {"train": [...], "val": [...], "test": [...]}) with items
+# (relative path, label, raw classname); build_dataset joins the paths and cleans the names.
+
+def read_split_json(path):
+    """A CoOp split file: {"train"/"val"/"test": [[relative path, label, classname], ...]}."""
+    data = read_json(path)
+    if data is None:
+        raise DataError(f"split file {path} is not valid JSON (a cut-off download, or an HTML page saved in its "
+                        f"place?); download it again (see {COOP_GUIDE})")
+    out = {}
+    try:
+        for key in ("train", "val", "test"):
+            out[key] = [(str(p), int(y), str(c)) for p, y, c in data[key]]
+    except (TypeError, KeyError, ValueError) as e:
+        raise DataError(f"malformed split file {path} ({type(e).__name__}: {e}); expected a JSON object with "
+                        f"'train', 'val', 'test' lists of [relative path, label, classname]. "
+                        f"Re-download it (see {COOP_GUIDE}).") from None
+    return out
+
+
+def read_json_dataset(spec, folder, root):
+    need(folder, f"{spec.coop_name} folder", spec)
+    path = os.path.join(folder, spec.split)
+    need(path, f"{spec.coop_name} split file", spec, download_hint(spec, root))
+    return os.path.join(folder, spec.images), read_split_json(path)
+
+
+def read_fgvc(spec, folder, root):
+    """FGVCAircraft: label = line index in variants.txt; images_variant_<split>.txt lines are '<id> <variant>'."""
+    need(folder, "FGVCAircraft folder", spec)
+    need(os.path.join(folder, "variants.txt"), "FGVCAircraft variants.txt", spec)
+    with open(os.path.join(folder, "variants.txt")) as f:
+        variants = [line.strip() for line in f if line.strip()]
+    label_of = {v: i for i, v in enumerate(variants)}
+    split = {}
+    for key in ("train", "val", "test"):
+        path = os.path.join(folder, f"images_variant_{key}.txt")
+        need(path, "FGVCAircraft split file", spec)
+        split[key] = []
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                image_id, variant = line.strip().split(" ", 1)
+                if variant not in label_of:
+                    raise DataError(f"{path}: variant '{variant}' is not in variants.txt; the files come from "
+                                    f"different releases (use fgvc-aircraft-2013b/data for both).")
+                split[key].append((image_id + ".jpg", label_of[variant], variant))
+    return os.path.join(folder, "images"), split
+
+
+def read_classnames(path, spec):
+    """classnames.txt: '<wnid> <class name with spaces>' per line, in sorted-wnid order."""
+    need(path, "classnames.txt", spec, f"Download it from https://drive.google.com/file/d/{CLASSNAMES_DRIVE}/view "
+                                       f"(CoOp DATASETS.md) and save it as {path}")
+    names = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                wnid, _, name = line.strip().partition(" ")
+                names[wnid] = name
+    return names
+
+
+def list_wnid_folders(image_dir, names, spec, prefix="", what=""):
+    """Items of every sorted class folder, label = index in that order (CoOp's rule); files sorted by name.
+    Paths are prefix + '<wnid>/<file>'; `what` turns on a progress line."""
+    items, folders, t0 = [], list_dirs(image_dir), time.time()
+    for label, wnid in enumerate(folders):
+        if wnid not in names:
+            raise DataError(f"folder {os.path.join(image_dir, wnid)} has no entry in classnames.txt; "
+                            f"expected layout: {spec.layout()}")
+        items += [(f"{prefix}{wnid}/{im}", label, names[wnid]) for im in list_images(os.path.join(image_dir, wnid))]
+        if what and ((label + 1) % 50 == 0 or label + 1 == len(folders)):
+            progress(label + 1, len(folders), t0, what)
+    return items
+
+
+def read_imagenet(spec, folder, root):
+    """ImageNet: labels by sorted wnid folder; the official val set is the test (and val) set.
+
+    The file list is cached in preprocessed.json (relative paths). Unlike Dassl (os.listdir order),
+    files are sorted by name within each class folder, so few-shot subsets are the same on every machine."""
+    need(folder, "ImageNet folder", spec)
+    names_path = os.path.join(folder, "classnames.txt")
+    names = read_classnames(names_path, spec)
+    with open(names_path, "rb") as f:
+        names_sha = hashlib.sha256(f.read()).hexdigest()
+    image_dir, cache_path = os.path.join(folder, "images"), os.path.join(folder, "preprocessed.json")
+    cache = read_json(cache_path)
+    if not (isinstance(cache, dict) and cache.get("format") == IMAGENET_FORMAT
+            and cache.get("classnames_sha256") == names_sha):
+        cache = {"format": IMAGENET_FORMAT, "classnames_sha256": names_sha}
+        for key in ("train", "val"):
+            need(os.path.join(image_dir, key), f"ImageNet {key} folder", spec)
+            cache[key] = list_wnid_folders(os.path.join(image_dir, key), names, spec, prefix=f"{key}/",
+                                           what=f"listing ImageNet {key}")
+        write_json_atomic(cache_path, cache)
+    test = [tuple(x) for x in cache["val"]]
+    return image_dir, {"train": [tuple(x) for x in cache["train"]], "val": test, "test": test}
+
+
+def read_variant(spec, folder, root):
+    """ImageNet-Sketch/-A/-R: sorted wnid folders (A and R hold 200 of the 1000), names from classnames.txt."""
+    need(folder, f"{spec.coop_name} folder", spec)
+    names = read_classnames(os.path.join(folder, "classnames.txt"), spec)
+    image_dir = os.path.join(folder, spec.images)
+    need(image_dir, f"{spec.coop_name} image folder", spec)
+    return image_dir, {"train": [], "val": [], "test": list_wnid_folders(image_dir, names, spec)}
+
+
+def read_v2(spec, folder, root):
+    """ImageNetV2: folder k holds class k, the k-th line of classnames.txt."""
+    need(folder, "ImageNetV2 folder", spec)
+    wnids = list(read_classnames(os.path.join(folder, "classnames.txt"), spec).items())
+    image_dir = os.path.join(folder, spec.images)
+    need(image_dir, "ImageNetV2 image folder", spec)
+    test = []
+    for k in sorted((int(d) for d in list_dirs(image_dir) if d.isdigit())):
+        if k >= len(wnids):
+            raise DataError(f"{image_dir}/{k} has no line {k} in classnames.txt; expected layout: {spec.layout()}")
+        test += [(f"{k}/{im}", k, wnids[k][1]) for im in list_images(os.path.join(image_dir, str(k)))]
+    return image_dir, {"train": [], "val": [], "test": test}
+
+
+def read_folder(spec, folder, root):
+    """folder:PATH: one sub-folder per class; split 50/20/30 per class once, kept in PATH/split_folder.json."""
+    if not os.path.isdir(folder):
+        raise DataError(f"folder dataset not found: {folder}\nExpected layout: {spec.layout()}")
+    path = os.path.join(folder, spec.split)
+    if os.path.exists(path):
+        return folder, read_split_json(path)
+    classes = [c for c in list_dirs(folder) if c != "split_fewshot"]
+    rng, split = random.Random(CUSTOM_SPLIT_SEED), {"train": [], "val": [], "test": []}
+    for label, c in enumerate(classes):
+        images = [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
+        if not images:
+            raise DataError(f"class folder {os.path.join(folder, c)} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        rng.shuffle(images)
+        n_train = max(1, round(0.5 * len(images)))
+        n_val = min(round(0.2 * len(images)), len(images) - n_train)
+        for key, part in (("train", images[:n_train]), ("val", images[n_train:n_train + n_val]),
+                          ("test", images[n_train + n_val:])):
+            split[key] += [(p, label, c) for p in part]
+    if not classes:
+        raise DataError(f"{folder} has no class sub-folders.\nExpected layout: {spec.layout()}")
+    try:
+        write_json_atomic(path, split, indent=4)
+    except OSError as e:
+        raise DataError(f"cannot write the split file {path} ({e}); make the folder writable once") from None
+    print(f"wrote the {len(classes)}-class split of {folder} to {path}", file=sys.stderr)
+    return folder, split
+
+
+READERS = {"json": read_json_dataset, "toyworld": read_json_dataset, "fgvc": read_fgvc, "imagenet": read_imagenet,
+           "variant": read_variant, "v2": read_v2, "folder": read_folder}
+
+
+# ----------------------------------------------------------------------------- few-shot and base/novel
+
+def fewshot_sample(items, k, rng):
+    """Dassl's generate_fewshot_dataset: group by label in first-appearance order, then per class
+    rng.sample(group, k); a class with fewer than k items keeps all of them (no rng call)."""
+    groups = {}
+    for item in items:
+        groups.setdefault(item[1], []).append(item)
+    out = []
+    for group in groups.values():
+        out += rng.sample(group, k) if len(group) >= k else group
+    return out
+
+
+def fewshot_split(folder, split, shots, seed, sample_val=True):
+    """(train, val) with `shots` per class (val: min(shots, 4)), the same subsets as CoOp for this seed.
+
+    CoOp seeds Python's random with the seed, then samples train and val in that order from one stream;
+    random.Random(seed) is that stream without touching the global one. The result is cached as JSON
+    (relative paths) and reused only when it was made from exactly these split lists."""
+    source = {"train": split["train"], "val": split["val"] if sample_val else []}
+    sha = fingerprint(source)
+    path = os.path.join(folder, "split_fewshot", f"shot_{shots}-seed_{seed}.json")
+    cache = read_json(path)
+    if isinstance(cache, dict) and cache.get("format") == FEWSHOT_FORMAT and cache.get("split_sha256") == sha:
+        train = [tuple(x) for x in cache["train"]]
+        return train, ([tuple(x) for x in cache["val"]] if sample_val else split["val"])
+    rng = random.Random(seed)
+    train = fewshot_sample(split["train"], shots, rng)
+    val = fewshot_sample(split["val"], min(shots, 4), rng) if sample_val else split["val"]
+    cache = {"format": FEWSHOT_FORMAT, "shots": shots, "seed": seed, "split_sha256": sha,
+             "train": train, "val": val if sample_val else []}
+    try:
+        write_json_atomic(path, cache)
+    except OSError as e:  # a read-only dataset folder: sampling is cheap, so go on without the cache
+        print(f"note: could not cache the few-shot subset at {path} ({e})", file=sys.stderr)
+    return train, val
+
+
+def subsample_classes(train, val, test, subsample="all"):
+    """CoOp's base/novel split: sorted labels of `train` (of `test` for test-only sets), the first
+    ceil(n/2) are base, the rest novel; the chosen labels are renumbered from 0 in every split."""
+    if subsample == "all":
+        return train, val, test
+    labels = sorted({y for _, y, _ in (train or test)})
+    m = math.ceil(len(labels) / 2)
+    selected = labels[:m] if subsample == "base" else labels[m:]
+    relabel = {y: i for i, y in enumerate(selected)}
+    return tuple([(p, relabel[y], c) for p, y, c in items if y in relabel] for items in (train, val, test))
+
+
+def check_files(items, what, spec):
+    """Check that a deterministic, evenly spaced sample (<= CHECK_LIMIT) of the listed images exists.
+
+    Checking all 1.3M ImageNet paths takes minutes on network disks; the unchecked rest fail with a
+    DataError naming the file when the loader reaches them."""
+    for path, _, _ in items[::max(1, len(items) // CHECK_LIMIT)]:
+        if not os.path.isfile(path):
+            raise DataError(f"image listed in the {what} split is missing on disk: {path}\n"
+                            f"Expected layout under --root: {spec.layout()} (an incomplete download or "
+                            f"extraction? re-extract the images, see {COOP_GUIDE})")
+
+
+def suggest(name):
+    """An unknown-name message with the closest known names."""
+    aliases = {s.coop_name.lower(): s.name for s in SPECS}
+    aliases.update({s.folder.lower(): s.name for s in SPECS})
+    key = name.lower().replace("-", "_")
+    if key in aliases or key in DATASETS:
+        close = [aliases.get(key, key)]
+    else:
+        close = [aliases.get(c, c) for c in difflib.get_close_matches(key, list(DATASETS) + list(aliases), n=3)]
+    hint = f" Did you mean: {', '.join(dict.fromkeys(close))}?" if close else ""
+    return (f"unknown dataset '{name}'.{hint} Known: {', '.join(DATASETS)}, or folder:PATH for a folder "
+            f"with one sub-folder per class.")
+
+
+# ----------------------------------------------------------------------------- build_dataset
+
+def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
+    """Read one dataset: its splits (few-shot when shots >= 1), class names and template.
+
+    name: a key of DATASETS or "folder:PATH"; root: the folder holding the CoOp datasets;
+    subsample: "all", "base" or "novel" ("new" is accepted, as in CoOp); shots=-1 keeps every image.
+    Test-only sets (the ImageNet variants) have empty train/val and ignore shots."""
+    subsample = {"new": "novel"}.get(subsample, subsample)
+    if subsample not in ("all", "base", "novel"):
+        raise DataError(f"subsample must be 'all', 'base' or 'novel', not {subsample!r}")
+    if not isinstance(shots, int) or (shots < 1 and shots != -1):
+        raise DataError(f"shots must be a positive number of images per class, or -1 for all; got {shots!r}")
+    if name.startswith("folder:"):
+        folder = os.path.abspath(os.path.expanduser(name[len("folder:"):]))
+        spec = Spec(name, "folder", folder, "", "split_folder.json", PHOTO, reader="folder")
+    elif name in DATASETS:
+        spec, root = DATASETS[name], os.path.abspath(os.path.expanduser(str(root)))
+        folder = os.path.join(root, spec.folder)
+        if spec.reader == "toyworld":  # generated on first use by toyworld.py, then read like any CoOp dataset
+            toyworld = importlib.import_module("toyworld")
+            try:
+                folder = toyworld.ensure_dataset(root)
+            except getattr(toyworld, "ToyWorldError", ()) as e:  # one error type for the callers
+                raise DataError(str(e)) from None
+            spec = dataclasses.replace(spec, template=getattr(toyworld, "TEMPLATE", spec.template))
+        elif not os.path.isdir(root):
+            raise DataError(f"data root not found: {root}\nPass --root DATA, the folder that holds the CoOp "
+                            f"datasets; {name} is expected as DATA/{spec.layout()} (see {COOP_GUIDE})")
+    else:
+        raise DataError(suggest(name))
+
+    image_dir, split = READERS[spec.reader](spec, folder, root)
+    if shots >= 1 and not spec.test_only:
+        split["train"], split["val"] = fewshot_split(folder, split, shots, seed, sample_val=spec.reader != "imagenet")
+
+    def finish(items):  # absolute paths; clean names (CoOp's renames, '_' -> ' ')
+        return [(os.path.join(image_dir, p), y, spec.renames.get(c, c).replace("_", " ")) for p, y, c in items]
+
+    train, val, test = subsample_classes(*(finish(split[k]) for k in ("train", "val", "test")), subsample)
+    for what, items in (("train", train), ("val", val), ("test", test)):
+        check_files(items, what, spec)
+    names = {}
+    for _, y, c in train + val + test:
+        names.setdefault(y, c)
+    if not names:
+        raise DataError(f"{folder} lists no images; expected layout: {spec.layout()}")
+    missing = [y for y in range(max(names) + 1) if y not in names]
+    if missing:
+        raise DataError(f"labels {missing[:5]} have no items in {folder}; the split file is inconsistent")
+    classnames = [names[y] for y in range(len(names))]
+    return Dataset(name, train, val, test, classnames, spec.template, folder)
+
+
+# ----------------------------------------------------------------------------- transforms and loaders
+
+def to_rgb(image):
+    return image.convert("RGB")
+
+
+def train_transform(size=224):
+    """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(0.5, 1), bicubic) + flip."""
+    return T.Compose([T.Lambda(to_rgb),
+                      T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+                      T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
+
+
+def test_transform(size=224):
+    """CLIP's preprocess: resize the shorter side to `size` (bicubic), center crop, normalise."""
+    return T.Compose([T.Lambda(to_rgb), T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),
+                      T.CenterCrop(size), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
+
+
+class ImageList(torch.utils.data.Dataset):
+    """Items (path, label, ...) + transform -> (image tensor [3, size, size], label)."""
+
+    def __init__(self, items, transform=None):
+        self.items, self.transform = list(items), transform
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, label = self.items[i][0], self.items[i][1]
+        try:
+            with Image.open(path) as im:
+                image = im.convert("RGB")  # decodes now, so a truncated file fails here, not later
+        except FileNotFoundError:
+            raise DataError(f"image listed in the split is missing on disk: {path}; re-extract the dataset") from None
+        except (OSError, SyntaxError, ValueError) as e:
+            raise DataError(f"cannot read image {path} ({e}); the file is corrupt or not an image: "
+                            f"re-download it or replace it") from None
+        return (self.transform(image) if self.transform else image), label
+
+
+def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None, drop_last=None):
+    """A DataLoader over ImageList(items, transform).
+
+    seed fixes the shuffling order (and the workers' augmentation seeds) through a private generator;
+    with num_workers=0 augmentation draws from torch's global RNG, which the training script seeds.
+    drop_last defaults to Dassl's train rule: drop the last partial batch when shuffling a set that
+    holds at least one full batch."""
+    dataset = ImageList(items, transform)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if drop_last is None:
+        drop_last = bool(shuffle) and len(dataset) >= batch_size
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                                       generator=generator, drop_last=drop_last,
+                                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def summary(ds, shots, seed, subsample):
+    counts = f"train {len(ds.train)} | val {len(ds.val)} | test {len(ds.test)}"
+    lines = [f"{ds.name}: {ds.folder}",
+             f"classes: {ds.num_classes}" + (f" ({subsample})" if subsample != "all" else "")
+             + (f", base {math.ceil(ds.num_classes / 2)} / novel {ds.num_classes // 2}" if subsample == "all" else ""),
+             counts + (f"   ({shots} shots, seed {seed})" if shots >= 1 else ""),
+             f"template: {ds.template}",
+             f"first classes: {', '.join(ds.classnames[:5])}",
+             f"example prompt: {ds.template.format(ds.classnames[0])}"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    names = "\n".join(f"  {s.name:<16} {s.coop_name:<20} DATA/{s.folder}" for s in SPECS)
+    parser = argparse.ArgumentParser(
+        description="CoOp benchmark datasets for DeAR: check a dataset on disk or download it.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"datasets (name, CoOp name, folder):\n{names}\n  folder:PATH      any folder with one sub-folder "
+               f"per class\n\nexamples:\n  python data.py check eurosat --root DATA --shots 16 --subsample base\n"
+               f"  python data.py download eurosat --root DATA\nlayout: {COOP_GUIDE}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="read a dataset and print a summary (classes, split sizes, template)")
+    check.add_argument("name", help="dataset name (see `python data.py --help`) or folder:PATH")
+    check.add_argument("--root", default="data", help="folder holding the datasets (default: data)")
+    check.add_argument("--shots", type=int, default=-1, help="images per class (-1: all)")
+    check.add_argument("--seed", type=int, default=1)
+    check.add_argument("--subsample", default="all", choices=["all", "base", "novel", "new"])
+    down = sub.add_parser("download", help="download a dataset (and its split file) into --root")
+    down.add_argument("name", help="dataset name")
+    down.add_argument("--root", default="data", help="folder holding the datasets (default: data)")
+    down.add_argument("--mirror", help="base URL of a mirror holding the archives under their original file names")
+    down.add_argument("--gdrive-url", help="replacement for Google Drive's download endpoint")
+    args = parser.parse_args(argv)
+
+    import download  # the helper module that fetches and unpacks archives
+    try:
+        if args.command == "check":
+            ds = build_dataset(args.name, args.root, args.shots, args.seed, args.subsample)
+            print(summary(ds, args.shots, args.seed, args.subsample))
+        else:
+            if args.name not in DATASETS:
+                raise DataError(suggest(args.name))
+            download.download_dataset(DATASETS[args.name], args.root, mirror=args.mirror,
+                                      gdrive_url=args.gdrive_url)
+    except (DataError, download.DownloadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
