@@ -75,11 +75,13 @@ class Config:
     method: str = "dear"              # dear | zeroshot
     shots: int = 16
     seed: int = 1
-    backbone: str = "ViT-B/16"        # a clip.available_models() name or a checkpoint path
+    backbone: str = None              # a clip.available_models() name or a checkpoint path; None = ViT-B/16
+                                      # ("toy", the tiny CLIP of toyworld.py, for --dataset toyworld)
     targets: str = ""                 # xd: comma-separated target datasets ("" = the 4 variants + 10 datasets)
     out: str = "runs"
     # the method (paper names)
-    J: int = 9                        # tokens enter block J (1-based) and live in blocks J..L
+    J: int = None                     # tokens enter block J (1-based) and live in blocks J..L;
+                                      # None = default_J(L): 9 of 12 blocks (ViT-B), 3 of 4 (toy), 18 of 24
     beta: float = None                # token mixing; None = the DATASET_DEFAULTS table
     lambda_reg: float = None          # self-regularisation weight; None = the table
     lambda_fusion: float = 1.0        # weight of -log alpha_cls
@@ -109,6 +111,8 @@ class Config:
 def resolve(cfg: Config) -> Config:
     """Fill every None with its default from the tables above; check values. Returns a new Config."""
     c = dataclasses.replace(cfg)
+    if c.backbone is None:
+        c.backbone = "toy" if c.dataset == "toyworld" else "ViT-B/16"
     beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
     c.beta = beta if c.beta is None else c.beta
     c.lambda_reg = lam if c.lambda_reg is None else c.lambda_reg
@@ -119,7 +123,8 @@ def resolve(cfg: Config) -> Config:
     c.epochs = epochs if c.epochs is None else c.epochs
     c.batch_size = batch if c.batch_size is None else c.batch_size
     c.warmup_epochs = warmup if c.warmup_epochs is None else c.warmup_epochs
-    checks = [(c.method in ("dear", "zeroshot"), f"unknown --method {c.method!r}; choose dear or zeroshot"),
+    checks = [(c.J is None or c.J >= 1, f"--J counts blocks from 1, got {c.J}"),
+              (c.method in ("dear", "zeroshot"), f"unknown --method {c.method!r}; choose dear or zeroshot"),
               (c.mask in ("role", "generalization-only", "none"),
                f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
               (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
@@ -137,12 +142,20 @@ def variant_name(c: Config) -> str:
     """A short name for the non-default method flags, so each ablation gets its own run folder."""
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
-             if f.name in ("J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
+             if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                            "attr_tokens", "novel_logits", "epochs", "batch_size", "lr")
              and getattr(c, f.name) != getattr(base, f.name)]
+    if c.backbone != base.backbone and c.backbone not in clip.available_models():  # a checkpoint file
+        parts[0] = "backbone-" + os.path.splitext(os.path.basename(c.backbone))[0]
+    parts = [p.replace("/", "-") for p in parts]
     if c.roles:
         parts.append("roles-" + os.path.splitext(os.path.basename(c.roles))[0])
     return "_".join(parts) or "default"
+
+
+def default_J(num_layers: int) -> int:
+    """J when none is given: the last quarter of the blocks carry tokens (J = 9 of 12, the paper's value)."""
+    return num_layers - num_layers // 4
 
 
 def run_dir(c: Config) -> str:
@@ -598,6 +611,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         cfg = resolve(cfg)
     except ValueError as e:
         raise RunError(str(e)) from e
+    variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
     rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{cfg.dataset}") if cfg.eval_only else run_dir(cfg)
     results_path = os.path.join(rdir, "results.json")
     if os.path.exists(results_path) and not cfg.force:
@@ -625,6 +639,8 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         train_ds, evals = build_eval_sets(cfg)
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
         clip_model, _ = clip.load(cfg.backbone, device=device)
+        if cfg.J is None:
+            cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
         roles = load_roles(cfg, clip_model, device, log) if use_tokens and cfg.mask != "none" else None
         try:
@@ -644,7 +660,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             atomic_save(model.trainable_state(), os.path.join(rdir, "model.pt"))
         train_s, t1 = time.time() - t0, time.time()
         results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
-                   "shots": cfg.shots, "seed": cfg.seed, "variant": variant_name(cfg), "config": dataclasses.asdict(cfg),
+                   "shots": cfg.shots, "seed": cfg.seed, "variant": variant, "config": dataclasses.asdict(cfg),
                    "evals": []}
         for ds, split, rule in evals:
             r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
@@ -681,11 +697,13 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--method", default=d.method, choices=["dear", "zeroshot"], help="zeroshot: frozen CLIP, same code")
     g.add_argument("--shots", type=int, default=d.shots, help="training images per class")
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--backbone", default=d.backbone, help="CLIP model name (" + ", ".join(clip.available_models()) + ") or checkpoint path")
+    g.add_argument("--backbone", default=None, help="CLIP model name (" + ", ".join(clip.available_models()) +
+                   ") or checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
     g.add_argument("--targets", default=d.targets, help="xd: comma-separated targets (default: 4 ImageNet variants + 10 datasets)")
     g.add_argument("--out", default=d.out, help="output root; each run gets its own folder below it")
     g = p.add_argument_group("the method")
-    g.add_argument("--J", type=int, default=d.J, help="attribute tokens enter block J (1-based) and stay to the last block")
+    g.add_argument("--J", type=int, default=None, help="attribute tokens enter block J (1-based) and stay to the last "
+                   "block (default: 9 for 12-block backbones; the last quarter of the blocks in general)")
     g.add_argument("--beta", type=float, default=None, help="token mixing beta (default: per-dataset table)")
     g.add_argument("--lambda-reg", type=float, default=None, help="self-regularisation weight (default: per-dataset table)")
     g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion, help="weight of -log alpha_cls")

@@ -180,6 +180,9 @@ def test_variant_names_separate_ablations():
     assert dear.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
     assert dear.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
     assert dear.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
+    assert dear.variant_name(dear.Config(dataset="dtd", backbone="ViT-L/14")) == "backbone-ViT-L-14"
+    assert dear.variant_name(dear.Config(dataset="toyworld", backbone="toy")) == "default"
+    assert [dear.default_J(n) for n in (12, 4, 24)] == [9, 3, 18]
 
 
 def test_epoch_batches_are_seeded_and_drop_last():
@@ -231,7 +234,7 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
     assert sum(results["fusion_weights"].values()) == pytest.approx(1.0)
-    assert results["config"]["J"] == 3 and results["variant"] == "J-3_epochs-2"
+    assert results["config"]["J"] == 3 and results["variant"] == "backbone-tiny_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
     assert "epoch 2/2" in (rdir / "log.txt").read_text()
     roles = list((tmp_path / "cache").rglob("roles.json"))
