@@ -561,8 +561,7 @@ def load_roles(cfg, model, device, log):
                 data.build_dataset("imagenet", cfg.root)
             except data.DataError:
                 probe = cfg.dataset
-            tag = "probe-" + os.path.basename(probe.rstrip("/")).replace(":", "-")
-            path = entropy.default_roles_path(model.name, layers, os.path.join(clip.cache_dir(), tag))
+            path = entropy.default_roles_path(model.name, layers, clip.cache_dir())  # where entropy.py writes too
             if not os.path.exists(path):
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the test images of {probe!r} -> {path}")
@@ -686,47 +685,56 @@ def parse_args(argv=None) -> Config:
     d = Config()
     p = argparse.ArgumentParser(
         description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention masks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Example: python dear.py --dataset eurosat --shots 16   (base-to-novel, seed 1, ViT-B/16)")
+        epilog="Examples:\n  python dear.py --dataset toyworld                  # offline demo, tiny CLIP, minutes on a CPU\n"
+               "  python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16\n"
+               "  python dear.py --dataset imagenet --protocol xd    # ImageNet -> 4 variants + 10 datasets",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
-    g.add_argument("--dataset", default=d.dataset, help="dataset: " + ", ".join(data.DATASETS) + ", or folder:PATH")
-    g.add_argument("--root", default=os.environ.get("DATA", d.root), help="folder holding the datasets (CoOp layout); env DATA")
+    g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) + ", or folder:PATH "
+                   "(default: %(default)s)")
+    g.add_argument("--root", default=os.environ.get("DATA", d.root),
+                   help="folder holding the datasets in the CoOp layout (default: $DATA or %(default)s)")
     g.add_argument("--protocol", default=d.protocol, choices=["b2n", "fewshot", "xd"],
-                   help="b2n: train on base classes, test base and novel; fewshot: all classes; xd: train on the "
-                        "source (ImageNet) and test on --targets")
-    g.add_argument("--method", default=d.method, choices=["dear", "zeroshot"], help="zeroshot: frozen CLIP, same code")
-    g.add_argument("--shots", type=int, default=d.shots, help="training images per class")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--backbone", default=None, help="CLIP model name (" + ", ".join(clip.available_models()) +
-                   ") or checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", default=d.targets, help="xd: comma-separated targets (default: 4 ImageNet variants + 10 datasets)")
-    g.add_argument("--out", default=d.out, help="output root; each run gets its own folder below it")
-    g = p.add_argument_group("the method")
+                   help="b2n: train on the base classes, test base and novel; fewshot: all classes; xd: train on "
+                        "the source (ImageNet), test it and --targets (default: %(default)s)")
+    g.add_argument("--method", default=d.method, choices=["dear", "zeroshot"],
+                   help="zeroshot: frozen CLIP with the dataset's template, through the same code (default: %(default)s)")
+    g.add_argument("--shots", type=int, default=d.shots, help="training images per class (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the few-shot subset and the run (default: %(default)s)")
+    g.add_argument("--backbone", default=None, help="CLIP name (" + ", ".join(clip.available_models()) +
+                   ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
+    g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
+                   "(default: the 4 ImageNet variants and the other 10 datasets)")
+    g.add_argument("--out", default=d.out, help="output root; every run gets its own folder (default: %(default)s)")
+    g = p.add_argument_group("the method (the paper's names)")
     g.add_argument("--J", type=int, default=None, help="attribute tokens enter block J (1-based) and stay to the last "
-                   "block (default: 9 for 12-block backbones; the last quarter of the blocks in general)")
-    g.add_argument("--beta", type=float, default=None, help="token mixing beta (default: per-dataset table)")
+                   "block (default: 9 of 12 blocks; the last quarter of the blocks in general)")
+    g.add_argument("--beta", type=float, default=None, help="token mixing (default: per-dataset table, 0.9 otherwise)")
     g.add_argument("--lambda-reg", type=float, default=None, help="self-regularisation weight (default: per-dataset table)")
-    g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion, help="weight of -log alpha_cls")
-    g.add_argument("--alpha-cls", type=float, default=d.alpha_cls, help="initial fusion weight of the class logits")
-    g.add_argument("--rep-dim", type=int, default=d.rep_dim, help="width of the shared token matrix R")
-    g.add_argument("--mask", default=d.mask, choices=["role", "generalization-only", "none"], help="attention mask variant")
-    g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false", help="ablation: no attribute tokens")
+    g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion, help="weight of -log alpha_cls (default: %(default)s)")
+    g.add_argument("--alpha-cls", type=float, default=d.alpha_cls,
+                   help="initial fusion weight of the class logits; each attribute gets (1 - it) / 5 (default: %(default)s)")
+    g.add_argument("--rep-dim", type=int, default=d.rep_dim, help="width of the shared token matrix R (default: %(default)s)")
+    g.add_argument("--mask", default=d.mask, choices=["role", "generalization-only", "none"],
+                   help="role-based per-head mask, or an ablation variant (default: %(default)s)")
+    g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false",
+                   help="ablation: no attribute tokens at all (the model is then frozen CLIP)")
     g.add_argument("--novel-logits", default=d.novel_logits, choices=["fused", "cls"],
-                   help="logits on novel classes and target datasets (cls: MMRL's class-only rule)")
-    g.add_argument("--roles", default=None, help="roles JSON from entropy.py (default: computed once and cached)")
+                   help="logits on novel classes and target datasets; cls is MMRL's class-only rule (default: %(default)s)")
+    g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=None, help="default: 10 (b2n), 5 (b2n ImageNet), 50 (fewshot), 1 (xd)")
-    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (ImageNet, fewshot, xd)")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
-    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (b2n ImageNet, fewshot, xd)")
+    g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="(default: %(default)s)")
+    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g = p.add_argument_group("runs")
-    g.add_argument("--eval-only", action="store_true", help="evaluate the model in --load on --dataset/--protocol")
-    g.add_argument("--load", default=None, help="a finished run folder (with model.pt and config.json)")
+    g.add_argument("--eval-only", action="store_true", help="evaluate the model of --load on --dataset / --protocol")
+    g.add_argument("--load", default=None, help="a finished run folder (holding model.pt and config.json)")
     g.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
-    g.add_argument("--force", action="store_true", help="redo a finished run / restart an interrupted one")
+    g.add_argument("--force", action="store_true", help="redo a finished run, or restart an interrupted one")
     args = p.parse_args(argv)
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
 

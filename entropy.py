@@ -1,0 +1,675 @@
+"""Concept Entropy: which attention heads of CLIP's last blocks are attribute, generalization or mixed heads.
+
+DeAR's first step, offline and once per backbone. Read top to bottom:
+
+  1. Text pools: short image descriptions, each labelled with one of 12 concepts (concepts.tsv)
+  2. Head decomposition: each head's direct contribution to the image embedding (TextSpan's view of
+     the CLS output: residual stream = embeddings + heads + MLPs + biases, mapped through ln_post, proj)
+  3. TextSpan: per head, the N texts that explain most of the head's variance across images
+  4. Concept entropy of those texts, and roles by entropy thresholds
+  5. Outputs (roles.json, roles.md, roles.png), loading and validating a roles file
+  6. The pipeline (compute_roles, run) and the command line
+
+    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA --max-images 10000
+
+Blocks are counted from 1 in every file this script writes and reads (as the paper does: blocks 9-12
+of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` only. Heads count from 0.
+"""
+import argparse
+import io
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FORMAT = "dear-roles/1"
+# the 12 concepts of the text pool; the first five are DeAR's attributes, in the order of its tokens
+CONCEPTS = ("color", "shape", "texture", "object", "location",
+            "animal", "person", "scene", "text", "style", "count", "lighting")
+ATTRIBUTES = CONCEPTS[:5]
+ROLES = ("attribute", "generalization", "mixed", "specialist")
+POOL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concepts.tsv")
+
+
+class EntropyError(ValueError):
+    """Bad input (images, texts, thresholds, layers); the message says what is wrong and how to fix it."""
+
+
+class RolesError(EntropyError):
+    """A roles file that cannot be used: wrong format, other model, missing layers or heads, unknown roles."""
+
+
+def progress(what, done, total, start):
+    """One progress line on stderr, rewritten in place, with speed and ETA."""
+    elapsed = max(time.time() - start, 1e-6)
+    eta = (total - done) * elapsed / max(done, 1)
+    sys.stderr.write(f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {eta // 60:.0f}m{eta % 60:02.0f}s)   "
+                     + ("\n" if done >= total else ""))
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Text pools
+
+
+def read_pool(path):
+    """A pool file -> (texts, labels). One description per line; `concept<TAB>description` gives a label,
+    a plain line has label None (labelled later by `label_by_centroid`); lines starting with '#' are comments."""
+    if not os.path.isfile(path):
+        raise EntropyError(f"text pool {path} does not exist; give a file with one description per line")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    texts, labels, seen = [], [], {}
+    for i, line in enumerate(lines, 1):
+        if line.startswith("#"):
+            continue
+        label, _, text = line.rpartition("\t")
+        text = text.strip()
+        if not text:
+            raise EntropyError(f"{path}, line {i}: empty description; remove the line or write one")
+        if label and label not in CONCEPTS:
+            raise EntropyError(f"{path}, line {i}: unknown concept {label!r}; use one of {', '.join(CONCEPTS)}")
+        if text.lower() in seen:
+            raise EntropyError(f"{path}, line {i}: {text!r} repeats line {seen[text.lower()]}; "
+                               "every description must be unique (TextSpan would pick it twice)")
+        seen[text.lower()] = i
+        texts.append(text)
+        labels.append(label or None)
+    if not texts:
+        raise EntropyError(f"text pool {path} has no descriptions")
+    return texts, labels
+
+
+def default_pool():
+    """The built-in pool (concepts.tsv): ~1,700 descriptions over the 12 concepts."""
+    return read_pool(POOL_FILE)
+
+
+def toy_pool():
+    """Descriptions in the words of the toy world (color, shape, texture, location), for the toy CLIP.
+
+    Uses toyworld's vocabularies when toyworld.py is importable, else the same lists written here."""
+    try:
+        import toyworld
+        vocab = {"color": toyworld.COLORS, "shape": toyworld.SHAPES,
+                 "texture": toyworld.TEXTURES, "location": toyworld.LOCATIONS}
+    except ImportError:
+        vocab = {"color": ("red", "green", "blue", "yellow", "purple", "orange"),
+                 "shape": ("circle", "square", "triangle", "cross"),
+                 "texture": ("solid", "striped", "dotted"),
+                 "location": ("top left", "top right", "bottom left", "bottom right")}
+    templates = {
+        "color": ("{}", "a {} object", "something {}", "the color {}", "a {} thing", "painted {}"),
+        "shape": ("{}", "a {}", "a photo of a {}", "a {} shape", "the outline of a {}", "a small {}"),
+        "texture": ("{}", "a {} object", "something {}", "a {} pattern", "a {} thing", "a {} surface"),
+        "location": ("in the {}", "an object in the {}", "something in the {}", "the {}", "a thing in the {}",
+                     "placed in the {}"),
+    }
+    pairs = [(t.format(w), c) for c, words in vocab.items() for t in templates[c] for w in words]
+    return [text for text, _ in pairs], [concept for _, concept in pairs]
+
+
+@torch.no_grad()
+def encode_texts(model, texts, batch_size=256):
+    """Raw descriptions (no template, as TextSpan) -> L2-normalised text embeddings [T, E], fp32."""
+    import clip
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(texts), batch_size):
+        tokens = clip.tokenize(texts[i:i + batch_size], context_length=model.context_length, truncate=True)
+        tokens = tokens[:, :int(tokens.argmax(-1).max()) + 1]  # [b, T]; causal: tokens after EOT never matter
+        out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
+    return torch.cat(out)
+
+
+def label_by_centroid(embeddings, ref_embeddings, ref_labels):
+    """Label each text by its nearest concept centroid (cosine) among the labelled reference texts."""
+    names = [c for c in CONCEPTS if c in set(ref_labels)]
+    index = {c: i for i, c in enumerate(names)}
+    which = torch.tensor([index[c] for c in ref_labels])
+    centroids = torch.zeros(len(names), ref_embeddings.shape[1]).index_add_(0, which, ref_embeddings.float())
+    centroids = F.normalize(centroids, dim=-1)  # [concepts, E]
+    nearest = (F.normalize(embeddings.float(), dim=-1) @ centroids.T).argmax(-1)  # [T]
+    return [names[i] for i in nearest.tolist()]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Head decomposition (TextSpan): the CLS output of the image tower as a sum of parts
+
+
+@torch.no_grad()
+def decompose(model, images, layers):
+    """Split the image embedding (unnormalised, as encode_image) into additive parts.
+
+    The CLS entry of the residual stream after the last block is a sum: the embedding input and everything
+    added by blocks outside `layers` ("rest"), and per analysed block the H heads' outputs, the attention
+    output bias and the MLP. ln_post is linear once the per-image mean and std are fixed, so every part p
+    maps to (p - mean(p)) / std * ln_post.weight @ proj, and ln_post.bias @ proj is one more part.
+    layers: 1-based block numbers. Returns a dict of fp32 tensors that sum to encode_image(images):
+      heads [B, nL, H, E], attn_bias [B, nL, E], mlp [B, nL, E], rest [B, E], ln_bias [B, E].
+    """
+    visual = model.visual
+    blocks = visual.transformer.resblocks
+    analysed = sorted(set(int(l) - 1 for l in layers))  # paper's 1-based blocks -> 0-based indices
+    x = visual.embed(images)  # [B, 1+P, D]
+    B, _, D = x.shape
+    H = visual.heads
+    hs = D // H
+    heads, attn_bias, mlp = [], [], []
+    rest = x[:, 0].float()  # the CLS input of block 0; unanalysed blocks add their change below
+    for b, block in enumerate(blocks):
+        if b not in analysed:
+            new = block(x)
+            rest = rest + (new[:, 0] - x[:, 0]).float()
+            x = new
+            continue
+        attn = block.attn
+        y = block.ln_1(x)
+        out, weights = attn(y, need_weights=True)  # out [B, L, D], weights [B, H, L, L]
+        v = F.linear(y, attn.in_proj_weight[2 * D:], attn.in_proj_bias[2 * D:]).float()  # values [B, L, D]
+        v = v.view(B, -1, H, hs)  # [B, L, H, hs]
+        mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)  # CLS row of each head [B, H, hs]
+        # out_proj.weight is [D, D] with input columns grouped by head: head h owns columns h*hs..(h+1)*hs-1
+        w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
+        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o))  # [B, H, D]
+        attn_bias.append(attn.out_proj.bias.float().expand(B, D))
+        x = x + out
+        m = block.mlp(block.ln_2(x))
+        mlp.append(m[:, 0].float())
+        x = x + m
+    ln = visual.ln_post
+    r = x[:, 0].float()  # the residual stream at CLS, what ln_post normalises [B, D]
+    std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1]
+    proj = visual.proj.float()  # [D, E]
+
+    def through_ln(p):  # a part p [B, ..., D] -> its share of the embedding [B, ..., E]
+        scale = std.view(B, *([1] * (p.dim() - 1)))
+        return ((p - p.mean(-1, keepdim=True)) / scale * ln.weight.float()) @ proj
+
+    return {"heads": through_ln(torch.stack(heads, 1)),  # [B, nL, H, E]
+            "attn_bias": through_ln(torch.stack(attn_bias, 1)), "mlp": through_ln(torch.stack(mlp, 1)),
+            "rest": through_ln(rest), "ln_bias": (ln.bias.float() @ proj).expand(B, -1)}
+
+
+def head_contributions(model, images, layers):
+    """Each head's direct contribution [N, nL, H, E] in units of the normalised embedding (TextSpan):
+    divided by the norm of the image embedding, so the parts of `decompose` sum to a unit vector."""
+    parts = decompose(model, images, layers)
+    return parts["heads"] / sum_parts(parts).norm(dim=-1).view(-1, 1, 1, 1)
+
+
+def sum_parts(parts):
+    """The image embedding [B, E] that the parts of `decompose` add up to."""
+    return sum(p.reshape(p.shape[0], -1, p.shape[-1]).sum(1) for p in parts.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. TextSpan
+
+
+def check_textspan(n, rank, num_texts, num_images, dim):
+    """Stop early, with what to change, when TextSpan cannot pick n distinct directions."""
+    if n > num_texts:
+        raise EntropyError(f"TextSpan picks n = {n} texts per head but the pool has only {num_texts}; "
+                           "use a larger pool or a smaller --n")
+    if n > min(rank, dim):
+        raise EntropyError(f"n = {n} texts per head needs rank >= n and embedding width >= n, got rank {rank} "
+                           f"and width {dim}; raise --rank or lower --n")
+    if num_images < n + 1:
+        raise EntropyError(f"TextSpan needs at least n + 1 = {n + 1} probe images for n = {n} texts per head "
+                           f"(the centred contributions of N images span at most N - 1 directions), got "
+                           f"{num_images}; use more images (--max-images) or fewer texts (--n)")
+
+
+def textspan(contributions, text_embeddings, n=20, rank=80):
+    """Greedy TextSpan for one head: indices of the n texts that best span its variance, in pick order.
+
+    contributions [N, E]: the head's outputs on N images; text_embeddings [T, E].
+    Texts are first projected onto the top-`rank` right singular vectors of the centred contributions.
+    Then n times: pick the text whose direction carries the most variance across images, and remove that
+    direction from the images and from every text. Works on the covariance K = C^T C / N [E, E]:
+    var(C t) = t K t, and removing direction u from C turns K into (I - u u^T) K (I - u u^T).
+    """
+    C = contributions.double()
+    texts = text_embeddings.to(C)
+    N, E = C.shape
+    check_textspan(n, rank, texts.shape[0], N, E)
+    C = C - C.mean(0)
+    K = C.T @ C / N  # [E, E]
+    _, vectors = torch.linalg.eigh(K)  # ascending eigenvalues; eigenvectors of K = right singular vectors of C
+    basis = vectors[:, -rank:]  # [E, r]
+    texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
+    picks = []
+    for _ in range(n):
+        scores = ((texts @ K) * texts).sum(-1)  # variance of C @ t across images, for every text [T]
+        j = int(scores.argmax())
+        norm = texts[j].norm()
+        if norm < 1e-12:
+            raise EntropyError(f"the text pool spans only {len(picks)} directions inside this head's top-{rank} "
+                               f"space, fewer than n = {n}; use a larger pool or a smaller --n")
+        picks.append(j)
+        u = texts[j] / norm  # [E]
+        Ku = K @ u
+        K = K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)  # (I-uu^T) K (I-uu^T)
+        texts = texts - torch.outer(texts @ u, u)  # remove u from every text (the pick becomes 0)
+    return picks
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Concept entropy and roles
+
+
+def concept_distribution(labels):
+    """P over the 12 concepts: the share of a head's texts in each concept (dict in CONCEPTS order)."""
+    return {c: sum(1 for l in labels if l == c) / len(labels) for c in CONCEPTS}
+
+
+def concept_entropy(p):
+    """H(P) = -sum_c P(c) log2 P(c), in bits; p a sequence, tensor or dict of probabilities that sum to 1."""
+    values = [float(x) for x in (p.values() if isinstance(p, dict) else p)]
+    if any(x < 0 for x in values) or abs(sum(values) - 1.0) > 1e-6:
+        raise ValueError(f"not a probability distribution (non-negative, sum 1): {values}")
+    return 0.0 + -sum(x * math.log2(x) for x in values if x > 0)  # 0.0 + turns -0.0 into 0.0
+
+
+def default_thresholds(entropies):
+    """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads' entropies."""
+    low, high = np.quantile(np.asarray(entropies, dtype=np.float64), [1 / 3, 2 / 3])
+    return float(low), float(high)
+
+
+def assign_role(entropy, P, low, high):
+    """Role of one head: {"role", "attribute"} (+ "concept" for a specialist).
+
+    H <= low: a specialist; an attribute head if its dominant concept is one of the five attributes, else
+    an "other specialist" (role "specialist", which DeAR masks like a generalization head).
+    H >= high: generalization; otherwise mixed. A tie for the dominant concept goes to the concept listed
+    first in CONCEPTS (attributes first)."""
+    if entropy <= low:
+        dominant = max(CONCEPTS, key=lambda c: (P.get(c, 0.0), -CONCEPTS.index(c)))
+        if dominant in ATTRIBUTES:
+            return {"role": "attribute", "attribute": dominant}
+        return {"role": "specialist", "attribute": None, "concept": dominant}
+    if entropy >= high:
+        return {"role": "generalization", "attribute": None}
+    return {"role": "mixed", "attribute": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Outputs: roles.json, roles.md, roles.png; loading a roles file
+
+
+def write_atomic(path, data):
+    """Write bytes or text to path through a temp file in the same folder and os.replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def short_role(head):
+    """Cell label of a head: 'A:color', 'S:animal', 'G', 'M'."""
+    if head["role"] == "attribute":
+        return "A:" + head["attribute"]
+    if head["role"] == "specialist":
+        return "S:" + head.get("concept", "?")
+    return head["role"][0].upper()
+
+
+def render_markdown(doc):
+    """roles.md: a layers x heads table of roles and entropies, then every head's P and texts."""
+    H = doc["num_heads"]
+    by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
+    probe = doc["probe"]
+    lines = [f"# Head roles of {doc['model']} (blocks {', '.join(map(str, doc['layers']))})", "",
+             f"Probe: {probe.get('dataset')} {probe.get('split')}, {probe.get('images')} images. "
+             f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. "
+             f"Thresholds: low {doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.", "",
+             "A = attribute head (its attribute), G = generalization, M = mixed, S = other specialist "
+             "(its concept); the number is the concept entropy in bits.", "",
+             "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |",
+             "|---" * (H + 1) + "|"]
+    for layer in doc["layers"]:
+        cells = [f"{short_role(by_pos[(layer, h)])} {by_pos[(layer, h)]['entropy']:.2f}" for h in range(H)]
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    lines += ["", "## Heads", ""]
+    for h in doc["heads"]:
+        share = ", ".join(f"{c} {p:.2f}" for c, p in sorted(h["P"].items(), key=lambda kv: -kv[1]) if p > 0)
+        lines += [f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} bits "
+                  f"({share})", "", "; ".join(h["texts"]), ""]
+    return "\n".join(lines)
+
+
+ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
+               "mixed": (170, 170, 170), "specialist": (142, 103, 184)}
+CELL, LEFT, TOP, LEGEND = 56, 48, 24, 28  # PNG geometry in pixels
+
+
+def cell_origin(row, col):
+    """Top-left pixel of the cell of the row-th analysed block and head col in roles.png."""
+    return LEFT + col * CELL, TOP + row * CELL
+
+
+def render_png(doc, path):
+    """roles.png: analysed blocks (rows) x heads (columns); colour = role, letter = attribute,
+    the entropy in bits in every cell, a legend below (Pillow's default font)."""
+    from PIL import Image, ImageDraw, ImageFont
+    H, layers = doc["num_heads"], doc["layers"]
+    by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
+    width = max(LEFT + H * CELL, 4 * 120) + 8
+    height = TOP + len(layers) * CELL + LEGEND
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    for col in range(H):
+        draw.text((LEFT + col * CELL + 4, 6), f"h{col}", fill="black", font=font)
+    for row, layer in enumerate(layers):
+        draw.text((6, TOP + row * CELL + CELL // 2 - 6), f"L{layer}", fill="black", font=font)
+        for col in range(H):
+            head = by_pos[(layer, col)]
+            x0, y0 = cell_origin(row, col)
+            draw.rectangle([x0, y0, x0 + CELL - 2, y0 + CELL - 2], fill=ROLE_COLORS[head["role"]])
+            # attribute heads: C S T O L; other specialists: their concept's first letters
+            letter = head["attribute"][0].upper() if head["attribute"] else head.get("concept", "")[:3]
+            draw.text((x0 + 5, y0 + 4), letter, fill="black", font=font)
+            draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
+    y = TOP + len(layers) * CELL + 8
+    for i, (role, color) in enumerate(ROLE_COLORS.items()):
+        draw.rectangle([8 + i * 120, y, 20 + i * 120, y + 12], fill=color)
+        draw.text((24 + i * 120, y), role, fill="black", font=font)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    write_atomic(path, buf.getvalue())
+
+
+def write_outputs(doc, out_dir):
+    """roles.json, roles.md and roles.png in out_dir (each written atomically); returns the JSON path."""
+    path = os.path.join(out_dir, "roles.json")
+    write_atomic(os.path.join(out_dir, "roles.md"), render_markdown(doc))
+    render_png(doc, os.path.join(out_dir, "roles.png"))
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")  # last: its presence means the set is complete
+    return path
+
+
+def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=None):
+    """Read and validate a roles file; returns {1-based block: [one dict per head, in head order]}, each dict
+    with "role", "attribute" (None unless an attribute head), "entropy" and, for specialists, "concept".
+
+    model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
+    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do."""
+    hint = "recompute it with `python entropy.py ...` or pass the right file"
+    if not os.path.isfile(path):
+        raise RolesError(f"roles file {path} does not exist; {hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RolesError(f"roles file {path} is not readable JSON ({e}); {hint}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise RolesError(f"{path} is not a roles file of format {FORMAT!r} (found {found!r}); {hint}")
+    for key in ("model", "num_layers", "num_heads", "layers", "heads"):
+        if key not in doc:
+            raise RolesError(f"roles file {path} has no {key!r} entry; {hint}")
+    if model_name is not None and doc["model"] != model_name:
+        raise RolesError(f"roles file {path} was computed for {doc['model']!r}, not {model_name!r}; {hint}")
+    for key, want in (("num_layers", num_layers), ("num_heads", num_heads)):
+        if want is not None and doc[key] != want:
+            raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {hint}")
+    H, file_layers = doc["num_heads"], list(doc["layers"])
+    missing = [l for l in (layers or []) if l not in file_layers]
+    if missing:
+        raise RolesError(f"roles file {path} covers blocks {file_layers} but blocks {missing} are needed "
+                         f"(1-based); {hint}")
+    roles = {l: [None] * H for l in file_layers}
+    for entry in doc["heads"]:
+        where = f"roles file {path}, entry {entry.get('layer')}/{entry.get('head')}"
+        layer, head, role = entry.get("layer"), entry.get("head"), entry.get("role")
+        if layer not in roles or not isinstance(head, int) or not 0 <= head < H:
+            raise RolesError(f"{where}: block/head outside the file's blocks {file_layers} x {H} heads; {hint}")
+        if role not in ROLES:
+            raise RolesError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}); {hint}")
+        attribute = entry.get("attribute")
+        if role == "attribute" and attribute not in ATTRIBUTES:
+            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, got {attribute!r}")
+        if role != "attribute" and attribute is not None:
+            raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}")
+        if roles[layer][head] is not None:
+            raise RolesError(f"{where}: this head is listed twice; {hint}")
+        roles[layer][head] = {"role": role, "attribute": attribute, "entropy": entry.get("entropy")}
+        if role == "specialist":
+            roles[layer][head]["concept"] = entry.get("concept")
+    absent = [(l, h) for l in file_layers for h in range(H) if roles[l][h] is None]
+    if absent:
+        raise RolesError(f"roles file {path} lacks {len(absent)} heads, e.g. block {absent[0][0]} head "
+                         f"{absent[0][1]}; {hint}")
+    return roles
+
+
+def layers_tag(layers):
+    """'9-12' for a contiguous run of blocks, else '9_11'."""
+    layers = sorted(layers)
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1:
+        return f"{layers[0]}-{layers[-1]}"
+    return "_".join(map(str, layers))
+
+
+def default_roles_path(model_name, layers, cache_dir):
+    """Where computed roles are cached: <cache_dir>/roles/<model>_L<blocks>/roles.json."""
+    safe = "".join(c if c.isalnum() or c in "._@-" else "-" for c in str(model_name)).strip("-")
+    return os.path.join(cache_dir, "roles", f"{safe}_L{layers_tag(layers)}", "roles.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The pipeline and the command line
+
+
+def parse_layers(spec, num_layers):
+    """'9-12', '9,10,11,12' or None (the last four blocks, or all if fewer) -> sorted 1-based blocks."""
+    if spec is None:
+        return list(range(max(1, num_layers - 3), num_layers + 1))
+    if isinstance(spec, str):
+        try:
+            layers = set()
+            for part in spec.split(","):
+                lo, _, hi = part.partition("-")
+                layers.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise EntropyError(f"cannot read layers {spec!r}; write e.g. 9-12 or 9,10,11,12 (blocks from 1)") from None
+    else:
+        layers = set(int(l) for l in spec)
+    if not layers:
+        raise EntropyError(f"no layers in {spec!r}; write e.g. 9-12 (blocks counted from 1)")
+    if min(layers) < 1 or max(layers) > num_layers:
+        raise EntropyError(f"the backbone has {num_layers} blocks (1..{num_layers}) but layers {spec!r} asks for "
+                           f"blocks {min(layers)}..{max(layers)}; choose blocks within 1..{num_layers}")
+    return sorted(layers)
+
+
+def check_thresholds(low, high):
+    if low is not None and high is not None and low > high:
+        raise EntropyError(f"--low {low} is above --high {high}; heads with H <= low are specialists and heads "
+                           "with H >= high generalization heads, so low must not exceed high")
+
+
+def load_pool(model, pool=None, texts_file=None):
+    """(texts, labels, name): a built-in pool, or a user file whose unlabelled lines get the label of the
+    nearest concept centroid of the built-in pool `pool` in CLIP text space. pool None: "toy" for the toy
+    CLIP (model.name == "toy"), else "default"."""
+    pool = pool or ("toy" if getattr(model, "name", None) == "toy" else "default")
+    if pool not in ("default", "toy"):
+        raise EntropyError(f"unknown pool {pool!r}; use default or toy (or --texts FILE)")
+    ref_texts, ref_labels = default_pool() if pool == "default" else toy_pool()
+    if texts_file is None:
+        return ref_texts, ref_labels, pool
+    texts, labels = read_pool(texts_file)
+    todo = [i for i, l in enumerate(labels) if l is None]
+    if todo:
+        nearest = label_by_centroid(encode_texts(model, [texts[i] for i in todo]),
+                                    encode_texts(model, ref_texts), ref_labels)
+        for i, label in zip(todo, nearest):
+            labels[i] = label
+    return texts, labels, os.path.basename(texts_file)
+
+
+@torch.no_grad()
+def collect_contributions(model, loader, layers, total):
+    """Run the probe images through the model; head contributions of all images [N, nL, H, E] on the CPU,
+    float16 when the array would exceed 512 MiB in float32 (only the analysed blocks are kept)."""
+    device = next(model.parameters()).device
+    H, E = model.visual.heads, model.visual.output_dim
+    dtype = torch.float16 if total * len(layers) * H * E > 2 ** 27 else torch.float32
+    store = torch.empty(total, len(layers), H, E, dtype=dtype)
+    done, start = 0, time.time()
+    for images, _ in loader:
+        images = images[:total - done].to(device)
+        store[done:done + len(images)] = head_contributions(model, images, layers).to("cpu", dtype)
+        done += len(images)
+        progress("probe images", done, total, start)
+        if done >= total:
+            break
+    return store[:done]
+
+
+def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=10000,
+                  n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0):
+    """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
+
+    items: probe images as data.py lists them, (path, label, classname); if there are more than max_images,
+    a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
+    text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
+    quantiles over the analysed heads). The model runs on the device of its parameters."""
+    import data
+    visual = model.visual
+    layers = parse_layers(layers, visual.layers)
+    check_thresholds(low, high)
+    if len(texts) != len(text_concepts) or any(c not in CONCEPTS for c in text_concepts):
+        raise EntropyError("every text of the pool needs one concept label out of " + ", ".join(CONCEPTS))
+    if len(set(texts)) != len(texts):
+        raise EntropyError("the text pool has duplicate descriptions; TextSpan needs unique texts")
+    if not items:
+        raise EntropyError("no probe images found; check --dataset/--root (the test split is used)")
+    items = list(items)
+    if len(items) > max_images:
+        keep = sorted(random.Random(seed).sample(range(len(items)), max_images))
+        items = [items[i] for i in keep]
+    check_textspan(n, rank, len(texts), len(items), visual.output_dim)
+    loader = data.make_loader(items, data.test_transform(visual.input_resolution), batch_size, shuffle=False,
+                              num_workers=num_workers)
+    contributions = collect_contributions(model, loader, layers, len(items))  # [N, nL, H, E]
+    text_embeddings = encode_texts(model, texts)  # [T, E]
+    device = next(model.parameters()).device
+    heads, start = [], time.time()
+    for li, layer in enumerate(layers):
+        for h in range(visual.heads):
+            picks = textspan(contributions[:, li, h].to(device), text_embeddings.to(device), n=n, rank=rank)
+            P = concept_distribution([text_concepts[j] for j in picks])
+            heads.append({"layer": layer, "head": h, "entropy": round(concept_entropy(P), 4),
+                          "P": {c: round(p, 4) for c, p in P.items()}, "texts": [texts[j] for j in picks]})
+            progress("heads", len(heads), len(layers) * visual.heads, start)
+    auto_low, auto_high = default_thresholds([h["entropy"] for h in heads])
+    low = round(auto_low if low is None else low, 4)  # rounded as stored, so the file reproduces the roles
+    high = round(auto_high if high is None else high, 4)
+    check_thresholds(low, high)
+    for head in heads:
+        head.update(assign_role(head["entropy"], head["P"], low, high))
+    doc = {"format": FORMAT, "model": getattr(model, "name", None) or "unknown",
+           "checkpoint_sha256": getattr(model, "sha256", None), "num_layers": visual.layers,
+           "num_heads": visual.heads, "layers": layers,
+           "probe": {**(probe or {}), "images": len(contributions), "seed": seed},
+           "pool": {"name": pool_name, "texts": len(texts)}, "texts_per_head": n, "rank": rank,
+           "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high},
+           "heads": heads}
+    return write_outputs(doc, out_dir)
+
+
+def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, pool=None, texts=None,
+        device="auto", batch_size=64, n=20, rank=80, low=None, high=None, download_root=None, seed=0,
+        num_workers=0):
+    """Load CLIP and the probe set (the test split of `dataset`), compute the roles, return roles.json's path.
+    out_dir None: beside the checkpoint cache, at default_roles_path(...)."""
+    import clip
+    import data
+    check_thresholds(low, high)
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = clip.load(backbone, device=device, download_root=download_root)
+    layers = parse_layers(layers, model.visual.layers)
+    probe_set = data.build_dataset(dataset, root)
+    pool_texts, labels, pool_name = load_pool(model, pool, texts)
+    if out_dir is None:
+        out_dir = os.path.dirname(default_roles_path(getattr(model, "name", backbone), layers,
+                                                     clip.cache_dir(download_root)))
+    print(f"Concept Entropy of {backbone}, blocks {layers_tag(layers)}: probe {dataset} test "
+          f"({len(probe_set.test)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts)",
+          file=sys.stderr)
+    return compute_roles(model, probe_set.test, pool_texts, labels, layers, out_dir, batch_size=batch_size,
+                         max_images=max_images, n=n, rank=rank, low=low, high=high,
+                         probe={"dataset": dataset, "split": "test"}, pool_name=pool_name, seed=seed,
+                         num_workers=num_workers)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan, label the "
+                    "descriptions with concepts, and sort heads into attribute / generalization / mixed / other "
+                    "specialist roles by the entropy of their concepts. Writes roles.json, roles.md, roles.png.")
+    p.add_argument("--backbone", default="ViT-B/16", help="CLIP model name or checkpoint path (default ViT-B/16)")
+    p.add_argument("--dataset", required=True, help="probe dataset (a data.py name or folder:PATH); its test split")
+    p.add_argument("--root", default="data", help="datasets root folder (default: data)")
+    p.add_argument("--max-images", type=int, default=10000, help="probe images, a seeded sample (default 10000)")
+    p.add_argument("--layers", default=None, help="1-based blocks, e.g. 9-12 (default: the last four)")
+    p.add_argument("--out", default=None, help="output folder (default: <clip cache>/roles/<model>_L<blocks>)")
+    p.add_argument("--pool", default=None, choices=("default", "toy"),
+                   help="built-in text pool: default (concepts.tsv) or toy (the toy world's words); "
+                        "default: toy for the toy backbone, else default")
+    p.add_argument("--texts", default=None, help="your own pool: one description per line (or concept<TAB>text); "
+                                                 "unlabelled lines get the nearest --pool concept")
+    p.add_argument("--n", type=int, default=20, help="TextSpan texts per head (default 20)")
+    p.add_argument("--rank", type=int, default=80, help="TextSpan SVD rank (default 80)")
+    p.add_argument("--low", type=float, default=None, help="H <= low (bits): specialist (default: 1/3 quantile)")
+    p.add_argument("--high", type=float, default=None, help="H >= high (bits): generalization (default: 2/3 quantile)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=0, help="data loader workers (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probe image sample (default 0)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--download-root", default=None, help="CLIP checkpoint cache (default: clip.cache_dir())")
+    args = p.parse_args(argv)
+    errors = (EntropyError, FileNotFoundError, NotImplementedError, ValueError)
+    try:
+        import data
+        errors += (data.DataError,)
+    except ImportError:
+        pass
+    try:
+        if args.max_images < 1 or args.n < 1 or args.rank < 1 or args.batch_size < 1:
+            raise EntropyError("--max-images, --n, --rank and --batch-size must be positive")
+        path = run(args.backbone, args.dataset, args.root, layers=args.layers, out_dir=args.out,
+                   max_images=args.max_images, pool=args.pool, texts=args.texts, device=args.device,
+                   batch_size=args.batch_size, n=args.n, rank=args.rank, low=args.low, high=args.high,
+                   download_root=args.download_root, seed=args.seed, num_workers=args.workers)
+    except errors as e:
+        print(f"entropy.py: error: {e}", file=sys.stderr)
+        return 2
+    roles = load_roles(path)
+    counts = {r: sum(h["role"] == r for heads in roles.values() for h in heads) for r in ROLES}
+    print(f"wrote {path} (+ roles.md, roles.png): " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
