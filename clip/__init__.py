@@ -1,0 +1,216 @@
+"""A vendored CLIP (OpenAI's ViT models) in plain PyTorch: load, tokenize, available_models.
+
+    import clip
+    model, preprocess = clip.load("ViT-B/16", device="cpu")
+    text = clip.tokenize(["a photo of a cat.", "a photo of a dog."])
+    logits_per_image, _ = model(preprocess(image).unsqueeze(0), text)
+
+Checkpoints are OpenAI's published files, downloaded once into ~/.cache/clip (or `download_root`,
+or $CLIP_CACHE) and checked against the SHA256 that is part of their URL. Both the TorchScript
+archives that OpenAI publishes (only their state dict is read) and plain state dicts load.
+OpenAI CLIP (model architecture, vocabulary, checkpoints) is released under the MIT licence.
+"""
+import hashlib
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
+import zipfile
+
+import torch
+from PIL import Image
+from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
+
+from .model import CLIP, build_model
+from .tokenizer import tokenize
+
+__all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP"]
+
+# name -> URL; the second-to-last path component is the file's SHA256. Tests point this at 127.0.0.1.
+MODELS = {
+    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
+                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+    "ViT-B/16": "https://openaipublic.azureedge.net/clip/models/"
+                "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
+    "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/"
+                "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
+    "ViT-L/14@336px": "https://openaipublic.azureedge.net/clip/models/"
+                      "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
+}
+TOY = "toy"  # the tiny CLIP pretrained on the toy world (toyworld.py), made locally on first use
+
+MEAN = (0.48145466, 0.4578275, 0.40821073)
+STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def available_models():
+    """Names `load` accepts (besides a path to a checkpoint file)."""
+    return list(MODELS) + [TOY]
+
+
+def cache_dir(download_root=None) -> str:
+    """Where checkpoints live: download_root, else $CLIP_CACHE, else ~/.cache/clip."""
+    root = download_root or os.environ.get("CLIP_CACHE") or os.path.join("~", ".cache", "clip")
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _progress(done: int, total: int, start: float, name: str, final: bool = False):
+    """One progress line on stderr, rewritten in place: MiB done, percent, speed, ETA."""
+    elapsed = max(time.time() - start, 1e-6)
+    speed = done / elapsed
+    if total:
+        eta = (total - done) / speed if speed > 0 else 0.0
+        msg = f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB ({100 * done / total:.0f}%), " \
+              f"{speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
+    else:
+        msg = f"\rdownloading {name}: {done / 2**20:.1f} MiB, {speed / 2**20:.1f} MiB/s"
+    sys.stderr.write(msg + ("\n" if final else ""))
+    sys.stderr.flush()
+
+
+def download(url: str, root: str) -> str:
+    """Fetch `url` into `root` once and return the file's path.
+
+    The expected SHA256 is the URL's second-to-last path component. A cached file with another
+    checksum is fetched again. The download goes to a temporary file that is renamed only after
+    its checksum matches; a failed or mismatching download raises and leaves nothing behind.
+    """
+    os.makedirs(root, exist_ok=True)
+    expected = url.split("/")[-2]
+    target = os.path.join(root, os.path.basename(url))
+    if os.path.isfile(target):
+        actual = sha256_of(target)
+        if actual == expected:
+            return target
+        sys.stderr.write(f"{target} has SHA256 {actual}, expected {expected}; downloading it again\n")
+
+    name = os.path.basename(url)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=name + ".", suffix=".part")
+    h = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    total = int(response.headers.get("Content-Length") or 0)
+                    done, start, last = 0, time.time(), 0.0
+                    while True:
+                        chunk = response.read(1 << 20)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        h.update(chunk)
+                        done += len(chunk)
+                        if time.time() - last > 0.5:
+                            _progress(done, total, start, name)
+                            last = time.time()
+                    _progress(done, total, start, name, final=True)
+            except (urllib.error.URLError, OSError) as e:
+                raise RuntimeError(f"download of {url} failed: {e}; check the network (or put the file, "
+                                   f"with SHA256 {expected}, at {target})") from None
+        actual = h.hexdigest()
+        if actual != expected:
+            raise RuntimeError(f"download of {url} has the wrong checksum: expected SHA256 {expected}, "
+                               f"got {actual}; the file was not kept, try again")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def _is_torchscript(path: str) -> bool:
+    """TorchScript archives are zip files that hold compiled code and a constants.pkl record."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in z.namelist())
+
+
+def read_state_dict(path: str) -> dict:
+    """The CLIP state dict in a checkpoint file (TorchScript archive or a torch.save'd state dict).
+
+    A dict of the form {"state_dict": {...}} is unwrapped too (training scripts often save that).
+    """
+    try:
+        if _is_torchscript(path):
+            # only the weights are read; the archive's code never runs
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # "torch.jit is deprecated"
+                sd = torch.jit.load(path, map_location="cpu").state_dict()
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is neither a TorchScript archive nor a state dict saved with torch.save "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); delete it or "
+                         "give another checkpoint") from None
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path} does not hold a state dict (a dict of tensor names to tensors)")
+    return dict(sd)
+
+
+def _convert_to_rgb(image: Image.Image) -> Image.Image:
+    return image.convert("RGB")
+
+
+def transform(n_px: int):
+    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
+    return Compose([
+        Resize(n_px, interpolation=InterpolationMode.BICUBIC),
+        CenterCrop(n_px),
+        _convert_to_rgb,
+        ToTensor(),
+        Normalize(MEAN, STD),
+    ])
+
+
+def load(name_or_path: str, device=None, download_root=None):
+    """Load a CLIP model; returns (model, preprocess).
+
+    name_or_path: a name from available_models() or the path of a checkpoint file.
+    device: "cpu", "cuda", a torch.device, or None for CUDA when available, else CPU.
+    download_root: where checkpoints are cached (default $CLIP_CACHE, else ~/.cache/clip).
+
+    The model is fp32 and in eval mode (use torch.autocast for speed on GPU). It carries
+    model.name (the name, or the path when the file is no known checkpoint) and model.sha256.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = cache_dir(download_root)
+    if name_or_path in MODELS:
+        path, name = download(MODELS[name_or_path], root), name_or_path
+    elif name_or_path == TOY:
+        import toyworld  # imported here: only the toy model needs it
+
+        path, name = toyworld.ensure_pretrained(root), TOY
+    elif os.path.isfile(os.path.expanduser(str(name_or_path))):
+        path, name = os.path.expanduser(str(name_or_path)), str(name_or_path)
+    else:
+        raise ValueError(f"model {name_or_path!r} not found; give one of {available_models()} "
+                         "or the path of a checkpoint file")
+    # a downloaded file was just checked against the hash in its URL; hash anything else here
+    sha = MODELS[name].split("/")[-2] if name in MODELS else sha256_of(path)
+    if name not in MODELS:  # a local copy of a published checkpoint gets its published name
+        name = next((n for n, url in MODELS.items() if url.split("/")[-2] == sha), name)
+
+    state_dict = read_state_dict(path)
+    try:
+        model = build_model(state_dict)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path} does not hold a CLIP ViT checkpoint that loads: {e}") from None
+    model = model.to(device)
+    model.name = name
+    model.sha256 = sha
+    return model, transform(model.visual.input_resolution)

@@ -1,0 +1,309 @@
+"""CLIP ViT image tower and text transformer, written in plain PyTorch.
+
+Module and parameter names equal the keys of OpenAI's released checkpoints
+(`visual.conv1.weight`, `visual.transformer.resblocks.0.attn.in_proj_weight`,
+`token_embedding.weight`, ...), so a released state dict loads with `strict=True`.
+
+Differences from OpenAI's reference code, all numerically neutral:
+- tensors are batch-first ([batch, tokens, width]) everywhere;
+- attention is written by hand (`MultiheadAttention`) and takes an additive mask
+  broadcastable to [batch, heads, L, L], so every head can get its own mask;
+- the towers expose seams (embed / run_blocks / head and embed_text / run_text_blocks /
+  text_head); `encode_image` and `encode_text` are these seams composed.
+
+Blocks are counted from 0 here; `run_blocks(x, start, end)` runs blocks start..end-1.
+"""
+import math
+from collections import OrderedDict
+from typing import List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Mask = Optional[Union[torch.Tensor, List[Optional[torch.Tensor]]]]
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm that always computes in fp32 and casts the result back (as CLIP does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+        return out.to(dtype)
+
+
+class QuickGELU(nn.Module):
+    """The sigmoid approximation of GELU that CLIP was trained with (not nn.GELU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class MultiheadAttention(nn.Module):
+    """Self-attention with the parameter names of nn.MultiheadAttention, batch-first.
+
+    attn_mask is additive (0 = allowed, -inf = blocked) and broadcastable to [B, H, L, L]:
+    [L, L] is shared by everything, [H, L, L] gives each head its own mask, [B, H, L, L]
+    gives each image and head its own mask. (Note: nn.MultiheadAttention reads a 3-D mask as
+    [B*H, L, L]; here a 3-D mask is per head.)
+    """
+
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        if d_model % n_head != 0:
+            raise ValueError(f"width {d_model} is not divisible by the number of heads {n_head}")
+        self.d_model = d_model
+        self.n_head = n_head
+        # rows [0:D) project to queries, [D:2D) to keys, [2D:3D) to values; head h owns rows h*hs..(h+1)*hs-1
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
+        self.out_proj = nn.Linear(d_model, d_model)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False):
+        B, L, D = x.shape
+        H = self.n_head
+        hs = D // H
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).split(D, dim=-1)  # 3 x [B, L, D]
+        q = q.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
+        k = k.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
+        v = v.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                raise TypeError("attn_mask must be an additive float mask (0 = allowed, -inf = blocked), "
+                                "not a bool mask")
+            attn_mask = attn_mask.to(dtype=q.dtype, device=q.device)
+        if need_weights:
+            # the plain path: softmax(Q K^T / sqrt(hs) + mask) V, keeping the weights
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # [B, H, L, L]
+            if attn_mask is not None:
+                att = att + attn_mask
+            att = att.softmax(dim=-1)
+            y = att @ v  # [B, H, L, hs]
+        else:
+            # the same math through PyTorch's fused kernel
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, H, L, hs]
+        y = y.transpose(1, 2).reshape(B, L, D)  # heads side by side again: [B, L, D]
+        out = self.out_proj(y)
+        return (out, att) if need_weights else out
+
+
+class ResidualAttentionBlock(nn.Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.attn = MultiheadAttention(d_model, n_head)
+        self.ln_1 = LayerNorm(d_model)
+        self.mlp = nn.Sequential(OrderedDict([
+            ("c_fc", nn.Linear(d_model, d_model * 4)),
+            ("gelu", QuickGELU()),
+            ("c_proj", nn.Linear(d_model * 4, d_model)),
+        ]))
+        self.ln_2 = LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.width = width
+        self.layers = layers
+        self.heads = heads
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, attn_mask: Mask = None, start: int = 0, end: Optional[int] = None):
+        """Run blocks start..end-1 (0-based) on x [B, L, D].
+
+        attn_mask: None, one tensor used by every block, or a list with one entry (tensor or None)
+        per block that runs.
+        """
+        end = self.layers if end is None else end
+        if not 0 <= start <= end <= self.layers:
+            raise ValueError(f"blocks {start}..{end} (end exclusive) are outside 0..{self.layers}")
+        blocks = self.resblocks[start:end]
+        if isinstance(attn_mask, (list, tuple)):
+            if len(attn_mask) != len(blocks):
+                raise ValueError(f"got {len(attn_mask)} masks for {len(blocks)} blocks ({start}..{end - 1}); "
+                                 "give one per block, or a single tensor for all")
+            masks = list(attn_mask)
+        else:
+            masks = [attn_mask] * len(blocks)
+        for block, mask in zip(blocks, masks):
+            x = block(x, attn_mask=mask)
+        return x
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, input_resolution: int, patch_size: int, width: int, layers: int, heads: int,
+                 output_dim: int):
+        super().__init__()
+        if input_resolution % patch_size != 0:
+            raise ValueError(f"image size {input_resolution} is not a multiple of the patch size {patch_size}")
+        self.input_resolution = input_resolution
+        self.patch_size = patch_size
+        self.width = width
+        self.heads = heads
+        self.layers = layers
+        self.output_dim = output_dim
+        self.num_patches = (input_resolution // patch_size) ** 2
+        scale = width ** -0.5
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
+        self.class_embedding = nn.Parameter(scale * torch.randn(width))
+        self.positional_embedding = nn.Parameter(scale * torch.randn(self.num_patches + 1, width))
+        self.ln_pre = LayerNorm(width)
+        self.transformer = Transformer(width, layers, heads)
+        self.ln_post = LayerNorm(width)
+        self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, R, R] -> tokens [B, 1+P, D]: patches, class token, positions, ln_pre."""
+        if images.dim() != 4 or images.shape[-2:] != (self.input_resolution, self.input_resolution):
+            raise ValueError(f"expected images of shape [B, 3, {self.input_resolution}, {self.input_resolution}], "
+                             f"got {list(images.shape)}; use the model's preprocess transform")
+        x = self.conv1(images.to(self.conv1.weight.dtype))  # [B, D, grid, grid]
+        x = x.flatten(2).transpose(1, 2)  # [B, P, D]
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # [B, 1, D]
+        x = torch.cat([cls, x], dim=1)  # [B, 1+P, D]
+        x = x + self.positional_embedding.to(x.dtype)
+        return self.ln_pre(x)
+
+    def run_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None) -> torch.Tensor:
+        """Run blocks start..end-1 (0-based) on tokens [B, L, D]; L may exceed 1+P (extra tokens)."""
+        return self.transformer(x, attn_mask=attn_mask, start=start, end=end)
+
+    def head(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ln_post then the projection; tokens [..., D] -> [..., E] (e.g. the CLS token [B, D])."""
+        return self.ln_post(tokens) @ self.proj
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.run_blocks(self.embed(images), 0, self.layers)
+        return self.head(x[:, 0])  # the CLS token -> [B, E]
+
+
+class CLIP(nn.Module):
+    def __init__(self, embed_dim: int, image_resolution: int, vision_layers: int, vision_width: int,
+                 vision_patch_size: int, context_length: int, vocab_size: int, transformer_width: int,
+                 transformer_heads: int, transformer_layers: int, vision_heads: Optional[int] = None):
+        super().__init__()
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        vision_heads = vision_heads or vision_width // 64
+        self.visual = VisionTransformer(input_resolution=image_resolution, patch_size=vision_patch_size,
+                                        width=vision_width, layers=vision_layers, heads=vision_heads,
+                                        output_dim=embed_dim)
+        self.transformer = Transformer(width=transformer_width, layers=transformer_layers, heads=transformer_heads)
+        self.token_embedding = nn.Embedding(vocab_size, transformer_width)
+        self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
+        self.ln_final = LayerNorm(transformer_width)
+        self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.initialize_parameters()
+
+    def initialize_parameters(self):
+        """CLIP's initialisation of the text side and of all transformer blocks."""
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        for tower in (self.transformer, self.visual.transformer):
+            attn_std = tower.width ** -0.5
+            proj_std = attn_std * (2 * tower.layers) ** -0.5
+            fc_std = (2 * tower.width) ** -0.5
+            for block in tower.resblocks:
+                nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+                nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+                nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+                nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.conv1.weight.dtype
+
+    def causal_mask(self, n: int) -> torch.Tensor:
+        """[n, n] additive mask: 0 on and below the diagonal, -inf above (a token sees only its past)."""
+        device = self.positional_embedding.device
+        return torch.full((n, n), float("-inf"), device=device).triu(1)
+
+    def embed_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [C, T] (T <= context_length) -> [C, T, W]: token embedding + positions."""
+        T = tokens.shape[-1]
+        if T > self.context_length:
+            raise ValueError(f"got {T} tokens per text, the model takes at most {self.context_length}")
+        x = self.token_embedding(tokens.long())  # [C, T, W]
+        return x + self.positional_embedding[:T].to(x.dtype)
+
+    def run_text_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None) -> torch.Tensor:
+        """Run text blocks start..end-1 on x [C, T', W]; attn_mask None means causal over T'."""
+        if attn_mask is None:
+            attn_mask = self.causal_mask(x.shape[1])
+        return self.transformer(x, attn_mask=attn_mask, start=start, end=end)
+
+    def text_head(self, x: torch.Tensor, eot_index: torch.Tensor) -> torch.Tensor:
+        """ln_final, take each text's feature at its EOT position, project: [C, T', W] -> [C, E]."""
+        x = self.ln_final(x)
+        x = x[torch.arange(x.shape[0], device=x.device), eot_index.to(x.device)]  # [C, W]
+        return x @ self.text_projection
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return self.visual(images)
+
+    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.run_text_blocks(self.embed_text(tokens), 0, self.transformer.layers)
+        # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        return self.text_head(x, tokens.argmax(dim=-1))
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor):
+        image_features = F.normalize(self.encode_image(images), dim=-1)
+        text_features = F.normalize(self.encode_text(tokens), dim=-1)
+        logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()  # [B, C]
+        return logits_per_image, logits_per_image.t()
+
+
+# entries a checkpoint may carry besides the weights: OpenAI's TorchScript archives add the first
+# three; tiny checkpoints add the head counts, which cannot be read from the shapes
+EXTRA_KEYS = ("input_resolution", "context_length", "vocab_size", "vision_heads", "text_heads")
+
+
+def infer_config(state_dict: dict) -> dict:
+    """Read every size of a ViT CLIP from the tensors of its state dict (CLIP constructor arguments)."""
+    sd = state_dict
+    if "visual.proj" not in sd:
+        if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in sd):
+            raise NotImplementedError("ResNet CLIP checkpoints (RN50, RN101, RN50x4, ...) are not supported; "
+                                      "use a ViT model such as ViT-B/16")
+        raise ValueError("this state dict is not a CLIP ViT checkpoint (no 'visual.proj' entry)")
+    missing = [k for k in ("visual.conv1.weight", "visual.positional_embedding", "text_projection",
+                           "positional_embedding", "token_embedding.weight", "ln_final.weight") if k not in sd]
+    if missing:
+        raise ValueError(f"this state dict is not a complete CLIP checkpoint; missing {missing}")
+    vision_width = sd["visual.conv1.weight"].shape[0]
+    patch = sd["visual.conv1.weight"].shape[-1]
+    grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+    vision_layers = sum(1 for k in sd if k.startswith("visual.") and k.endswith(".attn.in_proj_weight"))
+    text_width = sd["ln_final.weight"].shape[0]
+    text_layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
+
+    def heads(key, width):
+        return int(sd[key]) if key in sd else width // 64  # released models use heads of size 64
+
+    return dict(embed_dim=sd["text_projection"].shape[1], image_resolution=patch * grid,
+                vision_layers=vision_layers, vision_width=vision_width, vision_patch_size=patch,
+                context_length=sd["positional_embedding"].shape[0], vocab_size=sd["token_embedding.weight"].shape[0],
+                transformer_width=text_width, transformer_heads=heads("text_heads", text_width),
+                transformer_layers=text_layers, vision_heads=heads("vision_heads", vision_width))
+
+
+def build_model(state_dict: dict) -> CLIP:
+    """A CLIP with every size inferred from `state_dict`, loaded strictly, in fp32 and eval mode."""
+    config = infer_config(state_dict)
+    # fp32 copies, so the model never shares memory with (or mutates) the caller's tensors
+    sd = {k: v.to(torch.float32, copy=True) for k, v in state_dict.items() if k not in EXTRA_KEYS}
+    with torch.device("meta"):  # shapes only: the random init would be overwritten anyway
+        model = CLIP(**config)
+    model.load_state_dict(sd, strict=True, assign=True)  # the copies become the parameters
+    return model.eval()

@@ -1,0 +1,52 @@
+"""Shared test helpers: a tiny random CLIP built the same way a real checkpoint is loaded.
+
+`tiny_clip(...)` makes a CLIP with small towers, takes its state dict, adds the two 0-dim
+head-count entries that tiny checkpoints carry (head counts of a width that is not a multiple
+of 64 cannot be inferred from shapes), and rebuilds it through `clip.model.build_model`, so
+every test exercises the real loading path. The vocabulary has the real 49,408 entries, so
+`clip.tokenize` output can be fed straight in.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+# Make the repository root importable (clip/, data.py, toyworld.py, ...) however pytest is run.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from clip.model import CLIP, build_model  # noqa: E402
+
+
+def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8, resolution=32,
+                    text_layers=2, text_width=64, text_heads=4, embed_dim=32, context_length=77,
+                    vocab_size=49408):
+    """A random CLIP state dict with OpenAI's key names plus 'vision_heads'/'text_heads' entries."""
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = CLIP(embed_dim=embed_dim, image_resolution=resolution, vision_layers=vision_layers,
+                     vision_width=vision_width, vision_patch_size=patch, context_length=context_length,
+                     vocab_size=vocab_size, transformer_width=text_width, transformer_heads=text_heads,
+                     transformer_layers=text_layers, vision_heads=vision_heads)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sd["vision_heads"] = torch.tensor(vision_heads)
+    sd["text_heads"] = torch.tensor(text_heads)
+    return sd
+
+
+def tiny_clip(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8, resolution=32,
+              text_layers=2, text_width=64, text_heads=4, embed_dim=32, context_length=77):
+    """A random tiny CLIP (fp32, eval mode) built through build_model from a state dict."""
+    sd = tiny_state_dict(seed=seed, vision_layers=vision_layers, vision_width=vision_width,
+                         vision_heads=vision_heads, patch=patch, resolution=resolution,
+                         text_layers=text_layers, text_width=text_width, text_heads=text_heads,
+                         embed_dim=embed_dim, context_length=context_length)
+    return build_model(sd)
+
+
+@pytest.fixture
+def tiny_model():
+    """The default tiny CLIP: ViT 4 blocks x 4 heads, width 64, 32x32 images, patch 8; text 2 blocks."""
+    return tiny_clip()

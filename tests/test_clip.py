@@ -1,0 +1,437 @@
+"""Tests of the vendored CLIP: model math, seams, tokenizer, checkpoint loading and downloading."""
+import hashlib
+import http.server
+import os
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import clip
+from clip.model import MultiheadAttention, build_model, infer_config
+from clip.tokenizer import get_tokenizer
+from conftest import tiny_clip, tiny_state_dict
+
+
+# ---------------------------------------------------------------- a plain reference CLIP
+# Built the most direct way: OpenAI's [L, N, D] layout and torch.nn.MultiheadAttention, fed the same
+# state dict. It shares no code with clip/model.py.
+
+def _ref_transformer(x, sd, prefix, layers, heads, mask=None):
+    """x [L, N, D] through `layers` pre-LN blocks read from sd under `prefix`."""
+    D = x.shape[-1]
+
+    def ln(t, name):
+        return F.layer_norm(t, (D,), sd[name + ".weight"], sd[name + ".bias"])
+
+    for i in range(layers):
+        p = f"{prefix}.resblocks.{i}."
+        mha = nn.MultiheadAttention(D, heads)
+        mha.load_state_dict({k: sd[p + "attn." + k] for k in
+                             ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")})
+        h = ln(x, p + "ln_1")
+        x = x + mha(h, h, h, need_weights=False, attn_mask=mask)[0]
+        h = F.linear(ln(x, p + "ln_2"), sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"])
+        h = h * torch.sigmoid(1.702 * h)
+        x = x + F.linear(h, sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"])
+    return x
+
+
+def ref_encode_image(sd, images, layers, heads):
+    w = sd["visual.conv1.weight"]
+    x = F.conv2d(images, w, stride=w.shape[-1])  # [N, D, g, g]
+    x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # [N, P, D]
+    cls = sd["visual.class_embedding"] + torch.zeros(x.shape[0], 1, x.shape[-1])
+    x = torch.cat([cls, x], dim=1) + sd["visual.positional_embedding"]
+    x = F.layer_norm(x, (x.shape[-1],), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"])
+    x = _ref_transformer(x.permute(1, 0, 2), sd, "visual.transformer", layers, heads).permute(1, 0, 2)
+    x = F.layer_norm(x[:, 0], (x.shape[-1],), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"])
+    return x @ sd["visual.proj"]
+
+
+def ref_encode_text(sd, tokens, layers, heads):
+    n = tokens.shape[1]
+    x = sd["token_embedding.weight"][tokens.long()] + sd["positional_embedding"]
+    mask = torch.full((n, n), float("-inf")).triu(1)
+    x = _ref_transformer(x.permute(1, 0, 2), sd, "transformer", layers, heads, mask).permute(1, 0, 2)
+    x = F.layer_norm(x, (x.shape[-1],), sd["ln_final.weight"], sd["ln_final.bias"])
+    return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ sd["text_projection"]
+
+
+def _images(n=2, size=32, seed=1):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- model
+
+def test_features_equal_plain_reference_and_state_dict_round_trips():
+    sd = tiny_state_dict(seed=3)
+    g = torch.Generator().manual_seed(3)
+    for k in sd:  # random LayerNorm gains and biases (the init has ones and zeros) so every tensor matters
+        if sd[k].dim() == 1:
+            sd[k] = sd[k] + 0.1 * torch.randn(sd[k].shape, generator=g)
+    model = build_model(sd)
+    images = _images()
+    tokens = clip.tokenize(["a photo of a cat.", "a red striped circle in the top left", "", ""])
+    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])  # id 0 ("!") inside a text: EOT is the argmax
+    with torch.no_grad():
+        ours_i = F.normalize(model.encode_image(images), dim=-1)
+        ours_t = F.normalize(model.encode_text(tokens), dim=-1)
+        ref_i = F.normalize(ref_encode_image(sd, images, 4, 4), dim=-1)
+        ref_t = F.normalize(ref_encode_text(sd, tokens, 2, 4), dim=-1)
+    assert (ours_i - ref_i).abs().max() < 1e-5
+    assert (ours_t - ref_t).abs().max() < 1e-5
+    # strict round trip: every key present, same names, same values
+    out = model.state_dict()
+    weights = {k: v for k, v in sd.items() if k not in ("vision_heads", "text_heads")}
+    assert set(out) == set(weights)
+    assert all(torch.equal(out[k], weights[k]) for k in weights)
+    build_model({**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)})  # strict again
+    # logits are exp(logit_scale) * cosine
+    logits, logits_t = model(images, tokens)
+    assert torch.allclose(logits, model.logit_scale.exp() * ours_i @ ours_t.t(), atol=1e-4)
+    assert torch.equal(logits_t, logits.t())
+
+
+def _explicit_attention(attn, x, mask):
+    """Per head h: softmax(Q_h K_h^T / sqrt(d) + mask_h) V_h, heads concatenated, then out_proj."""
+    B, L, D = x.shape
+    H, d = attn.n_head, D // attn.n_head
+    Wq, Wk, Wv = attn.in_proj_weight.split(D)
+    bq, bk, bv = attn.in_proj_bias.split(D)
+    outs, weights = [], []
+    for h in range(H):
+        rows = slice(h * d, (h + 1) * d)
+        q = x @ Wq[rows].t() + bq[rows]
+        k = x @ Wk[rows].t() + bk[rows]
+        v = x @ Wv[rows].t() + bv[rows]
+        w = torch.softmax(q @ k.transpose(1, 2) / d ** 0.5 + mask[:, h], dim=-1)  # [B, L, L]
+        outs.append(w @ v)
+        weights.append(w)
+    return attn.out_proj(torch.cat(outs, dim=-1)), torch.stack(weights, dim=1)
+
+
+@pytest.mark.parametrize("per_image", [False, True])
+def test_masked_attention_equals_explicit_per_head_softmax(per_image):
+    torch.manual_seed(0)
+    B, L, D, H = 3, 7, 32, 4
+    attn = MultiheadAttention(D, H)
+    x = torch.randn(B, L, D)
+    shape = (B, H, L, L) if per_image else (H, L, L)
+    mask = torch.randn(shape)  # a different additive mask for every head
+    mask = mask.masked_fill(torch.rand(shape) < 0.3, float("-inf"))
+    mask = mask.masked_fill(torch.eye(L, dtype=torch.bool), 0.0)  # every query keeps at least itself
+    full = mask.expand(B, H, L, L)
+    expected, expected_w = _explicit_attention(attn, x, full)
+    out_fast = attn(x, attn_mask=mask)
+    out_plain, w = attn(x, attn_mask=mask, need_weights=True)
+    assert torch.allclose(out_fast, expected, atol=1e-5)
+    assert torch.allclose(out_plain, expected, atol=1e-5)
+    assert w.shape == (B, H, L, L) and torch.allclose(w, expected_w, atol=1e-6)
+    assert torch.all(w[torch.isinf(full)] == 0)
+
+
+def test_blocked_key_column_gets_zero_weight_isolates_and_passes_gradients():
+    torch.manual_seed(0)
+    B, L, D, H, j = 2, 6, 32, 4, 2
+    attn = MultiheadAttention(D, H)
+    mask = torch.zeros(H, L, L)
+    mask[:, :, j] = float("-inf")  # nobody may look at token j ...
+    mask[:, j, j] = 0.0  # ... except token j itself, so its row stays valid
+    x = torch.randn(B, L, D, requires_grad=True)
+    out, w = attn(x, attn_mask=mask, need_weights=True)
+    others = [i for i in range(L) if i != j]
+    assert torch.all(w[:, :, others, j] == 0)
+    # the other tokens' outputs do not depend on token j at all
+    out[:, others].sum().backward()
+    assert x.grad[:, j].abs().max() == 0
+    assert x.grad[:, others].abs().min() > 0
+    # and gradients reach the weights on the fast path too
+    attn.zero_grad()
+    attn(x.detach(), attn_mask=mask).square().sum().backward()
+    for p in attn.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    with pytest.raises(TypeError, match="additive float mask"):
+        attn(x, attn_mask=mask == 0)
+
+
+def test_seams_compose_to_the_encoders(tiny_model):
+    m = tiny_model
+    images = _images()
+    tokens = clip.tokenize(["a photo of a cat.", "two dogs"])
+    with torch.no_grad():
+        x = m.visual.embed(images)
+        assert x.shape == (2, 1 + m.visual.num_patches, m.visual.width)
+        full = m.visual.run_blocks(x, 0, m.visual.layers)
+        for k in range(m.visual.layers + 1):
+            split = m.visual.run_blocks(m.visual.run_blocks(x, 0, k), k, m.visual.layers)
+            assert torch.allclose(split, full, atol=1e-6)
+        assert torch.equal(m.encode_image(images), m.visual.head(full[:, 0]))
+        # a per-block list of masks; all-zero masks (one per head) change nothing
+        zeros = [torch.zeros(m.visual.heads, x.shape[1], x.shape[1]), None, None, torch.zeros(1, 1)]
+        assert torch.allclose(m.visual.run_blocks(x, 0, 4, attn_mask=zeros), full, atol=1e-6)
+        with pytest.raises(ValueError, match="one per block"):
+            m.visual.run_blocks(x, 0, 4, attn_mask=[None])
+        # head works on several tokens at once
+        assert m.visual.head(full).shape == (2, x.shape[1], m.visual.output_dim)
+
+        t = m.embed_text(tokens)
+        L = m.transformer.layers
+        text = m.text_head(m.run_text_blocks(t, 0, L), tokens.argmax(-1))
+        assert torch.equal(m.encode_text(tokens), text)
+        split = m.run_text_blocks(m.run_text_blocks(t, 0, 1), 1, L)
+        assert torch.allclose(m.text_head(split, tokens.argmax(-1)), text, atol=1e-6)
+        # causal: cutting the padding after EOT leaves the features unchanged
+        short = tokens[:, :10]
+        assert torch.allclose(m.encode_text(short), text, atol=1e-5)
+
+
+def test_build_model_infers_released_sizes_and_rejects_resnets():
+    meta = lambda *s: torch.empty(*s, device="meta")  # shapes only, no memory
+    sd = {"visual.proj": meta(1024, 768), "visual.conv1.weight": meta(1024, 3, 14, 14),
+          "visual.positional_embedding": meta(577, 1024), "text_projection": meta(768, 768),
+          "positional_embedding": meta(77, 768), "token_embedding.weight": meta(49408, 768),
+          "ln_final.weight": meta(768)}
+    sd.update({f"visual.transformer.resblocks.{i}.attn.in_proj_weight": meta(3072, 1024) for i in range(24)})
+    sd.update({f"transformer.resblocks.{i}.attn.in_proj_weight": meta(2304, 768) for i in range(12)})
+    cfg = infer_config(sd)  # ViT-L/14@336px
+    assert cfg == dict(embed_dim=768, image_resolution=336, vision_layers=24, vision_width=1024,
+                       vision_patch_size=14, context_length=77, vocab_size=49408, transformer_width=768,
+                       transformer_heads=12, transformer_layers=12, vision_heads=16)
+    with pytest.raises(NotImplementedError, match="ResNet"):
+        build_model({"visual.layer1.0.conv1.weight": torch.zeros(1), "visual.attnpool.c_proj.weight": torch.zeros(1)})
+
+
+def _vit_b16_state_dict():
+    """Random tensors under exactly the keys and shapes of OpenAI's ViT-B/16 checkpoint."""
+    pool = torch.randn(26_000_000, generator=torch.Generator().manual_seed(0)) * 0.02
+    offsets = iter(range(0, 10**9, 104_729))
+
+    def r(*shape):  # random values as views into one pool (150M fresh normals would be slow to draw)
+        n = torch.Size(shape).numel()
+        start = next(offsets) % (pool.numel() - n + 1)
+        return pool[start:start + n].view(shape)
+
+    sd = {"positional_embedding": r(77, 512), "text_projection": r(512, 512), "logit_scale": torch.tensor(4.6052),
+          "token_embedding.weight": r(49408, 512), "ln_final.weight": torch.ones(512), "ln_final.bias": r(512),
+          "visual.class_embedding": r(768), "visual.positional_embedding": r(197, 768), "visual.proj": r(768, 512),
+          "visual.conv1.weight": r(768, 3, 16, 16), "visual.ln_pre.weight": torch.ones(768),
+          "visual.ln_pre.bias": r(768), "visual.ln_post.weight": torch.ones(768), "visual.ln_post.bias": r(768)}
+    for prefix, D in (("transformer", 512), ("visual.transformer", 768)):
+        for i in range(12):
+            p = f"{prefix}.resblocks.{i}."
+            sd.update({p + "attn.in_proj_weight": r(3 * D, D), p + "attn.in_proj_bias": r(3 * D),
+                       p + "attn.out_proj.weight": r(D, D), p + "attn.out_proj.bias": r(D),
+                       p + "ln_1.weight": torch.ones(D), p + "ln_1.bias": r(D),
+                       p + "mlp.c_fc.weight": r(4 * D, D), p + "mlp.c_fc.bias": r(4 * D),
+                       p + "mlp.c_proj.weight": r(D, 4 * D), p + "mlp.c_proj.bias": r(D),
+                       p + "ln_2.weight": torch.ones(D), p + "ln_2.bias": r(D)})
+    return sd
+
+
+def test_vit_b16_sized_state_dict_loads_strictly_and_runs():
+    sd = _vit_b16_state_dict()
+    assert len(sd) == 302
+    model = build_model(sd)
+    assert sum(p.numel() for p in model.parameters()) == 149_620_737
+    v = model.visual
+    assert (v.input_resolution, v.patch_size, v.width, v.layers, v.heads) == (224, 16, 768, 12, 12)
+    assert (model.transformer.heads, model.transformer.layers, model.context_length) == (8, 12, 77)
+    with torch.no_grad():
+        img = model.encode_image(_images(1, 224))
+        txt = model.encode_text(clip.tokenize([f"a photo of a number {i}." for i in range(10)]))
+    assert img.shape == (1, 512) and txt.shape == (10, 512)
+    assert torch.isfinite(img).all() and torch.isfinite(txt).all()
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def test_tokenizer_known_ids_padding_and_dtype():
+    # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c at</w>" -> 2368;
+    # byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
+    t = clip.tokenize(["a photo of a cat.", "Hello   World!"])
+    assert t.shape == (2, 77) and t.dtype == torch.int32
+    assert t[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407]
+    assert t[1, :5].tolist() == [49406, 3306, 1002, 256, 49407]  # lower-cased, whitespace collapsed
+    assert t[0, 8:].eq(0).all() and t[1, 5:].eq(0).all()
+    tok = get_tokenizer()
+    assert len(tok.encoder) == 49408
+    # a word with no whole-word merge: only "b n" applies (rank 9984), z x q v stay single bytes
+    assert tok.encode("zxqvbnm") == [89, 87, 80, 85, 10496, 332]
+    assert tok.encode("don't") == [847, 713]  # contraction split off
+    assert tok.decode(tok.encode("A photo of a CAT.")) == "a photo of a cat . "
+
+
+def test_tokenizer_unicode_and_html():
+    tok = get_tokenizer()
+    assert tok.encode("fish &amp; chips") == tok.encode("fish & chips") == [2759, 261, 8855]
+    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode("fish & chips")  # ftfy unescapes ...
+    assert tok.encode("x < y &amp;amp; z") == tok.encode("x < y & z")  # ... but not beside "<": unescape twice
+    assert tok.encode("café") == [15304]  # UTF-8 bytes of é are symbols "Ã©"
+    assert tok.encode("cafÃ©") == tok.encode("café")  # ftfy repairs mojibake
+    assert tok.decode(tok.encode("naïve 東京 ❤")) == "naïve 東京 ❤ "  # any text round-trips
+    assert tok.encode("a\n\tphoto") == tok.encode("a photo")
+
+
+def test_tokenize_too_long_raises_or_truncates():
+    fits = " ".join(["a"] * 75)  # 75 words + SOT + EOT = 77
+    assert clip.tokenize(fits)[0, -1] == 49407
+    too_long = " ".join(["a"] * 76)
+    with pytest.raises(ValueError, match="context length 77.*truncate=True"):
+        clip.tokenize(too_long)
+    t = clip.tokenize(too_long, truncate=True)
+    assert t.shape == (1, 77) and t[0, 0] == 49406 and t[0, -1] == 49407 and (t[0, 1:-1] == 320).all()
+    assert clip.tokenize("a cat", context_length=5)[0].tolist() == [49406, 320, 2368, 49407, 0]
+
+
+# ---------------------------------------------------------------- loading and downloading
+
+class _Archive(nn.Module):
+    """Holds a CLIP's weights under the same names plus the JIT extras, the way OpenAI's archives do."""
+
+    def __init__(self, model):
+        super().__init__()
+        for name, child in model.named_children():
+            setattr(self, name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for key, value in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408)):
+            self.register_buffer(key, torch.tensor(value))
+
+    def forward(self, x):
+        return x * self.logit_scale.exp()
+
+
+def test_load_torchscript_archive_and_plain_state_dicts(tmp_path):
+    ref = tiny_clip(seed=5)
+    archive = torch.jit.trace(_Archive(tiny_clip(seed=5)).half(), torch.ones(2, dtype=torch.half))
+    archive.save(str(tmp_path / "archive.pt"))  # fp16 weights, as published
+    sd = tiny_state_dict(seed=5)
+    torch.save(sd, tmp_path / "plain.pt")
+    torch.save({"state_dict": sd, "epoch": 3}, tmp_path / "wrapped.pt")
+    images, tokens = _images(), clip.tokenize(["a cat"])
+
+    m, preprocess = clip.load(str(tmp_path / "archive.pt"), device="cpu")
+    assert m.visual.conv1.weight.dtype == torch.float32 and not m.training
+    for k, v in ref.state_dict().items():  # the fp16-rounded weights of the reference
+        assert torch.equal(m.state_dict()[k], v.half().float()), k
+    assert m.sha256 == hashlib.sha256((tmp_path / "archive.pt").read_bytes()).hexdigest()
+
+    for name in ("plain.pt", "wrapped.pt"):
+        m, _ = clip.load(str(tmp_path / name), device="cpu")
+        assert m.name == str(tmp_path / name)
+        with torch.no_grad():
+            assert torch.equal(m.encode_image(images), ref.encode_image(images))
+            assert torch.equal(m.encode_text(tokens), ref.encode_text(tokens))
+
+    from PIL import Image
+    x = preprocess(Image.new("L", (64, 48), color=128))  # grey, non-square, one channel
+    assert x.shape == (3, 32, 32)
+    assert torch.allclose(x[:, 0, 0], (128 / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD), atol=1e-3)
+
+
+def test_load_rejects_corrupt_files_and_unknown_names(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(ValueError, match="neither a TorchScript archive nor a state dict"):
+        clip.load(str(bad), device="cpu")
+    torch.save({"visual.proj": torch.zeros(2, 2)}, tmp_path / "partial.pt")
+    with pytest.raises(ValueError, match="not a complete CLIP checkpoint"):
+        clip.load(str(tmp_path / "partial.pt"), device="cpu")
+    with pytest.raises(ValueError, match="not found.*ViT-B/16"):
+        clip.load("ViT-H/99", device="cpu")
+
+
+@pytest.fixture
+def server(tmp_path):
+    """An http.server on 127.0.0.1 serving tmp_path/www; `server.hits` counts the GET requests."""
+    www = tmp_path / "www"
+    www.mkdir()
+    hits = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(www), **kw)
+
+        def do_GET(self):
+            hits.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield types.SimpleNamespace(www=www, hits=hits, url=f"http://127.0.0.1:{httpd.server_address[1]}")
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _publish(server, data, sha=None):
+    sha = sha or hashlib.sha256(data).hexdigest()
+    (server.www / sha).mkdir()
+    (server.www / sha / "ViT-T-8.pt").write_bytes(data)
+    return f"{server.url}/{sha}/ViT-T-8.pt", hashlib.sha256(data).hexdigest()
+
+
+def test_download_checks_sha_caches_and_refetches(tmp_path, server, monkeypatch):
+    torch.save(tiny_state_dict(seed=2), tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    url, sha = _publish(server, data)
+    monkeypatch.setattr(clip, "MODELS", {"ViT-T/8": url})
+    cache = tmp_path / "cache"
+
+    m, _ = clip.load("ViT-T/8", device="cpu", download_root=str(cache))
+    assert (m.name, m.sha256, len(server.hits)) == ("ViT-T/8", sha, 1)
+    assert os.listdir(cache) == ["ViT-T-8.pt"]  # no temporary files left
+    clip.load("ViT-T/8", device="cpu", download_root=str(cache))
+    assert len(server.hits) == 1  # served from the cache
+
+    (cache / "ViT-T-8.pt").write_bytes(b"damaged")  # a cached file with the wrong checksum ...
+    clip.load("ViT-T/8", device="cpu", download_root=str(cache))
+    assert len(server.hits) == 2  # ... is fetched again
+    assert (cache / "ViT-T-8.pt").read_bytes() == data
+
+    # a local copy of a published file is recognised by its checksum
+    assert clip.load(str(tmp_path / "ckpt.pt"), device="cpu")[0].name == "ViT-T/8"
+
+
+def test_download_mismatch_and_failure_raise_and_keep_nothing(tmp_path, server, monkeypatch):
+    wrong = "0" * 64
+    url, actual = _publish(server, b"some other bytes", sha=wrong)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError) as e:
+        clip.download(url, str(cache))
+    assert url in str(e.value) and wrong in str(e.value) and actual in str(e.value)
+    assert os.listdir(cache) == []
+    missing = f"{server.url}/{'1' * 64}/nothing.pt"
+    with pytest.raises(RuntimeError, match="download of .*nothing.pt failed"):
+        clip.download(missing, str(cache))
+    assert os.listdir(cache) == []
+
+
+def test_cache_dir_and_toy_hook(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "env"))
+    assert clip.cache_dir() == str(tmp_path / "env")
+    assert clip.cache_dir(str(tmp_path / "root")) == str(tmp_path / "root")
+    monkeypatch.delenv("CLIP_CACHE")
+    assert clip.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "clip")
+    assert clip.available_models() == ["ViT-B/32", "ViT-B/16", "ViT-L/14", "ViT-L/14@336px", "toy"]
+
+    calls = []
+
+    def ensure_pretrained(cache_dir):
+        calls.append(cache_dir)
+        path = os.path.join(cache_dir, "toy.pt")
+        torch.save(tiny_state_dict(seed=7), path)
+        return path
+
+    monkeypatch.setitem(sys.modules, "toyworld", types.SimpleNamespace(ensure_pretrained=ensure_pretrained))
+    m, _ = clip.load("toy", device="cpu", download_root=str(tmp_path))
+    assert calls == [str(tmp_path)] and m.name == "toy"
+    assert m.visual.heads == 4  # head counts come from the checkpoint's extra entries
