@@ -1,0 +1,561 @@
+"""Every results.json under an output root -> the paper's tables, in Markdown and CSV.
+
+    python tables.py --out runs          # writes runs/tables/tables.md and runs/tables/table*.csv
+
+Each cell computed here is the mean over seeds, with the standard deviation over seeds (np.std,
+ddof=0, as CoOp's parse_test_res.py) and the number of seeds. Base-to-novel HM follows CoOp:
+HM = 2BN/(B+N) of the seed-averaged B and N, and the "Average" row is the HM of the averaged base
+and novel accuracies (not the mean of the per-dataset HMs). A cell with no run behind it is "–":
+nothing is ever filled in. Published numbers sit in one table, PUBLISHED, with their sources; they
+are printed only for the ViT-B/16 backbone, the one they were measured on.
+"""
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import re
+import sys
+
+# ----------------------------------------------------------------------------------------------
+# Datasets in the paper's table order (the same names as data.py's B2N_DATASETS / DG_TARGETS).
+
+B2N_DATASETS = ("imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers",
+                "food101", "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101")
+DG_TARGETS = ("imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+XD_TARGETS = B2N_DATASETS[1:]   # cross-dataset: the ImageNet model on the other 10 datasets
+SHOTS = (1, 2, 4, 8, 16)
+PAPER_BACKBONE = "ViT-B/16"     # published numbers are shown only next to runs of this backbone
+AVG = "average"                 # dataset key of the "Average" row/column in PUBLISHED
+
+PRETTY = {"imagenet": "ImageNet", "caltech101": "Caltech101", "oxford_pets": "OxfordPets",
+          "stanford_cars": "StanfordCars", "oxford_flowers": "Flowers102", "food101": "Food101",
+          "fgvc_aircraft": "FGVCAircraft", "sun397": "SUN397", "dtd": "DTD", "eurosat": "EuroSAT",
+          "ucf101": "UCF101", "imagenetv2": "ImageNet-V2", "imagenet_sketch": "ImageNet-Sketch",
+          "imagenet_a": "ImageNet-A", "imagenet_r": "ImageNet-R", "toyworld": "ToyWorld", AVG: "Average"}
+
+OURS_CLIP = "CLIP (zero-shot, this code)"
+OURS_DEAR = "DeAR (this code)"
+PAPER_DEAR = "DeAR (paper)"
+
+# ----------------------------------------------------------------------------------------------
+# Published numbers (ViT-B/16, 16 shots, mean of 3 seeds). One row per number:
+#   (row label, protocol, dataset, metric, value, note)
+# protocol: "b2n" (metric base/novel/hm) or "dg"/"xd" (metric "acc"); dataset AVG = the paper's
+# average. note: "" = printed as published; "derived" = not printed anywhere, computed from
+# printed numbers (explained in NOTES); "recalled"/"approx" = see NOTES.
+# Sources: ../research/paper.md §5 (DeAR: the paper's benchmark page and the seed documents of
+# this reproduction) and ../research/anchors.md §5.6 (CLIP, MMRL: their own papers).
+
+PUBLISHED = [
+    # DeAR, base-to-novel: average base and two per-dataset bases (paper's benchmark page),
+    # average HM (seed documents); average novel derived from "+1.83 novel over MMRL" (77.16).
+    (PAPER_DEAR, "b2n", AVG, "base", 85.94, ""),
+    (PAPER_DEAR, "b2n", AVG, "novel", 78.99, "derived"),
+    (PAPER_DEAR, "b2n", AVG, "hm", 82.72, ""),
+    (PAPER_DEAR, "b2n", "dtd", "base", 83.9, ""),
+    (PAPER_DEAR, "b2n", "imagenet", "base", 78.12, ""),
+    # DeAR, domain generalisation and cross-dataset (seed documents).
+    (PAPER_DEAR, "dg", "imagenet_a", "acc", 51.80, ""),
+    (PAPER_DEAR, "dg", "imagenet_r", "acc", 78.83, ""),
+    (PAPER_DEAR, "xd", AVG, "acc", 67.60, ""),
+]
+# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> (base, novel, hm).
+_B2N_REFERENCE = {
+    "CLIP (published)": {
+        "imagenet": (72.43, 68.14, 70.22), "caltech101": (96.84, 94.00, 95.40),
+        "oxford_pets": (91.17, 97.26, 94.12), "stanford_cars": (63.37, 74.89, 68.65),
+        "oxford_flowers": (72.08, 77.80, 74.83), "food101": (90.10, 91.22, 90.66),
+        "fgvc_aircraft": (27.19, 36.29, 31.09), "sun397": (69.36, 75.35, 72.23),
+        "dtd": (53.24, 59.90, 56.37), "eurosat": (56.48, 64.05, 60.03),
+        "ucf101": (70.53, 77.50, 73.85), AVG: (69.34, 74.22, 71.70)},
+    "MMRL (published)": {
+        "imagenet": (77.90, 71.30, 74.45), "caltech101": (98.97, 94.50, 96.68),
+        "oxford_pets": (95.90, 97.60, 96.74), "stanford_cars": (81.30, 75.07, 78.06),
+        "oxford_flowers": (98.97, 77.27, 86.78), "food101": (90.57, 91.50, 91.03),
+        "fgvc_aircraft": (46.30, 37.03, 41.15), "sun397": (83.20, 79.30, 81.20),
+        "dtd": (85.67, 65.00, 73.82), "eurosat": (95.60, 80.17, 87.21),
+        "ucf101": (88.10, 80.07, 83.89), AVG: (85.68, 77.16, 81.20)},
+}
+for _row, _table in _B2N_REFERENCE.items():
+    for _ds, _bnh in _table.items():
+        for _metric, _value in zip(("base", "novel", "hm"), _bnh):
+            PUBLISHED.append((_row, "b2n", _ds, _metric, _value, "recalled" if _row.startswith("CLIP") else ""))
+# Domain generalisation, all classes (anchors §5.6 for CLIP, research/paper.md §5.2 for MMRL).
+for _ds, _clip, _mmrl in zip(("imagenet",) + DG_TARGETS, (66.7, 60.8, 46.2, 47.8, 74.0),
+                             (72.03, 64.47, 49.17, 51.20, 77.53)):
+    PUBLISHED.append(("CLIP (published)", "dg", _ds, "acc", _clip, "recalled"))
+    PUBLISHED.append(("MMRL (published)", "dg", _ds, "acc", _mmrl, ""))
+PUBLISHED.append(("MMRL (published)", "xd", AVG, "acc", 67.25, "approx"))
+
+NOTES = {
+    "derived": "derived, not printed by the paper: MMRL's average novel 77.16 + the paper's "
+               "\"+1.83 novel over MMRL\" = 78.99. The seed documents are not fully consistent: "
+               "HM(85.94, 78.99) = 82.32, while the average HM they give is 82.72; both are printed as given.",
+    "recalled": "recalled from the CoOp/CoCoOp/MaPLe papers (research/anchors.md §5.6); the "
+                "base-to-novel rows reproduce their published averages.",
+    "approx": "approximate (\"about 67.25\", research/paper.md §5.2).",
+    "mmrl_dtd": "MMRL DTD HM 73.82 as recalled; 2BN/(B+N) of its base/novel gives 73.92.",
+    "avg_of_published": "average of the published per-target numbers, computed here.",
+}
+
+
+def published(row, protocol, dataset, metric):
+    """(value, note) of a published number, or None."""
+    for r, p, d, m, v, note in PUBLISHED:
+        if (r, p, d, m) == (row, protocol, dataset, metric):
+            return v, note
+    return None
+
+
+def published_rows(protocol):
+    """Row labels that have published numbers for a protocol, DeAR last."""
+    rows = []
+    for r, p, *_ in PUBLISHED:
+        if p == protocol and r not in rows:
+            rows.append(r)
+    return sorted(rows, key=lambda r: r == PAPER_DEAR)
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+
+
+class Cell:
+    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a published value."""
+
+    def __init__(self, mean, std=None, n=None, note=""):
+        self.mean, self.std, self.n, self.note = mean, std, n, note
+
+    def text(self):
+        mark = {"derived": "†", "approx": "≈", "avg": "*"}.get(self.note, "")
+        if self.n is None:                                   # a published number
+            return f"{mark}{self.mean:.2f}" if mark == "≈" else f"{self.mean:.2f}{mark}"
+        return f"{self.mean:.2f} ± {self.std:.2f} (n={self.n})"
+
+
+def hm(base, novel):
+    """Harmonic mean 2BN/(B+N); 0 if both are 0."""
+    return 0.0 if base + novel == 0 else 2 * base * novel / (base + novel)
+
+
+def mean_std(values):
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
+def seed_cell(by_seed):
+    """{seed: accuracy} -> Cell over the seeds, or None when there is none."""
+    if not by_seed:
+        return None
+    m, s = mean_std(list(by_seed.values()))
+    return Cell(m, s, len(by_seed))
+
+
+def hm_cell(base, novel):
+    """HM of the seed-averaged base and novel; its std is over the per-seed HMs."""
+    if not base or not novel:
+        return None
+    seeds = sorted(set(base) & set(novel))
+    _, s = mean_std([hm(base[k], novel[k]) for k in seeds]) if seeds else (0.0, 0.0)
+    return Cell(hm(mean_std(list(base.values()))[0], mean_std(list(novel.values()))[0]), s, len(seeds))
+
+
+def average_by_seed(tables):
+    """[{seed: acc} per dataset] -> {seed: mean over datasets} for the seeds every dataset has.
+    Returns None when a dataset has no value at all (an average over fewer datasets is not shown)."""
+    if not tables or any(not t for t in tables):
+        return None
+    seeds = set.intersection(*(set(t) for t in tables))
+    return {k: sum(t[k] for t in tables) / len(tables) for k in sorted(seeds)}
+
+
+def average_cell(tables):
+    """Mean over datasets of the per-dataset seed means; std/n over the seeds all datasets share."""
+    if not tables or any(not t for t in tables):
+        return None
+    mean = sum(mean_std(list(t.values()))[0] for t in tables) / len(tables)
+    per_seed = average_by_seed(tables)
+    s = mean_std(list(per_seed.values()))[1] if per_seed else 0.0
+    return Cell(mean, s, len(per_seed))
+
+# ----------------------------------------------------------------------------------------------
+# Reading runs
+
+
+# dear.py names a run folder after its non-default flags, "<field>-<value>" joined by "_" (fields may
+# contain "_" themselves, so the split needs the field names). Schedule fields (epochs, batch size, lr)
+# do not change the method: a run with only those is the method's row, and the notes say so.
+VARIANT_FIELDS = ("J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask", "attr_tokens",
+                  "novel_logits", "epochs", "batch_size", "lr", "roles")
+SCHEDULE_FIELDS = ("epochs", "batch_size", "lr")
+_PART = re.compile(r"(%s)-(.*?)(?=_(?:%s)-|$)" % ("|".join(VARIANT_FIELDS), "|".join(VARIANT_FIELDS)))
+
+
+def variant_parts(variant):
+    """'mask-none_epochs-1' -> ['mask-none', 'epochs-1']; 'default' -> []."""
+    if not variant or variant == "default":
+        return []
+    parts = [f"{m.group(1)}-{m.group(2)}" for m in _PART.finditer(variant)]
+    return parts if "_".join(parts) == variant else [variant]   # unknown format: keep it whole
+
+
+def method_key(variant, baseline="default"):
+    """The ablation a variant stands for: its parts minus schedule parts minus the baseline's parts.
+    "" = the full method with its defaults."""
+    base = set(variant_parts(baseline))
+    return "_".join(p for p in variant_parts(variant)
+                    if p.split("-", 1)[0] not in SCHEDULE_FIELDS and p not in base)
+
+
+def load_runs(out, baseline="default"):
+    """Every results.json under `out` (the tables folder excluded), as dicts; broken files are reported.
+    Each run gets "_key" (method_key of its variant) and "_schedule" (its non-default schedule parts)."""
+    runs = []
+    for folder, dirs, files in os.walk(out):
+        dirs[:] = sorted(d for d in dirs if d != "tables")
+        if "results.json" in files:
+            path = os.path.join(folder, "results.json")
+            try:
+                with open(path) as f:
+                    run = json.load(f)
+                run["_path"] = path
+                run["_key"] = method_key(run.get("variant", "default"), baseline)
+                run["_schedule"] = [p for p in variant_parts(run.get("variant", "default"))
+                                    if p.split("-", 1)[0] in SCHEDULE_FIELDS]
+                runs.append(run)
+            except (OSError, ValueError) as e:
+                print(f"tables.py: skipping unreadable {path}: {e}", file=sys.stderr)
+    return runs
+
+
+def accuracies(runs, protocol, method, key="", shots=None, backbone=None):
+    """{(eval dataset, split): {seed: accuracy}} over the matching runs (key: see method_key).
+    Zero-shot runs match any shots and variant (neither changes zero-shot CLIP). When two runs fill the
+    same cell, the one with the default schedule wins."""
+    table = {}
+    for r in sorted(runs, key=lambda r: -len(r["_schedule"])):
+        if (r.get("protocol"), r.get("method")) != (protocol, method):
+            continue
+        if backbone is not None and r.get("backbone") != backbone:
+            continue
+        if method != "zeroshot" and (r["_key"] != key or (shots is not None and r.get("shots") != shots)):
+            continue
+        for e in r.get("evals", []):
+            # xd runs evaluate on their own source too: key it by the source name either way
+            table.setdefault((e["dataset"], e["split"]), {})[r.get("seed", 1)] = float(e["accuracy"])
+    return table
+
+
+def datasets_listed(paper_list, found, always=False):
+    """The paper's datasets (all of them, missing ones shown as "–") when any was run or `always`,
+    then the other datasets found (e.g. the toy world)."""
+    extras = sorted(d for d in found if d not in paper_list)
+    return (list(paper_list) if always or any(d in paper_list for d in found) else []) + extras
+
+# ----------------------------------------------------------------------------------------------
+# Tables. Each returns (title, header, rows, notes); a row is [label cells...] of str/Cell/None.
+
+
+def _published_cell(row, protocol, dataset, metric):
+    p = published(row, protocol, dataset, metric)
+    return None if p is None else Cell(p[0], note=p[1])
+
+
+def _delta(ours, paper):
+    return None if ours is None or paper is None else f"{ours.mean - paper.mean:+.2f}"
+
+
+def table_b2n(runs, backbone):
+    zs = accuracies(runs, "b2n", "zeroshot", backbone=backbone)
+    de = accuracies(runs, "b2n", "dear", backbone=backbone)
+    found = {d for d, _ in list(zs) + list(de)}
+    show_paper = backbone == PAPER_BACKBONE
+    names = datasets_listed(B2N_DATASETS, found, always=show_paper)
+    rows = []
+    for ds in [AVG] + names:
+        ours = {}
+        for label, acc in ((OURS_CLIP, zs), (OURS_DEAR, de)):
+            if ds == AVG:
+                base = [acc.get((d, "base"), {}) for d in names]
+                novel = [acc.get((d, "novel"), {}) for d in names]
+                b, n = average_cell(base), average_cell(novel)
+                h = None
+                if b and n:   # HM of the averaged base and novel, as the paper does
+                    pb, pn = average_by_seed(base), average_by_seed(novel)
+                    _, s = mean_std([hm(pb[k], pn[k]) for k in pb]) if pb else (0, 0)
+                    h = Cell(hm(b.mean, n.mean), s, len(pb))
+            else:
+                b, n = seed_cell(acc.get((ds, "base"))), seed_cell(acc.get((ds, "novel")))
+                h = hm_cell(acc.get((ds, "base")), acc.get((ds, "novel")))
+            ours[label] = (b, n, h)
+        rows.append([PRETTY.get(ds, ds), OURS_CLIP, *ours[OURS_CLIP]])
+        paper = {}
+        if show_paper:
+            for label in published_rows("b2n"):
+                paper[label] = [_published_cell(label, "b2n", ds, m) for m in ("base", "novel", "hm")]
+            clip_pub = paper.get("CLIP (published)")
+            if clip_pub and any(clip_pub):
+                rows.append(["", "CLIP (published)", *clip_pub])
+                rows.append(["", "Δ CLIP: this code − published",
+                             *[_delta(o, p) for o, p in zip(ours[OURS_CLIP], clip_pub)]])
+            if any(paper.get("MMRL (published)", [])):
+                rows.append(["", "MMRL (published)", *paper["MMRL (published)"]])
+        rows.append(["", OURS_DEAR, *ours[OURS_DEAR]])
+        if show_paper and any(paper.get(PAPER_DEAR, [])):
+            rows.append(["", PAPER_DEAR, *paper[PAPER_DEAR]])
+            rows.append(["", "Δ DeAR: this code − paper",
+                         *[_delta(o, p) for o, p in zip(ours[OURS_DEAR], paper[PAPER_DEAR])]])
+    notes = [f"Average = HM of the base and novel accuracies averaged over the {len(names)} datasets; "
+             "shown only when every dataset has a result."]
+    if show_paper:
+        notes += ["† " + NOTES["derived"], "CLIP (published): " + NOTES["recalled"], NOTES["mmrl_dtd"]]
+    return ("Table 1. Base-to-novel generalisation (16 shots): base / novel / HM",
+            ["Dataset", "Method", "Base", "Novel", "HM"], rows, notes)
+
+
+def _transfer_table(runs, backbone, protocol, targets, title, source_col):
+    """Shared by DG and XD: columns = (source,) + targets + average of the targets; all from xd runs."""
+    zs = accuracies(runs, "xd", "zeroshot", backbone=backbone)
+    de = accuracies(runs, "xd", "dear", backbone=backbone)
+    sources = sorted({r["dataset"] for r in runs if r.get("protocol") == "xd"
+                      and (backbone is None or r.get("backbone") == backbone)}) or ["imagenet"]
+    found = {d for d, _ in list(zs) + list(de) if d not in sources}
+    if protocol == "dg":
+        cols = list(targets)
+    else:  # xd: the 10 datasets plus anything evaluated that is neither a source nor a DG target
+        cols = datasets_listed(targets, {d for d in found if d not in DG_TARGETS}, always=backbone == PAPER_BACKBONE)
+    if not cols:
+        return None
+    show_paper = backbone == PAPER_BACKBONE
+
+    def ours(acc):  # source column(s), one column per target, then the average of the targets
+        return [seed_cell(acc.get((s, "all"))) for s in sources] \
+            + [seed_cell(acc.get((d, "all"))) for d in cols] + [average_cell([acc.get((d, "all"), {}) for d in cols])]
+
+    clip_ours, dear_ours = ours(zs), ours(de)
+    rows = [[OURS_CLIP, *clip_ours]]
+    if show_paper:
+        clip_pub = _published_row("CLIP (published)", protocol, sources, cols)
+        if any(clip_pub):
+            rows += [["CLIP (published)", *clip_pub],
+                     ["Δ CLIP: this code − published", *[_delta(o, p) for o, p in zip(clip_ours, clip_pub)]]]
+        rows.append(["MMRL (published)", *_published_row("MMRL (published)", protocol, sources, cols)])
+    rows.append([OURS_DEAR, *dear_ours])
+    if show_paper:
+        pub = _published_row(PAPER_DEAR, protocol, sources, cols)
+        rows += [[PAPER_DEAR, *pub], ["Δ DeAR: this code − paper", *[_delta(o, p) for o, p in zip(dear_ours, pub)]]]
+    header = ["Method"] + [f"{PRETTY.get(s, s)} {source_col}" for s in sources] \
+        + [PRETTY.get(d, d) for d in cols] + ["Average"]
+    notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
+             "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
+             "on every target without further training."]
+    if show_paper and protocol == "dg":
+        notes += ["CLIP (published): " + NOTES["recalled"], "* " + NOTES["avg_of_published"]]
+    elif show_paper:
+        notes += ["≈ " + NOTES["approx"]]
+    return title, header, rows, notes
+
+
+def _published_row(label, protocol, sources, cols):
+    """Published cells for a DG/XD row; the target average is computed when all targets are known."""
+    cells = [_published_cell(label, protocol, s, "acc") for s in sources]
+    tgt = [_published_cell(label, protocol, d, "acc") for d in cols]
+    avg = _published_cell(label, protocol, AVG, "acc")
+    if avg is None and tgt and all(tgt):
+        avg = Cell(sum(c.mean for c in tgt) / len(tgt), note="avg")
+    return cells + tgt + [avg]
+
+
+def table_dg(runs, backbone):
+    return _transfer_table(runs, backbone, "dg", DG_TARGETS,
+                           "Table 2. Domain generalisation: ImageNet source -> ImageNet variants", "(source)")
+
+
+def table_xd(runs, backbone):
+    return _transfer_table(runs, backbone, "xd", XD_TARGETS,
+                           "Table 3. Cross-dataset transfer: ImageNet source -> 10 datasets", "(source)")
+
+
+def table_fewshot(runs, backbone):
+    zs = accuracies(runs, "fewshot", "zeroshot", backbone=backbone)
+    by_shot = {k: accuracies(runs, "fewshot", "dear", shots=k, backbone=backbone) for k in SHOTS}
+    extra = sorted({r.get("shots") for r in runs if r.get("protocol") == "fewshot"
+                    and r.get("method") == "dear" and r.get("shots") not in SHOTS} - {None})
+    by_shot.update({k: accuracies(runs, "fewshot", "dear", shots=k, backbone=backbone) for k in extra})
+    found = {d for acc in [zs, *by_shot.values()] for d, _ in acc}
+    if not found:
+        return None
+    names = datasets_listed(B2N_DATASETS, found)
+    rows = [[OURS_CLIP, *[seed_cell(zs.get((d, "all"))) for d in names],
+             average_cell([zs.get((d, "all"), {}) for d in names])]]
+    for k in sorted(by_shot):
+        acc = by_shot[k]
+        rows.append([f"DeAR {k}-shot (this code)", *[seed_cell(acc.get((d, "all"))) for d in names],
+                     average_cell([acc.get((d, "all"), {}) for d in names])])
+    return ("Table 4. Few-shot classification (all classes): accuracy per number of shots",
+            ["Method"] + [PRETTY.get(d, d) for d in names] + ["Average"], rows,
+            ["The paper's few-shot numbers are not public; no paper row is shown.",
+             "Zero-shot CLIP does not depend on the shots: one run per dataset."])
+
+
+ABLATION_NAMES = {"": "DeAR (full, defaults)", "mask-generalization-only": "mask: generalization heads only",
+                  "mask-none": "no role mask", "attr_tokens-False": "no attribute tokens",
+                  "lambda_fusion-0.0": "no fusion regulariser (λ_fusion = 0)",
+                  "novel_logits-cls": "novel classes: CLS logits only (MMRL's rule)"}
+
+
+def variant_label(key):
+    """A readable name for an ablation key (see method_key); the key itself when not in ABLATION_NAMES."""
+    return ABLATION_NAMES.get(key, key.replace("_", ", ").replace("-", " = ", 1) if key.count("-") == 1 else key)
+
+
+def table_ablations(runs, backbone):
+    mine = [r for r in runs if r.get("protocol") == "b2n" and r.get("method") == "dear"
+            and (backbone is None or r.get("backbone") == backbone)]
+    keys = sorted({r["_key"] for r in mine} - {""})
+    if not keys:
+        return None
+    # the datasets of the ablation study = those with at least one ablation run
+    names = sorted({r["dataset"] for r in mine if r["_key"]}, key=lambda d: (B2N_DATASETS + (d,)).index(d))
+    rows, full_hm = [], None
+    for key in [""] + keys:
+        acc = accuracies(runs, "b2n", "dear", key=key, backbone=backbone)
+        base = [acc.get((d, "base"), {}) for d in names]
+        novel = [acc.get((d, "novel"), {}) for d in names]
+        b, n = average_cell(base), average_cell(novel)
+        h = None
+        if b and n:
+            pb, pn = average_by_seed(base), average_by_seed(novel)
+            _, s = mean_std([hm(pb[k], pn[k]) for k in pb]) if pb else (0, 0)
+            h = Cell(hm(b.mean, n.mean), s, len(pb))
+        if key == "":
+            full_hm = h
+        per_ds = [hm_cell(acc.get((d, "base")), acc.get((d, "novel"))) for d in names]
+        rows.append([variant_label(key), b, n, h, None if key == "" else _delta(h, full_hm), *per_ds])
+    return ("Table 5. Ablations (base-to-novel, averaged over " + ", ".join(PRETTY.get(d, d) for d in names) + ")",
+            ["Variant", "Base", "Novel", "HM", "ΔHM vs full"] + [f"HM {PRETTY.get(d, d)}" for d in names],
+            rows, ["Base/Novel/HM: averages over the ablation datasets (HM of the averages).",
+                   "A variant is named after the dear.py flags that differ from the defaults (its run folder)."])
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+def cell_text(c):
+    return "–" if c is None else c if isinstance(c, str) else c.text()
+
+
+def markdown(title, header, rows, notes):
+    lines = [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell_text(c) for c in row) + " |" for row in rows]
+    lines += [""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def csv_text(title, header, rows, backbone):
+    """Long format: one line per cell, with mean, std and number of seeds in separate columns."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["backbone", "row", "group", "column", "mean", "std", "n_seeds", "note"])
+    group = ""
+    for row in rows:
+        label_cols = 2 if header[:2] == ["Dataset", "Method"] else 1
+        if label_cols == 2:
+            group = row[0] or group
+        for col, c in zip(header[label_cols:], row[label_cols:]):
+            if c is None:
+                w.writerow([backbone, row[label_cols - 1], group, col, "", "", "", "missing"])
+            elif isinstance(c, str):
+                w.writerow([backbone, row[label_cols - 1], group, col, c, "", "", "difference"])
+            else:
+                w.writerow([backbone, row[label_cols - 1], group, col, f"{c.mean:.4f}",
+                            "" if c.std is None else f"{c.std:.4f}", "" if c.n is None else c.n,
+                            c.note or ("published" if c.n is None else "")])
+    return buf.getvalue()
+
+
+def roles_section(out, tables_dir):
+    """Table 6: the roles.md files that entropy.py wrote under <out>/roles, with a link to roles.png."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(out, "roles")):
+        dirs.sort()
+        if "roles.md" in files:
+            found.append(folder)
+    lines = ["## Table 6. Head roles (Concept Entropy)", ""]
+    if not found:
+        return "\n".join(lines + ["– (no roles.md under " + os.path.join(out, "roles") + "; run the roles stage)", ""])
+    for folder in found:
+        rel = os.path.relpath(folder, tables_dir)
+        lines += [f"### {os.path.relpath(folder, out)}", ""]
+        with open(os.path.join(folder, "roles.md")) as f:
+            lines += [f.read().strip(), ""]
+        if os.path.exists(os.path.join(folder, "roles.png")):
+            lines += [f"![head roles]({rel}/roles.png)", ""]
+    return "\n".join(lines)
+
+
+def write_atomic(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def build(out, baseline="default"):
+    """Writes <out>/tables/tables.md and one CSV per table; returns the Markdown text."""
+    runs = load_runs(out, baseline)
+    tables_dir = os.path.join(out, "tables")
+    os.makedirs(tables_dir, exist_ok=True)
+    backbones = sorted({r.get("backbone", "?") for r in runs}) or [PAPER_BACKBONE]
+    parts = ["# DeAR reproduction: results", "",
+             f"{len(runs)} runs under `{out}`. Cells: mean ± std over seeds (n = number of seeds); "
+             "– = no result. Published numbers are printed as published.", ""]
+    schedules = sorted({p for r in runs for p in r["_schedule"]})
+    if baseline != "default" or schedules:
+        parts += [f"Non-default settings in these runs: baseline flags `{baseline}`"
+                  + (f", schedule `{', '.join(schedules)}`" if schedules else "") + ".", ""]
+    csvs = {}
+    makers = [("table1_b2n", table_b2n), ("table2_dg", table_dg), ("table3_xd", table_xd),
+              ("table4_fewshot", table_fewshot), ("table5_ablations", table_ablations)]
+    for bb in backbones:
+        if len(backbones) > 1:
+            parts += [f"# Backbone {bb}", ""]
+        for name, make in makers:
+            t = make(runs, bb)
+            if t is None:
+                continue
+            title, header, rows, notes = t
+            parts.append(markdown(f"{title} [{bb}]", header, rows, notes))
+            body = csv_text(title, header, rows, bb)
+            # one CSV per table; a second backbone appends its lines without repeating the header
+            csvs[name] = csvs[name] + body.split("\n", 1)[1] if name in csvs else body
+    parts.append(roles_section(out, tables_dir))
+    text = "\n".join(parts)
+    write_atomic(os.path.join(tables_dir, "tables.md"), text)
+    for name, body in csvs.items():
+        write_atomic(os.path.join(tables_dir, name + ".csv"), body)
+    return text
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs", help="output root that run_all.sh / dear.py wrote (default: runs)")
+    ap.add_argument("--baseline", default="default",
+                    help="dear.py variant of the full-method runs (e.g. J-3 for the toy world, whose CLIP has 4 "
+                         "blocks); runs that add flags to it are ablations (default: default)")
+    ap.add_argument("--print", action="store_true", help="also print the Markdown to stdout")
+    args = ap.parse_args(argv)
+    if not os.path.isdir(args.out):
+        print(f"tables.py: no folder {args.out!r}; pass the output root of your runs with --out", file=sys.stderr)
+        return 2
+    text = build(args.out, args.baseline)
+    if args.print:
+        print(text)
+    print(f"tables.py: wrote {os.path.join(args.out, 'tables', 'tables.md')} (+ CSV)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""run_all.sh and tables.py: the tables from hand-made results.json files, the job list, skipping and resuming
+runs, the up-front dataset check, and (once every module is in place) the whole --smoke pipeline.
+
+run_all.sh is exercised with a stand-in for dear.py (env DEAR_PY): a small script with the same command line
+that writes a results.json with made-up accuracies and records every call, so these tests run in seconds.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import tables  # noqa: E402
+
+B2N = tables.B2N_DATASETS
+
+
+def write_run(out, protocol, dataset, method="dear", seed=1, shots=16, variant="default", evals=(),
+              backbone="ViT-B/16"):
+    """One results.json in dear.py's format and folder layout."""
+    d = os.path.join(out, protocol, dataset, f"{method}-{variant}-shots{shots}-seed{seed}")
+    os.makedirs(d, exist_ok=True)
+    res = {"method": method, "protocol": protocol, "dataset": dataset, "backbone": backbone, "shots": shots,
+           "seed": seed, "variant": variant, "config": {},
+           "evals": [{"dataset": ds, "split": split, "accuracy": acc, "n": 100} for ds, split, acc in evals]}
+    with open(os.path.join(d, "results.json"), "w") as f:
+        json.dump(res, f)
+
+
+def b2n_run(out, dataset, base, novel, **kw):
+    write_run(out, "b2n", dataset, evals=[(dataset, "base", base), (dataset, "novel", novel)], **kw)
+
+
+def rows_by_label(table):
+    """{(dataset group, method label): row cells} of a B2N table; {label: cells} for the other tables."""
+    _, header, rows, _ = table
+    out, group = {}, None
+    for row in rows:
+        if header[:2] == ["Dataset", "Method"]:
+            group = row[0] or group
+            out[(group, row[1])] = row[2:]
+        else:
+            out[row[0]] = row[1:]
+    return out
+
+# ----------------------------------------------------------------------------------------------
+# tables.py
+
+
+def test_cell_is_mean_std_and_count_over_seeds(tmp_path):
+    for seed, base in zip((1, 2, 3), (90.0, 92.0, 94.0)):
+        b2n_run(str(tmp_path), "eurosat", base, 60.0 + seed, seed=seed)
+    rows = rows_by_label(tables.table_b2n(tables.load_runs(str(tmp_path)), "ViT-B/16"))
+    base, novel, hm = rows[("EuroSAT", tables.OURS_DEAR)]
+    assert (round(base.mean, 6), round(base.std, 4), base.n) == (92.0, 1.633, 3)   # np.std, ddof=0
+    assert base.text() == "92.00 ± 1.63 (n=3)"
+    assert novel.mean == pytest.approx(62.0)
+    assert hm.mean == pytest.approx(2 * 92 * 62 / (92 + 62))   # HM of the seed means, not mean of HMs
+
+
+def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
+    # two datasets with very different base/novel: mean of HMs and HM of means differ clearly
+    accs = {d: (50.0, 50.0) for d in B2N}
+    accs["eurosat"], accs["dtd"] = (100.0, 10.0), (10.0, 100.0)
+    for d, (b, n) in accs.items():
+        b2n_run(str(tmp_path), d, b, n)
+    runs = tables.load_runs(str(tmp_path))
+    base, novel, hm = rows_by_label(tables.table_b2n(runs, "ViT-B/16"))[("Average", tables.OURS_DEAR)]
+    mb = sum(b for b, _ in accs.values()) / 11
+    mn = sum(n for _, n in accs.values()) / 11
+    assert base.mean == pytest.approx(mb) and novel.mean == pytest.approx(mn)
+    assert hm.mean == pytest.approx(tables.hm(mb, mn))
+    assert hm.mean != pytest.approx(sum(tables.hm(b, n) for b, n in accs.values()) / 11)
+    # the paper delta row: ours - 85.94 (average base) and ours - 82.72 (average HM)
+    delta = rows_by_label(tables.table_b2n(runs, "ViT-B/16"))[("Average", "Δ DeAR: this code − paper")]
+    assert delta[0] == f"{mb - 85.94:+.2f}" and delta[2] == f"{tables.hm(mb, mn) - 82.72:+.2f}"
+
+
+def test_missing_cells_stay_missing(tmp_path):
+    b2n_run(str(tmp_path), "dtd", 80.0, 60.0)           # one dataset of eleven, DeAR only
+    runs = tables.load_runs(str(tmp_path))
+    rows = rows_by_label(tables.table_b2n(runs, "ViT-B/16"))
+    assert rows[("Average", tables.OURS_DEAR)] == [None, None, None]     # no average over 1 of 11 datasets
+    assert rows[("ImageNet", tables.OURS_DEAR)] == [None, None, None]
+    assert rows[("DTD", tables.OURS_CLIP)] == [None, None, None]         # no zero-shot run: no zero-shot cell
+    paper_dtd = rows[("DTD", tables.PAPER_DEAR)]
+    assert paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None   # novel/HM unknown
+    assert rows[("DTD", "Δ DeAR: this code − paper")] == ["-3.90", None, None]
+    text = tables.build(str(tmp_path))
+    assert "| DTD | CLIP (zero-shot, this code) | – | – | – |" in text
+    assert "82.72" in text and "78.99†" in text     # both inconsistent seed numbers, as given, one marked derived
+
+
+def test_published_numbers_only_next_to_the_paper_backbone(tmp_path):
+    b2n_run(str(tmp_path), "toyworld", 80.0, 60.0, backbone="toy")
+    t = tables.table_b2n(tables.load_runs(str(tmp_path)), "toy")
+    labels = {row[1] for row in t[2]}
+    assert labels == {tables.OURS_CLIP, tables.OURS_DEAR}
+    assert [row[0] for row in t[2] if row[0]] == ["Average", "ToyWorld"]   # no empty rows for the 11 datasets
+
+
+def test_dg_and_xd_tables_from_one_imagenet_run(tmp_path):
+    targets = tables.DG_TARGETS + tables.XD_TARGETS
+    for seed in (1, 2):
+        write_run(str(tmp_path), "xd", "imagenet", seed=seed,
+                  evals=[("imagenet", "all", 70.0 + seed)] + [(t, "all", 50.0 + seed) for t in targets])
+    runs = tables.load_runs(str(tmp_path))
+    dg = rows_by_label(tables.table_dg(runs, "ViT-B/16"))
+    ours = dg[tables.OURS_DEAR]
+    assert ours[0].mean == pytest.approx(71.5) and ours[0].n == 2          # source column
+    assert ours[-1].mean == pytest.approx(51.5)                             # average of the 4 targets
+    assert dg["Δ DeAR: this code − paper"][3] == f"{51.5 - 51.80:+.2f}"     # ImageNet-A vs 51.80
+    xd = rows_by_label(tables.table_xd(runs, "ViT-B/16"))
+    assert len(xd[tables.OURS_DEAR]) == 1 + 10 + 1
+    assert xd["Δ DeAR: this code − paper"][-1] == f"{51.5 - 67.60:+.2f}"
+
+
+def test_fewshot_rows_per_shot_and_ablations_against_the_full_model(tmp_path):
+    out = str(tmp_path)
+    for k in (1, 16):
+        write_run(out, "fewshot", "dtd", shots=k, evals=[("dtd", "all", 40.0 + k)])
+    write_run(out, "fewshot", "dtd", method="zeroshot", evals=[("dtd", "all", 44.0)])
+    fs = rows_by_label(tables.table_fewshot(tables.load_runs(out), "ViT-B/16"))
+    assert fs["DeAR 16-shot (this code)"][B2N.index("dtd")].mean == 56.0
+    assert fs["DeAR 2-shot (this code)"][B2N.index("dtd")] is None
+    assert fs[tables.OURS_CLIP][B2N.index("dtd")].mean == 44.0
+
+    # ablations: variants are dear.py's folder names; schedule flags (epochs) do not make a new row
+    b2n_run(out, "dtd", 80.0, 60.0, variant="epochs-1")
+    b2n_run(out, "dtd", 80.0, 40.0, variant="mask-none_epochs-1")
+    b2n_run(out, "dtd", 70.0, 60.0, variant="attr_tokens-False_epochs-1")
+    ab = rows_by_label(tables.table_ablations(tables.load_runs(out), "ViT-B/16"))
+    assert set(ab) == {"DeAR (full, defaults)", "no role mask", "no attribute tokens"}
+    assert ab["no role mask"][3] == f"{tables.hm(80, 40) - tables.hm(80, 60):+.2f}"   # ΔHM vs the full model
+
+
+def test_variant_names_parse_like_dear_writes_them():
+    assert tables.variant_parts("default") == []
+    assert tables.variant_parts("attr_tokens-False_lambda_fusion-0.0_epochs-1") == \
+        ["attr_tokens-False", "lambda_fusion-0.0", "epochs-1"]
+    assert tables.variant_parts("mask-generalization-only") == ["mask-generalization-only"]
+    assert tables.method_key("J-3_mask-none_epochs-1", baseline="J-3") == "mask-none"
+    assert tables.method_key("J-3_epochs-1", baseline="J-3") == ""
+
+
+def test_tables_are_written_as_markdown_and_csv(tmp_path):
+    b2n_run(str(tmp_path), "eurosat", 90.0, 70.0)
+    assert tables.main(["--out", str(tmp_path)]) == 0
+    md = open(tmp_path / "tables" / "tables.md").read()
+    assert "## Table 1." in md and "90.00 ± 0.00 (n=1)" in md
+    lines = open(tmp_path / "tables" / "table1_b2n.csv").read().splitlines()
+    assert lines[0].startswith("backbone,row,group,column,mean,std,n_seeds")
+    assert "ViT-B/16,DeAR (this code),EuroSAT,Base,90.0000,0.0000,1," in lines
+    assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]   # atomic writes
+
+# ----------------------------------------------------------------------------------------------
+# run_all.sh with a stand-in dear.py
+
+FAKE_DEAR = textwrap.dedent('''
+    """Stand-in for dear.py: same flags, made-up accuracies, every call appended to $FAKE_CALLS."""
+    import argparse, json, os, sys, types
+
+    model = types.SimpleNamespace(visual=types.SimpleNamespace(transformer=types.SimpleNamespace(layers=12)))
+    clip = types.SimpleNamespace(load=lambda name, device=None: (model, None))
+
+    def parse_args(argv=None):
+        p = argparse.ArgumentParser()
+        for flag in ("--dataset", "--root", "--backbone", "--targets", "--device"):
+            p.add_argument(flag)
+        p.add_argument("--protocol", default="b2n"); p.add_argument("--method", default="dear")
+        p.add_argument("--out", default="runs"); p.add_argument("--mask", default="role")
+        p.add_argument("--novel-logits", default="fused")
+        p.add_argument("--shots", type=int, default=16); p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--J", type=int); p.add_argument("--beta", type=float)
+        p.add_argument("--lambda-fusion", type=float); p.add_argument("--epochs", type=int)
+        p.add_argument("--workers", type=int)
+        p.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false")
+        p.add_argument("--resume", action="store_true")
+        return p.parse_args(argv)
+
+    def resolve(c):
+        return c
+
+    def run_dir(c):
+        parts = [f"J-{c.J}"] if c.J is not None else []
+        parts += [f"beta-{c.beta}"] if c.beta is not None else []
+        parts += [f"lambda_fusion-{c.lambda_fusion}"] if c.lambda_fusion is not None else []
+        parts += [f"mask-{c.mask}"] if c.mask != "role" else []
+        parts += ["attr_tokens-False"] if not c.attr_tokens else []
+        parts += [f"novel_logits-{c.novel_logits}"] if c.novel_logits != "fused" else []
+        name = f"{c.method}-{'_'.join(parts) or 'default'}-shots{c.shots}-seed{c.seed}"
+        return os.path.join(c.out, c.protocol, c.dataset, name)
+
+    def pick_device(name):
+        return "cpu"
+
+    def default_J(num_layers):
+        return 9
+
+    def load_roles(cfg, model, device, log):
+        d = os.path.join(os.environ["FAKE_CACHE"], f"roles_J{cfg.J}")
+        os.makedirs(d, exist_ok=True)
+        for name in ("roles.json", "roles.md"):
+            with open(os.path.join(d, name), "w") as f:
+                f.write("| head | role |\\n|---|---|\\n| L9 H0 | generalization |\\n")
+        log("head roles: " + os.path.join(d, "roles.json"))
+
+    if __name__ == "__main__":
+        c = parse_args()
+        with open(os.environ["FAKE_CALLS"], "a") as f:
+            f.write(json.dumps({"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+        if os.environ.get("FAKE_FAIL") == c.dataset:
+            sys.exit("simulated crash")
+        d = run_dir(c)
+        os.makedirs(d, exist_ok=True)
+        splits = ["base", "novel"] if c.protocol == "b2n" else ["all"]
+        res = {"method": c.method, "protocol": c.protocol, "dataset": c.dataset, "backbone": c.backbone,
+               "shots": c.shots, "seed": c.seed, "variant": os.path.basename(d).split("-", 1)[1].rsplit("-shots", 1)[0],
+               "evals": [{"dataset": c.dataset, "split": s, "accuracy": 50.0 + c.seed, "n": 10} for s in splits]}
+        with open(os.path.join(d, "results.json"), "w") as f:
+            json.dump(res, f)
+''')
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """Environment for run_all.sh with the stand-in dear.py; returns (env, calls file path)."""
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "dear.py").write_text(FAKE_DEAR)
+    env = dict(os.environ, DEAR_PY=str(tmp_path / "fake" / "dear.py"), PYTHON=sys.executable,
+               FAKE_CALLS=str(tmp_path / "calls.jsonl"), FAKE_CACHE=str(tmp_path / "cache"))
+    env.pop("GPUS", None)
+    env.pop("SEEDS", None)
+    return env, tmp_path / "calls.jsonl"
+
+
+def run_all(args, env, cwd):
+    return subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def calls(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def test_job_list_covers_every_table(fake, tmp_path):
+    env, _ = fake
+    p = run_all(["--list", "--root", "DATA", "--out", "OUT"], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    roles = [line for line in lines if " -c " in line]
+    dear = [line for line in lines if " -c " not in line]
+    assert len(roles) == 3 and len(lines) == len(roles) + len(dear)   # roles for J = default (9), 7, 11, first
+    assert lines[:3] == roles
+
+    def count(*words):
+        return sum(all(w in line for w in words) for line in dear)
+    assert count("--protocol b2n", "--method zeroshot") == 11
+    assert count("--protocol b2n") - count("--protocol b2n", "--method zeroshot") == 11 * 3 + 10 * 9
+    assert count("--protocol xd") == 4 and count("--protocol xd", "--method zeroshot") == 1
+    assert count("--protocol fewshot", "--method zeroshot") == 11
+    assert count("--protocol fewshot", "--shots") == 5 * 11 * 3
+    # ablations: 3 datasets x 3 seeds per variant; J = 9 is the default run, so it is not run twice
+    for flags in ("--mask none", "--mask generalization-only", "--no-attr-tokens", "--lambda-fusion 0",
+                  "--J 7", "--J 11", "--beta 0.5", "--novel-logits cls"):
+        assert count(flags) == 9, flags
+    assert count("--J 9") == 0
+    assert all("--resume" in line and "--root DATA" in line and "--out OUT" in line for line in dear)
+    xd = next(line for line in dear if "--protocol xd" in line)
+    targets = xd.split("--targets ")[1].split()[0].split(",")
+    assert sorted(targets) == sorted(tables.DG_TARGETS + tables.XD_TARGETS)
+
+    p = run_all(["--list", "--stages", "b2n,xd", "--seeds", "1"], env, tmp_path)
+    assert len(p.stdout.splitlines()) == 11 * 2 + 2    # no roles stage asked for, one seed
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "dear.py")), reason="dear.py is not written yet")
+def test_job_list_uses_dear_run_folders(tmp_path):
+    """With the real dear.py: a flag that resolves to a default (DTD's beta is 0.9) is not run twice."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("DEAR_PY", None)
+    p = run_all(["--list", "--stages", "b2n,ablations", "--seeds", "1", "--root", "DATA", "--out", "OUT"], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    beta09 = [line for line in p.stdout.splitlines() if "--beta 0.9" in line]
+    assert len(beta09) == 2 and not any("--dataset dtd" in line for line in beta09)
+
+
+def test_finished_runs_are_skipped_and_crashed_runs_resume(fake, tmp_path):
+    env, calls_file = fake
+    args = ["--stages", "roles,b2n,tables", "--seeds", "1 2", "--no-check", "--out", str(tmp_path / "out")]
+    p = run_all(args, dict(env, FAKE_FAIL="eurosat"), tmp_path)
+    assert p.returncode == 1                            # a failed run makes the script fail ...
+    assert "FAILED  b2n: b2n/eurosat/dear-default-shots16-seed1" in p.stdout
+    first = calls(calls_file)
+    assert len(first) == 11 * 3                          # ... but the other runs still ran
+    assert os.path.exists(tmp_path / "out" / "roles" / "Jdefault" / "roles.md")
+    assert os.path.exists(tmp_path / "out" / "tables" / "tables.md")   # tables of what finished
+
+    p = run_all(args, env, tmp_path)                      # the same command again
+    assert p.returncode == 0, p.stdout + p.stderr
+    again = calls(calls_file)[len(first):]
+    assert sorted(c["argv"][c["argv"].index("--dataset") + 1] for c in again) == ["eurosat"] * 3
+    assert all("--resume" in c["argv"] for c in again)
+    assert p.stdout.count("skip (done)") == 1 + 11 * 3 - 3   # roles and every finished run
+    md = open(tmp_path / "out" / "tables" / "tables.md").read()
+    assert "51.50 ± 0.50 (n=2)" in md and "L9 H0" in md   # seeds 1, 2 -> 51, 52; the roles table embedded
+
+
+def test_jobs_spread_over_the_listed_gpus(fake, tmp_path):
+    env, calls_file = fake
+    p = run_all(["--stages", "b2n", "--seeds", "1", "--no-check", "--out", str(tmp_path / "out")],
+                dict(env, GPUS="3 5"), tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    gpus = [c["gpu"] for c in calls(calls_file)]
+    assert len(gpus) == 22 and set(gpus) == {"3", "5"}   # one CUDA_VISIBLE_DEVICES per job, both GPUs used
+    assert "done 22 (skipped 0) | running 0 | failed 0 | left 0" in p.stdout
+
+
+def test_bad_options_stop_with_one_clear_message(fake, tmp_path):
+    env, _ = fake
+    p = run_all(["--stages", "b2n,tabels"], env, tmp_path)
+    assert p.returncode == 2 and "unknown stage 'tabels'" in p.stderr
+    assert "Usage:" in run_all(["--help"], env, tmp_path).stdout
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "data.py")), reason="data.py is not written yet")
+def test_check_reports_every_missing_dataset_before_running(fake, tmp_path):
+    env, calls_file = fake
+    (tmp_path / "empty").mkdir()
+    p = run_all(["--root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")], env, tmp_path)
+    assert p.returncode == 2
+    for name in tables.B2N_DATASETS + tables.DG_TARGETS:
+        assert f"MISSING  {name}" in p.stdout
+    assert "15 dataset(s) missing" in p.stderr
+    assert calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")   # nothing started
+
+    p = run_all(["--check", "--stages", "roles,ablations", "--root", str(tmp_path / "empty")], env, tmp_path)
+    assert p.returncode == 2 and "4 dataset(s) missing" in p.stderr   # 3 ablation datasets + the roles probe
+
+# ----------------------------------------------------------------------------------------------
+# The whole pipeline on the toy world (real dear.py, entropy.py, data.py, toyworld.py)
+
+NEEDED = ("dear.py", "entropy.py", "data.py", "toyworld.py")
+
+
+@pytest.mark.skipif(not all(os.path.exists(os.path.join(ROOT, f)) for f in NEEDED),
+                    reason="run_all.sh --smoke needs dear.py, entropy.py, data.py and toyworld.py")
+def test_smoke_run_end_to_end(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.setdefault("CLIP_CACHE", str(tmp_path / "cache"))   # the toy CLIP is pretrained once per cache
+    for k in ("GPUS", "SEEDS", "DEAR_PY"):
+        env.pop(k, None)
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    md = open(tmp_path / "tmp" / "tables" / "tables.md").read()
+    for title in ("Table 1.", "Table 3.", "Table 4.", "Table 5.", "Table 6."):
+        assert title in md
+    assert "no role mask" in md and "no attribute tokens" in md
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "start " not in p.stdout   # a second run only skips
