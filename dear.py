@@ -291,6 +291,8 @@ class DeAR(nn.Module):
         device = self.P_attr.device
         tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
         self.eot = tokens.argmax(-1)                                    # [C] EOT has the largest id
+        tokens = tokens[:, : int(self.eot.max()) + 1]  # [C, T'] up to the longest prompt: the causal mask never
+        # lets the padding reach EOT, so dropping it changes nothing but the cost
         x = self.clip.embed_text(tokens)                                # [C, T, W]
         self.text_prefix = self.clip.run_text_blocks(x, 0, self.first_text)  # [C, T, W]
         frozen = self.clip.run_text_blocks(self.text_prefix, self.first_text, self.Lt)

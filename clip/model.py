@@ -74,6 +74,8 @@ class MultiheadAttention(nn.Module):
                 raise TypeError("attn_mask must be an additive float mask (0 = allowed, -inf = blocked), "
                                 "not a bool mask")
             attn_mask = attn_mask.to(dtype=q.dtype, device=q.device)
+            if attn_mask.dim() == 3:  # per-head [H, L, L] -> [1, H, L, L]: the fused kernels take 2-D or 4-D masks
+                attn_mask = attn_mask.unsqueeze(0)
         if need_weights:
             # the plain path: softmax(Q K^T / sqrt(hs) + mask) V, keeping the weights
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # [B, H, L, L]
@@ -253,9 +255,11 @@ class CLIP(nn.Module):
         return self.visual(images)
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        eot = tokens.argmax(dim=-1)  # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        tokens = tokens[:, : int(eot.max()) + 1]  # drop the padding after the longest prompt: the causal mask
+        # never lets it reach EOT, so the features are unchanged and short prompts run several times faster
         x = self.run_text_blocks(self.embed_text(tokens), 0, self.transformer.layers)
-        # EOT (49407) is the largest id, so argmax finds it; padding is 0
-        return self.text_head(x, tokens.argmax(dim=-1))
+        return self.text_head(x, eot)
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor):
         image_features = F.normalize(self.encode_image(images), dim=-1)

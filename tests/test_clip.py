@@ -182,7 +182,8 @@ def test_seams_compose_to_the_encoders(tiny_model):
         t = m.embed_text(tokens)
         L = m.transformer.layers
         text = m.text_head(m.run_text_blocks(t, 0, L), tokens.argmax(-1))
-        assert torch.equal(m.encode_text(tokens), text)
+        # encode_text drops the padding after the longest prompt first: equal up to float round-off
+        assert torch.allclose(m.encode_text(tokens), text, atol=1e-5)
         split = m.run_text_blocks(m.run_text_blocks(t, 0, 1), 1, L)
         assert torch.allclose(m.text_head(split, tokens.argmax(-1)), text, atol=1e-6)
         # causal: cutting the padding after EOT leaves the features unchanged

@@ -1,0 +1,673 @@
+"""Speed bench: what a DeAR training step and a DeAR evaluation cost next to the frozen CLIP.
+
+DeAR trains only tokens and two small maps, so a training step should cost little more than a frozen CLIP
+forward pass. Measured in one process, on one device, with random weights of the real shapes (nothing is
+downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike; medians over repeats.
+  a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights; outputs agree
+  b. one DeAR training step (as dear.train) vs one frozen CLIP forward of the batch and of all class prompts
+  c. the same DeAR step written the naive way vs ours      d. DeAR evaluation vs zero-shot CLIP
+  e. peak memory of a training step
+
+    python bench.py --tiny                      # the tiny test model: seconds
+    python bench.py --device cuda --repeats 10  # ViT-B/16 shapes on a GPU
+    python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1   # ViT-B/16 on a small CPU
+"""
+import argparse
+import ctypes
+import ctypes.util
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import clip
+import dear
+from clip.model import CLIP
+from dear import ATTRIBUTES, K
+
+# OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of tests/conftest.py
+VIT_B16 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=16,
+               context_length=77, vocab_size=49408, transformer_width=512, transformer_heads=8,
+               transformer_layers=12)
+TINY = dict(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=64, vision_patch_size=8,
+            context_length=77, vocab_size=49408, transformer_width=64, transformer_heads=4, transformer_layers=2,
+            vision_heads=4)
+# classes, batches (the training settings), eval_batch (images per batch in a. and d.), prompts (a.)
+DEFAULTS = {"cuda": dict(classes=[10, 1000], batches=[4, 32], eval_batch=100, prompts=1000),
+            "cpu": dict(classes=[10, 50], batches=[4, 2], eval_batch=4, prompts=10),  # a full run in ~10 min
+            "tiny": dict(classes=[10, 100], batches=[4, 8], eval_batch=16, prompts=100)}
+TEMPLATE = "a photo of a {}."
+# made-up class names of two to four words, so prompts are about as long as real ones
+WORDS = (("red", "green", "blue", "yellow", "black", "white", "brown", "grey", "orange", "purple"),
+         ("round", "long", "flat", "tall", "small", "large", "spotted", "striped", "curly", "pointed"),
+         ("bird", "dog", "car", "flower", "boat", "chair", "lamp", "shoe", "fish", "house"))
+
+
+def classnames(n: int):
+    """n distinct class names; every 7th gets a longer name (the longest prompts set the text length)."""
+    names = []
+    for i in range(n):
+        a, b, c = WORDS[0][i % 10], WORDS[1][i // 10 % 10], WORDS[2][i // 100 % 10]
+        name = f"{a} {b} {c}" + (f" number {i // 1000}" if i >= 1000 else "")
+        names.append(name + " of the northern hills" if i % 7 == 0 else name)
+    return names
+
+
+def bench_roles(J: int, L: int, H: int):
+    """A deterministic made-up role table for blocks J..L (1-based): generalization, attribute, mixed and
+    other-specialist heads in turn, attribute heads cycling through the five attributes."""
+    kinds = ("generalization", "attribute", "mixed", "specialist")
+    roles = {}
+    for layer in range(J, L + 1):
+        row = []
+        for h in range(H):
+            kind = kinds[(layer + h) % len(kinds)]
+            row.append({"role": kind, "attribute": ATTRIBUTES[(layer * H + h) % K] if kind == "attribute" else None})
+        roles[layer] = row
+    return roles
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference CLIP: the plainest way, on nn.MultiheadAttention, sequence-first as OpenAI's original.
+# Parameter names equal the vendored model's, so its state dict loads strictly.
+
+
+class RefLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x.float()).to(x.dtype)  # fp32 math, cast back (as CLIP)
+
+
+class RefQuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)  # CLIP's GELU approximation
+
+
+class RefBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads)  # expects [L, N, D]
+        self.ln_1 = RefLayerNorm(width)
+        self.mlp = nn.Sequential(OrderedDict([("c_fc", nn.Linear(width, 4 * width)), ("gelu", RefQuickGELU()),
+                                              ("c_proj", nn.Linear(4 * width, width))]))
+        self.ln_2 = RefLayerNorm(width)
+
+    def forward(self, x, attn_mask=None):
+        y = self.ln_1(x)
+        x = x + self.attn(y, y, y, need_weights=False, attn_mask=attn_mask)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class RefTransformer(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.resblocks = nn.ModuleList([RefBlock(width, heads) for _ in range(layers)])
+
+    def forward(self, x, attn_mask=None):
+        for block in self.resblocks:
+            x = block(x, attn_mask)
+        return x
+
+
+class RefVisual(nn.Module):
+    def __init__(self, resolution, patch, width, layers, heads, output_dim):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch, stride=patch, bias=False)
+        self.class_embedding = nn.Parameter(torch.empty(width))
+        self.positional_embedding = nn.Parameter(torch.empty((resolution // patch) ** 2 + 1, width))
+        self.ln_pre = RefLayerNorm(width)
+        self.transformer = RefTransformer(width, layers, heads)
+        self.ln_post = RefLayerNorm(width)
+        self.proj = nn.Parameter(torch.empty(width, output_dim))
+
+    def forward(self, images):
+        x = self.conv1(images)                                   # [N, D, g, g]
+        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # [N, P, D]
+        cls = self.class_embedding.to(x.dtype) + torch.zeros(x.shape[0], 1, x.shape[-1], dtype=x.dtype,
+                                                             device=x.device)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # [N, 1+P, D]
+        x = self.ln_pre(x).permute(1, 0, 2)                      # [1+P, N, D]: sequence first
+        x = self.transformer(x).permute(1, 0, 2)                 # [N, 1+P, D]
+        return self.ln_post(x[:, 0]) @ self.proj
+
+
+class RefCLIP(nn.Module):
+    def __init__(self, embed_dim, image_resolution, vision_layers, vision_width, vision_patch_size, context_length,
+                 vocab_size, transformer_width, transformer_heads, transformer_layers, vision_heads=None):
+        super().__init__()
+        self.visual = RefVisual(image_resolution, vision_patch_size, vision_width, vision_layers,
+                                vision_heads or vision_width // 64, embed_dim)
+        self.transformer = RefTransformer(transformer_width, transformer_layers, transformer_heads)
+        self.token_embedding = nn.Embedding(vocab_size, transformer_width)
+        self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
+        self.ln_final = RefLayerNorm(transformer_width)
+        self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))
+        self.logit_scale = nn.Parameter(torch.ones([]))
+
+    def encode_image(self, images):
+        return self.visual(images)
+
+    def encode_text(self, tokens):
+        T = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.positional_embedding[:T]   # [C, T, W]
+        mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)  # causal: see only the past
+        x = self.transformer(x.permute(1, 0, 2), mask).permute(1, 0, 2)    # run as [T, C, W]
+        x = self.ln_final(x)
+        return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ self.text_projection
+
+
+def build_reference(model: CLIP, sizes: dict) -> RefCLIP:
+    """The reference with the very same weights (shared tensors, no copy)."""
+    with torch.device("meta"):
+        ref = RefCLIP(**sizes)
+    ref.load_state_dict(model.state_dict(), strict=True, assign=True)
+    return ref.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA runs asynchronously: wait before reading the clock
+
+
+def amp(device):
+    """The autocast dear.train / dear.evaluate use: bf16 (or fp16) on CUDA, nothing on CPU."""
+    dtype = dear.autocast_dtype(device)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if platform.system() == "Linux" else None
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def cpu_memory_method() -> str:
+    """How CPU peaks are read: VmHWM reset through /proc/self/clear_refs (Linux), else getrusage."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _status_kib("VmHWM")
+        return "VmHWM"
+    except (OSError, KeyError):
+        return "ru_maxrss"
+
+
+def peak_memory(fn, device, method):
+    """Run fn once; return (its peak memory above what was resident before, in bytes, and fn's result).
+    CUDA: torch.cuda.max_memory_allocated. CPU/VmHWM: the process high-water mark is reset to the current
+    RSS, with glibc told to hand every block over 64 KiB straight back to the OS during this one call, so
+    that freed tensors show up as freed. CPU/ru_maxrss: growth of the lifetime peak (a lower bound)."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base, out
+    if method == "VmHWM":
+        if _LIBC is not None:
+            _LIBC.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+            _LIBC.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        base = _status_kib("VmHWM")
+        out = fn()
+        peak = _status_kib("VmHWM")
+        if _LIBC is not None:
+            _LIBC.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's usual steady state, for the timings
+        return (peak - base) * 1024, out
+    import resource
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024, out
+
+
+MEM_NOTES = {"max_memory_allocated": "CUDA: torch.cuda.max_memory_allocated during the call, minus what was "
+                                     "allocated before it",
+             "VmHWM": "CPU: growth of the resident set during the call (VmHWM in /proc/self/status, reset "
+                      "through /proc/self/clear_refs; freed blocks returned to the OS during that call)",
+             "ru_maxrss": "CPU: growth of the process's lifetime peak RSS (getrusage); a lower bound"}
+
+
+def fmt_time(s: float) -> str:
+    return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
+
+
+def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method: str):
+    """Time every function of fns (name -> callable), interleaved. The first call of each is a warm-up that
+    also measures peak memory; then warmup - 1 more warm-up rounds; then `repeats` timed rounds.
+    Returns name -> {"s": median seconds, "times": [...], "mem": bytes, "out": the last result}."""
+    res = {name: {"times": [], "mem": None, "out": None} for name in fns}
+    start = time.perf_counter()
+    for name, fn in fns.items():
+        res[name]["mem"], res[name]["out"] = peak_memory(fn, device, mem_method)
+    for _ in range(max(0, warmup - 1)):
+        for fn in fns.values():
+            fn()
+    for r in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            res[name]["out"] = fn()
+            sync(device)
+            res[name]["times"].append(time.perf_counter() - t)
+        done = time.perf_counter() - start
+        eta = done / (r + 1 + warmup) * (repeats - r - 1)
+        print(f"  {label}: round {r + 1}/{repeats}, {fmt_time(done)} so far, eta {fmt_time(eta)}", flush=True)
+    for r in res.values():
+        r["s"] = statistics.median(r["times"])
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# The contenders
+
+
+def dear_step(model, opt, scaler, images, labels, device, lambda_reg=1.0, lambda_fusion=1.0):
+    """One DeAR training step exactly as dear.train runs it. Returns the loss and a copy of R's gradient."""
+    model.train()
+    with amp(device):
+        out = model(images, with_frozen=True)
+        loss, _ = dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg, lambda_fusion)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    grad_R = model.tokens.R.grad.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    return loss.item(), grad_R
+
+
+def naive_forward(model, images, tokens):
+    """The DeAR forward written the naive way, with DeAR's own parameters: every block of both towers runs
+    under autograd (no no_grad prefix, no cached text prefix) and the frozen targets f^0 and t^0 are
+    recomputed from scratch. Same math as DeAR.forward; returns (the same dict, t^0)."""
+    clip_model, visual = model.clip, model.clip.visual
+    with torch.no_grad():  # the frozen CLIP targets, recomputed every step
+        f0 = F.normalize(clip_model.encode_image(images), dim=-1)
+        t0 = F.normalize(clip_model.encode_text(tokens), dim=-1)
+    x = clip_model.embed_text(tokens)  # [C, T, W]
+    C = x.shape[0]
+    for b in range(model.Lt):
+        i = b - model.first_text
+        if i == 0:  # tokens right after SOT: [C, T + K, W]
+            x = torch.cat([x[:, :1], model.tokens.text(0).to(x.dtype).expand(C, -1, -1), x[:, 1:]], dim=1)
+        elif i > 0:
+            x = dear.mix(x, model.tokens.text(i).to(x.dtype), model.beta)
+        x = clip_model.run_text_blocks(x, b, b + 1)
+    t = F.normalize(clip_model.text_head(x, tokens.argmax(-1) + K), dim=-1)  # [C, E]
+    x = visual.embed(images)  # [B, 1+P, D]
+    B = x.shape[0]
+    for b in range(model.L):
+        i = b - model.first
+        if i == 0:  # [CLS, attr_1..attr_K, patches]
+            x = torch.cat([x[:, :1], model.tokens.vision(0).to(x.dtype).expand(B, -1, -1), x[:, 1:]], dim=1)
+        elif i > 0:
+            x = dear.mix(x, model.tokens.vision(i).to(x.dtype), model.beta)
+        x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(model, f"mask_{i}") if i >= 0 else None)
+    f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
+    f_attr = F.normalize(visual.ln_post(x[:, 1:1 + K]) @ model.P_attr.to(x.dtype), dim=-1)  # [B, K, E]
+    feats = torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)  # [B, 1+K, E]
+    logits = clip_model.logit_scale.exp() * feats @ t.t().to(feats.dtype)  # [B, 1+K, C]
+    fused = model.alpha()[None, :, None].to(logits.dtype).mul(logits).sum(1)  # [B, C]
+    return {"logits": logits, "fused": fused, "f_cls": f_cls, "f0": f0, "t": t}, t0
+
+
+def naive_step(model, opt, scaler, images, labels, tokens, device, lambda_reg=1.0, lambda_fusion=1.0):
+    """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them out), so
+    autograd records all blocks and computes every weight gradient."""
+    model.train()
+    frozen = list(model.clip.parameters())
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        with amp(device):
+            out, t0 = naive_forward(model, images, tokens)
+            loss, _ = dear.dear_loss(out, labels, t0, model.alpha(), lambda_reg, lambda_fusion)
+        model.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        grad_R = model.tokens.R.grad.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+            p.grad = None
+    return loss.item(), grad_R
+
+
+# ----------------------------------------------------------------------------------------------
+# The bench
+
+
+class Bench:
+    """What every measurement shares: the device, the timing protocol and the rows of the table."""
+
+    def __init__(self, args):
+        self.args, self.device = args, torch.device(args.device)
+        self.mem_method = "max_memory_allocated" if self.device.type == "cuda" else cpu_memory_method()
+        self.rows, self.breakdown = [], []
+        self.gen = torch.Generator().manual_seed(1)
+
+    def go(self, fns, label):
+        return measure(fns, self.device, self.args.warmup, self.args.repeats, label, self.mem_method)
+
+    def row(self, rid, what, first, second, ratio="", target=""):
+        self.rows.append((rid, what, first, second, ratio, target))
+
+    def no_grad(self, fn):
+        def wrapped():
+            with torch.no_grad(), amp(self.device):
+                return fn()
+        return wrapped
+
+    def images(self, n, R):
+        return torch.randn(n, 3, R, R, generator=self.gen).to(self.device)
+
+
+def bench_clip(b, model, ref, images, tokens):
+    """a. the vendored CLIP against the nn.MultiheadAttention reference: agreement (fp32), then speed."""
+    with torch.no_grad():
+        d_img = F.normalize(model.encode_image(images), dim=-1) - F.normalize(ref.encode_image(images), dim=-1)
+        d_txt = F.normalize(model.encode_text(tokens), dim=-1) - F.normalize(ref.encode_text(tokens), dim=-1)
+    b.row("a.agree", "max abs difference of normalised features, image / text (fp32)",
+          f"{d_img.abs().max().item():.1e}", f"{d_txt.abs().max().item():.1e}", "", "< 1e-5")
+    for rid, what, ours, theirs in (
+            ("a.image", f"encode_image, {len(images)} images", model.encode_image, ref.encode_image),
+            ("a.text", f"encode_text, {len(tokens)} prompts", model.encode_text, ref.encode_text)):
+        x = images if rid == "a.image" else tokens
+        r = b.go({"ours": b.no_grad(lambda: ours(x)), "ref": b.no_grad(lambda: theirs(x))}, rid)
+        b.row(rid, what + ": vendored vs nn.MultiheadAttention", ms(r["ours"]), ms(r["ref"]),
+              ratio(r["ours"], r["ref"]), "<= 1.0")
+
+
+def bench_train(b, net, opt, scaler, C, B):
+    """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step; memory; breakdown."""
+    device, model, tag = b.device, net.clip, f"C{C}xB{B}"
+    names = classnames(C)
+    net.set_classes(names, TEMPLATE)
+    tokens = clip.tokenize([TEMPLATE.format(c) for c in names]).to(device)  # [C, 77]
+    imgs = b.images(B, model.visual.input_resolution)
+    labels = (torch.arange(B) % C).to(device)
+    scale = model.logit_scale.exp()
+
+    def frozen():
+        f = F.normalize(model.encode_image(imgs), dim=-1)
+        t = F.normalize(model.encode_text(tokens), dim=-1)
+        return (scale * f @ t.t()).argmax(-1)
+
+    fns = {"dear": lambda: dear_step(net, opt, scaler, imgs, labels, device), "frozen": b.no_grad(frozen)}
+    if not b.args.no_naive:
+        fns["naive"] = lambda: naive_step(net, opt, scaler, imgs, labels, tokens, device)
+    try:
+        r = b.go(fns, f"b/c. {C} classes, batch {B}")
+    except torch.OutOfMemoryError:  # the naive step keeps every activation of both towers: it may not fit
+        fns.pop("naive")
+        torch.cuda.empty_cache()
+        r = b.go(fns, f"b. {C} classes, batch {B} (the naive step ran out of memory)")
+        b.row(f"c.{tag}", f"naive DeAR step vs ours, {C} classes, batch {B}", "out of memory", ms(r["dear"]))
+        b.row(f"c.agree.{tag}", "naive vs ours: loss / grad R", "out of memory", "-")
+    b.row(f"b.{tag}", f"DeAR training step vs frozen CLIP forward (image + {C} prompts), {C} classes, batch {B}",
+          ms(r["dear"]), ms(r["frozen"]), ratio(r["dear"], r["frozen"]))
+    if "naive" in r:
+        b.row(f"c.{tag}", f"naive DeAR step vs ours (speed-up), {C} classes, batch {B}",
+              ms(r["naive"]), ms(r["dear"]), ratio(r["naive"], r["dear"]), "> 1")
+        (la, ga), (lb, gb) = r["dear"]["out"], r["naive"]["out"]
+        rel = ((ga - gb).norm() / gb.norm().clamp_min(1e-12)).item()
+        b.row(f"c.agree.{tag}", "naive vs ours: loss / relative difference of grad R",
+              f"{la:.6f} / {lb:.6f}", f"{rel:.1e}", "", "equal")
+    b.row(f"e.{tag}", f"peak memory ({b.mem_method}): DeAR step / frozen forward"
+          + (" / naive step" if "naive" in r else "") + f", {C} classes, batch {B}",
+          mib(r["dear"]), mib(r["frozen"]), mib(r["naive"]) if "naive" in r else "")
+    if not b.args.no_breakdown:
+        b.breakdown.append((C, B, step_breakdown(b, net, imgs, labels, r["dear"]["s"], tag)))
+
+
+def bench_eval(b, net, images, C):
+    """d. evaluation: per-batch cost with the class text features computed once, as dear.evaluate does."""
+    net.set_classes(classnames(C), TEMPLATE)
+    net.eval()
+    t = b.no_grad(net.encode_classes)()
+    scale = net.clip.logit_scale.exp()
+    r = b.go({"dear": b.no_grad(lambda: net(images, t=t)["fused"].argmax(-1).cpu()),
+              "zs": b.no_grad(lambda: (scale * F.normalize(net.clip.encode_image(images), dim=-1)
+                                       @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation")
+    n = len(images)
+    b.row("d.eval", f"evaluation, images/s ({C} classes, batches of {n}): DeAR vs zero-shot CLIP (ratio of times)",
+          f"{n / r['dear']['s']:.1f}/s", f"{n / r['zs']['s']:.1f}/s", ratio(r["dear"], r["zs"]), "<= 1.2")
+
+
+def run(args):
+    b = Bench(args)
+    sizes, J = dict(TINY if args.tiny else VIT_B16), args.J or (3 if args.tiny else 9)
+    t_start = time.perf_counter()
+    print(f"building a random CLIP ({'tiny' if args.tiny else 'ViT-B/16 shapes'}) on {b.device} ...", flush=True)
+    torch.manual_seed(0)
+    with torch.device(b.device):
+        model = CLIP(**sizes).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    images = b.images(args.eval_batch, model.visual.input_resolution)
+    tokens = clip.tokenize([TEMPLATE.format(c) for c in classnames(args.prompts)]).to(b.device)
+    bench_clip(b, model, build_reference(model, sizes), images, tokens)
+    net = dear.DeAR(model, bench_roles(J, model.visual.layers, model.visual.heads), J=J, beta=0.9).to(b.device)
+    # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
+    # see the same parameters and the naive and our losses can be compared
+    opt = torch.optim.AdamW([p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=dear.autocast_dtype(b.device) == torch.float16)
+    settings = list(zip(args.classes, args.batches))
+    for C, B in settings:
+        bench_train(b, net, opt, scaler, C, B)
+    bench_eval(b, net, images, settings[0][0])
+    prof = profile_step(b, net, opt, scaler, settings[-1]) if args.profile else None
+    longest = int(clip.tokenize([TEMPLATE.format(c) for c in classnames(max(args.classes))]).argmax(-1).max()) + 1
+    return dict(rows=b.rows, breakdown=b.breakdown, sizes=sizes, J=J, settings=settings, mem_method=b.mem_method,
+                elapsed=time.perf_counter() - t_start, profile=prof, text_len=longest)
+
+
+def step_breakdown(b, net, imgs, labels, step_s, tag):
+    """Where the time of one DeAR step goes, by simple timers on its parts (medians)."""
+    visual = net.clip.visual
+    x = b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first))()  # [B, 1+P, D]
+
+    def forward():
+        with amp(b.device):
+            out = net(imgs, with_frozen=True)
+            return dear.dear_loss(out, labels, net.t0, net.alpha(), 1.0, 1.0)[0].item()
+
+    def text():
+        with amp(b.device):
+            return net.encode_classes().sum().item()  # with autograd on, as in the step
+
+    r = b.go({"text": text, "prefix": b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first)),
+              "frozen": b.no_grad(lambda: visual.head(visual.run_blocks(x, net.first, net.L)[:, 0])),
+              "forward": forward}, f"breakdown {tag}")
+    s = {k: v["s"] for k, v in r.items()}
+    J, L = net.J, net.L
+    return [(f"text side: blocks {net.first_text + 1}..{net.Lt} of all prompts, with tokens (forward)", s["text"]),
+            (f"image prefix: embed + blocks 1..{J - 1}, no autograd", s["prefix"]),
+            (f"frozen f^0: blocks {J}..{L} again without tokens, no autograd", s["frozen"]),
+            (f"image blocks {J}..{L} with tokens and role masks, heads, logits, loss (forward)",
+             max(0.0, s["forward"] - s["text"] - s["prefix"] - s["frozen"])),
+            ("backward + AdamW", max(0.0, step_s - s["forward"])),
+            ("whole step (from b.)", step_s)]
+
+
+def profile_step(b, net, opt, scaler, setting):
+    """The top operators of one DeAR step (torch.profiler), as text."""
+    from torch.profiler import ProfilerActivity, profile
+    C, B = setting
+    net.set_classes(classnames(C), TEMPLATE)
+    imgs, labels = b.images(B, net.clip.visual.input_resolution), (torch.arange(B) % C).to(b.device)
+    dear_step(net, opt, scaler, imgs, labels, b.device)
+    cuda = b.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+        dear_step(net, opt, scaler, imgs, labels, b.device)
+        sync(b.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return f"one DeAR step, {C} classes, batch {B}\n" + p.key_averages().table(sort_by=key, row_limit=15)
+
+
+def ms(r) -> str:
+    return f"{1000 * r['s']:.1f} ms"
+
+
+def ratio(a, b) -> str:
+    return f"{a['s'] / b['s']:.2f}"
+
+
+def mib(r) -> str:
+    return "n/a" if r["mem"] is None else f"{r['mem'] / 2 ** 20:.0f} MiB"
+
+
+def row_ids(settings):
+    """The ids of the result rows a run with these settings writes (without --no-naive)."""
+    per = [f"{p}.C{C}xB{B}" for C, B in settings for p in ("b", "c", "c.agree", "e")]
+    return ["a.agree", "a.image", "a.text"] + per + ["d.eval"]
+
+
+def markdown(res, args) -> str:
+    device = torch.device(args.device)
+    s = res["sizes"]
+    prec = {None: "fp32", torch.bfloat16: "autocast bf16", torch.float16: "autocast fp16 + GradScaler"}[
+        dear.autocast_dtype(device)]
+    lines = ["# DeAR speed bench", "",
+             "Written by `bench.py`; every ratio compares two measurements made in the same process, "
+             "interleaved, with the same inputs. Random weights with the real shapes (nothing downloaded).", "",
+             "| | |", "|---|---|",
+             f"| command | `python bench.py {' '.join(sys.argv[1:])}` |",
+             f"| date | {time.strftime('%Y-%m-%d %H:%M %Z')} |",
+             f"| device | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+             f"({platform.machine()}, {os.cpu_count()} cores) |",
+             f"| torch | {torch.__version__} (intra-op threads: {torch.get_num_threads()}) |",
+             f"| precision | {prec} |",
+             f"| model | {'tiny test CLIP' if args.tiny else 'CLIP ViT-B/16 shapes'}: vision {s['vision_layers']} blocks "
+             f"x {s.get('vision_heads') or s['vision_width'] // 64} heads, width {s['vision_width']}, "
+             f"{s['image_resolution']}px / patch {s['vision_patch_size']}; text {s['transformer_layers']} blocks, "
+             f"width {s['transformer_width']}; J = {res['J']} |",
+             f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; evaluation "
+             f"batch {args.eval_batch}; prompts padded to 77 tokens, longest {res['text_len']} |",
+             f"| timing | {args.warmup} warm-up call(s) (the first also measures memory), median of {args.repeats} |",
+             f"| peak memory | {MEM_NOTES[res['mem_method']]} |",
+             f"| wall time of the bench | {fmt_time(res['elapsed'])} |", "",
+             "## Results", "",
+             "Ratio = first column / second column (time); a ratio below 1 means the first is faster.", "",
+             "| id | measurement | first | second | ratio | target |", "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in res["rows"]]
+    if res["breakdown"]:
+        lines += ["", "## Where a DeAR training step spends its time", "",
+                  "Simple timers on the parts of the forward pass (medians); the token blocks are the forward "
+                  "minus the other parts, backward + AdamW is the step minus the forward.", ""]
+        for C, B, parts in res["breakdown"]:
+            total = parts[-1][1]
+            lines += [f"{C} classes, batch {B}:", "", "| part | time | share |", "|---|---|---|"]
+            lines += [f"| {name} | {1000 * t:.1f} ms | {100 * t / total:.0f}% |" for name, t in parts]
+            lines.append("")
+    lines += ["", "## How to read this", "",
+              "- a: `clip/model.py` (batch-first, hand-written attention through "
+              "`scaled_dot_product_attention`) against a reference written in bench.py the plainest way: "
+              "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight tensors.",
+              "- b: `dear_step` = `model(images, with_frozen=True)`, `dear.dear_loss`, backward, AdamW step "
+              "(lr 0, so every repeat sees the same parameters); frozen = `encode_image` of the batch + "
+              "`encode_text` of every class prompt + logits, under `no_grad`.",
+              "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on the frozen "
+              "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
+              "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
+              "The agree row checks it computes the same loss and gradient as ours.",
+              "- d: per-batch cost only, as `dear.evaluate` computes the class text features once.",
+              "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
+              "every block (the masks cost the same whatever the roles)."]
+    if device.type == "cpu":
+        lines += ["- CPU timings are noisy: the machine may be shared with other programs; read the ratios, "
+                  "which were measured interleaved, rather than the absolute times.",
+                  "- GPU numbers were not measured in this file; run `python bench.py --device cuda` on a GPU "
+                  "(the code path: autocast as in dear.py, `torch.cuda.synchronize` around every timed call, "
+                  "`torch.cuda.max_memory_allocated` for memory)."]
+    if res["profile"]:
+        lines += ["", "## Top operators (torch.profiler)", "", "```", res["profile"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(text: str, path: str):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def int_list(s: str):
+    try:
+        values = [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 10,1000, got {s!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers such as 10,1000, got {s!r}")
+    return values
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Time a DeAR training step and evaluation against the frozen CLIP, on random weights.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Defaults (ViT-B/16 on CUDA | ViT-B/16 on CPU | --tiny): " + " | ".join(
+            f"{k}: " + ", ".join(f"{n} {v}" for n, v in d.items()) for k, d in DEFAULTS.items()))
+    p.add_argument("--tiny", action="store_true", help="the tiny CLIP of the tests instead of ViT-B/16 shapes")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (>= 1; the first measures memory)")
+    p.add_argument("--classes", type=int_list, default=None, help="class counts of the training settings")
+    p.add_argument("--batches", type=int_list, default=None, help="training batch size of each setting")
+    p.add_argument("--eval-batch", type=int, default=None, help="images per batch in a. and d.")
+    p.add_argument("--prompts", type=int, default=None, help="prompts encoded in a.")
+    p.add_argument("--J", type=int, default=None, help="tokens enter block J (default 9; tiny: 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive step (c.)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timing of the DeAR step")
+    p.add_argument("--profile", action="store_true", help="add torch.profiler's top operators of one DeAR step")
+    p.add_argument("--out", default="BENCH.md", help="Markdown file to write (atomically)")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} was asked for but CUDA is not available here; use --device cpu")
+    kind = "tiny" if args.tiny else "cpu" if args.device == "cpu" else "cuda"
+    for name, value in DEFAULTS[kind].items():
+        setattr(args, name, getattr(args, name) or value)
+    if len(args.classes) != len(args.batches):
+        p.error(f"--classes has {len(args.classes)} entries but --batches has {len(args.batches)}; "
+                "give one batch size per class count")
+    if min(args.repeats, args.warmup, args.eval_batch, args.prompts) < 1:
+        p.error("--repeats, --warmup, --eval-batch and --prompts must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        res = run(args)
+    except ValueError as e:  # e.g. a J that does not fit the towers
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    write_atomic(markdown(res, args), args.out)
+    print(markdown(res, args))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
