@@ -1,0 +1,481 @@
+"""Toy world: a procedural dataset and a tiny CLIP pretrained on it, both made on a CPU in minutes.
+
+Every image shows one object whose generative factors are exactly DeAR's attributes:
+
+    colour   red, green, blue, yellow, purple, orange
+    shape    circle, square, triangle, cross            (the "object")
+    texture  solid, striped, dotted
+    location top left, top right, bottom left, bottom right
+
+on a grey background with a mild tint, a brightness gradient and pixel noise. A caption names the
+factors: caption("red", "circle", "striped", "top left") == "a red striped circle in the top left".
+
+Classification classes combine two factors ("red circle"); texture and location vary inside a
+class. The 24 classes are ordered so that the base half (first 12 labels) and the novel half each
+hold every colour and every shape (a checkerboard over colour x shape): novel classes are unseen
+combinations of seen words, which is what base-to-novel generalisation should measure.
+
+    ensure_dataset(root)          <root>/toyworld/images/<class>/*.png + split_zhou_ToyWorld.json
+    ensure_pretrained(cache_dir)  a tiny CLIP (same clip/model.py) trained contrastively on
+                                  toy-world image/caption pairs, saved as a plain CLIP state dict
+
+Command line:
+    python toyworld.py render --color red --shape circle --texture striped --location "top left" --out x.png
+    python toyworld.py dataset --root DATA
+    python toyworld.py pretrain [--steps N] [--seed S] [--cache-dir DIR]
+    python toyworld.py zeroshot [--checkpoint PATH]
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
+SHAPES = ("circle", "square", "triangle", "cross")
+TEXTURES = ("solid", "striped", "dotted")
+LOCATIONS = ("top left", "top right", "bottom left", "bottom right")
+TEMPLATE = "a photo of a {}."
+
+# RGB in [0, 1]; all strongly saturated, so the object stands out from the grey background.
+PALETTE = {
+    "red": (0.86, 0.18, 0.18), "green": (0.20, 0.67, 0.24), "blue": (0.20, 0.35, 0.86),
+    "yellow": (0.90, 0.82, 0.18), "purple": (0.60, 0.24, 0.80), "orange": (0.95, 0.55, 0.14),
+}
+DARK = 0.55          # stripes and dots are the object colour times DARK (same hue, same saturation)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+# Images per class in the written dataset (16-shot training needs >= 16 train images per class).
+SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
+SPLIT_FILE = "split_zhou_ToyWorld.json"
+
+# The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks, width 128,
+# 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant = 2x2 patches) and is
+# about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the longest toy caption.
+TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
+                  context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
+                  transformer_layers=4, vision_heads=4)
+DEFAULT_STEPS = 150
+RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
+
+
+class ToyWorldError(Exception):
+    """Bad input to the toy world; the message says what is wrong and how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+def _check_factors(color, shape, texture, location):
+    for value, vocab, name in ((color, COLORS, "color"), (shape, SHAPES, "shape"),
+                               (texture, TEXTURES, "texture"), (location, LOCATIONS, "location")):
+        if value not in vocab:
+            raise ToyWorldError(f"unknown {name} {value!r}; choose one of: {', '.join(vocab)}")
+
+
+def shape_mask(shape, x, y, cx, cy, r):
+    """Boolean mask of `shape` centred at (cx, cy) with half-size r, on pixel-centre grids x, y."""
+    dx, dy = x - cx, y - cy
+    if shape == "circle":
+        return dx ** 2 + dy ** 2 <= r ** 2
+    if shape == "square":
+        return (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)   # 0.85: about the circle's area
+    if shape == "triangle":  # apex up; the half-width grows linearly from 0 at the apex to r at the base
+        t = (dy + r) / (1.8 * r)                                     # 0 at the apex, 1 at the base
+        return (t >= 0) & (t <= 1) & (np.abs(dx) <= t * r)
+    if shape == "cross":
+        arm = 0.33 * r
+        return ((np.abs(dx) <= arm) & (np.abs(dy) <= r)) | ((np.abs(dy) <= arm) & (np.abs(dx) <= r))
+    raise ToyWorldError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+
+
+def texture_dark(texture, x, y, size, rng):
+    """Boolean mask of the pixels that the texture darkens (stripes or dots)."""
+    if texture == "solid":
+        return np.zeros_like(x, dtype=bool)
+    period = size / 8                                                # 4 px at 32x32
+    phase = rng.uniform(0, period)
+    if texture == "striped":                                         # diagonal stripes, half dark
+        return ((x + y + phase) % period) < period / 2
+    if texture == "dotted":                                          # a square grid of dark dots
+        period = size * 5 / 32
+        gx = (x + phase) % period - period / 2
+        gy = (y + phase) % period - period / 2
+        return gx ** 2 + gy ** 2 <= (0.28 * period) ** 2
+    raise ToyWorldError(f"unknown texture {texture!r}; choose one of: {', '.join(TEXTURES)}")
+
+
+def render_array(color, shape, texture, location, seed, size=32):
+    """The image as a uint8 array [size, size, 3]; the same (factors, seed, size) give the same pixels."""
+    _check_factors(color, shape, texture, location)
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5     # pixel centres, [size, size] each
+    # background: grey level, a faint colour tint and a gentle brightness gradient
+    grey = rng.uniform(0.30, 0.70)
+    tint = rng.uniform(-0.03, 0.03, size=3)
+    gx, gy = rng.uniform(-0.10, 0.10, size=2)
+    bg = grey + gx * (x / size - 0.5) + gy * (y / size - 0.5)
+    img = bg[..., None] + tint                                     # [size, size, 3]
+    # object: half-size about 0.2 of the image, centred in its quadrant with a little jitter
+    row, col = location.split()
+    r = size * rng.uniform(0.19, 0.22)
+    cx = size * (0.25 if col == "left" else 0.75) + rng.uniform(-0.04, 0.04) * size
+    cy = size * (0.25 if row == "top" else 0.75) + rng.uniform(-0.04, 0.04) * size
+    obj = shape_mask(shape, x, y, cx, cy, r)
+    rgb = np.array(PALETTE[color]) * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
+    shade = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)   # [size, size]
+    img = np.where(obj[..., None], shade[..., None] * rgb, img)
+    img = img + rng.normal(0.0, 0.02, size=img.shape)              # mild pixel noise
+    return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+
+
+def render(color, shape, texture, location, seed, size=32):
+    """The image of one object as a PIL RGB image (deterministic in all arguments)."""
+    return Image.fromarray(render_array(color, shape, texture, location, seed, size), mode="RGB")
+
+
+def caption(color, shape, texture, location):
+    """All four factors in words: "a red striped circle in the top left".
+
+    The article is always "a" (also before "orange"), like the class prompt "a photo of a {}."."""
+    _check_factors(color, shape, texture, location)
+    return f"a {color} {texture} {shape} in the {location}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The dataset (CoOp layout)
+# ---------------------------------------------------------------------------------------------
+
+def class_list():
+    """The 24 (colour, shape) classes in label order: the base half first, then the novel half.
+
+    A checkerboard over the colour x shape grid: (i, j) is base when i + j is even. Each half then holds
+    every colour (twice) and every shape (three times), and no novel pair occurs among the base classes."""
+    grid = [(i, j) for i in range(len(COLORS)) for j in range(len(SHAPES))]
+    base = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 0]
+    novel = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 1]
+    return base + novel
+
+
+def classnames():
+    """Class names in label order, e.g. "red circle"."""
+    return [f"{c} {s}" for c, s in class_list()]
+
+
+def dataset_items():
+    """Every image of the dataset as a dict: split, label, classname, folder, file, factors and seed.
+
+    The single source of truth for ensure_dataset and zero_shot. Texture and location cycle through all
+    12 combinations inside each class and split; each image has its own rendering seed."""
+    items = []
+    for split_index, split in enumerate(("train", "val", "test")):
+        for label, (color, shape) in enumerate(class_list()):
+            folder = f"{color}_{shape}"
+            for i in range(SPLIT_SIZES[split]):
+                k = (i + label) % (len(TEXTURES) * len(LOCATIONS))   # offset by label: no class starts alike
+                texture, location = TEXTURES[k % len(TEXTURES)], LOCATIONS[k // len(TEXTURES)]
+                seed = 1_000_000 * (split_index + 1) + 1000 * label + i
+                items.append(dict(split=split, label=label, classname=f"{color} {shape}", folder=folder,
+                                  file=f"{folder}/{split}_{i:03d}.png", color=color, shape=shape,
+                                  texture=texture, location=location, seed=seed))
+    return items
+
+
+def ensure_dataset(root):
+    """Write <root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json} once; return <root>/toyworld.
+
+    Deterministic. The folder appears atomically: everything is written into a temporary folder
+    beside it, which is then renamed, so an interrupted run never leaves a half-written dataset."""
+    root = os.path.abspath(os.path.expanduser(root))
+    final = os.path.join(root, "toyworld")
+    if os.path.isfile(os.path.join(final, SPLIT_FILE)):
+        return final
+    if os.path.exists(final):
+        raise ToyWorldError(f"{final} exists but has no {SPLIT_FILE}; it is not a toy-world dataset. "
+                            f"Move or delete it, then run again.")
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".toyworld-", dir=root)
+    try:
+        split = {"train": [], "val": [], "test": []}
+        for it in dataset_items():
+            path = os.path.join(tmp, "images", it["file"])
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            render(it["color"], it["shape"], it["texture"], it["location"], it["seed"]).save(path)
+            split[it["split"]].append([it["file"], it["label"], it["classname"].replace(" ", "_")])
+        with open(os.path.join(tmp, SPLIT_FILE), "w") as f:
+            json.dump(split, f, indent=4)
+        try:
+            os.rename(tmp, final)
+        except OSError:                       # another process finished first: keep its copy
+            if not os.path.isfile(os.path.join(final, SPLIT_FILE)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining the tiny CLIP
+# ---------------------------------------------------------------------------------------------
+
+def to_tensor(arrays):
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (as the test transform)."""
+    x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
+    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def sample_batch(n, generator):
+    """n random objects and, for each, a caption that may leave some factors out.
+
+    Returns (image factors [n, 4] long, caption factors [n, 4] long with -1 where a factor is left out,
+    captions, image seeds). Colour is dropped with p=0.15, texture and location each with p=0.5 (web
+    captions rarely say everything); half the captions use the class template "a photo of a ... .".
+    """
+    g = generator
+    sizes = torch.tensor([len(COLORS), len(SHAPES), len(TEXTURES), len(LOCATIONS)])
+    img_f = (torch.rand(n, 4, generator=g) * sizes).long()                   # [n, 4]
+    keep = torch.rand(n, 4, generator=g) >= torch.tensor([0.15, 0.0, 0.5, 0.5])
+    cap_f = torch.where(keep, img_f, torch.full_like(img_f, -1))            # [n, 4]
+    photo = torch.rand(n, generator=g) < 0.5
+    seeds = torch.randint(0, 2 ** 31 - 1, (n,), generator=g) + 2 ** 32      # disjoint from dataset seeds
+    texts = []
+    for (c, s, t, l), p in zip(cap_f.tolist(), photo.tolist()):
+        words = [COLORS[c] if c >= 0 else None, TEXTURES[t] if t >= 0 else None, SHAPES[s]]
+        text = "a " + " ".join(w for w in words if w)
+        if l >= 0:
+            text += f" in the {LOCATIONS[l]}"
+        texts.append(f"a photo of {text}." if p else text)
+    return img_f, cap_f, texts, seeds.tolist()
+
+
+def contrastive_loss(logits, truth):
+    """Symmetric CLIP loss with soft targets. logits [B, B] image x text; truth[i, j] = caption j is
+    true of image i (a caption that leaves factors out describes many images, so rows can have
+    several positives). Each direction is the cross-entropy to the uniform distribution over positives."""
+    t = truth.float()
+    loss_i = -(t / t.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
+    loss_t = -(t / t.sum(0, keepdim=True) * logits.log_softmax(0)).sum(0).mean()
+    return (loss_i + loss_t) / 2
+
+
+def build_toy_model():
+    from clip.model import CLIP
+    return CLIP(**TOY_CONFIG)
+
+
+def toy_state_dict(model):
+    """The model's state dict in normal CLIP format plus the 0-dim int head counts build_model pops."""
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    sd["vision_heads"] = torch.tensor(model.visual.heads)
+    sd["text_heads"] = torch.tensor(model.transformer.heads)
+    return sd
+
+
+def _fmt_time(s):
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3, weight_decay=0.05,
+             warmup=0.05, log=print, log_every=20):
+    """Train the tiny CLIP contrastively on toy-world pairs; return (model, info dict).
+
+    Images and captions are generated on the fly over all factor combinations, including the
+    combinations that later serve as novel classes (as web data contains them for real CLIP).
+    AdamW, linear warm-up then cosine decay. Deterministic in `seed`: torch.manual_seed for the
+    weights, one torch.Generator for the data. Saves to out_path atomically when given."""
+    from clip.tokenizer import tokenize
+    torch.manual_seed(seed)
+    model = build_toy_model().train()
+    gen = torch.Generator().manual_seed(seed)
+    # Toy captions use about 40 of the 49,408 vocabulary rows: a sparse gradient for the token embedding
+    # (with SparseAdam) updates only those rows, instead of 6 M parameters per step. Unused rows keep their init.
+    model.token_embedding.sparse = True
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)
+            and n != "token_embedding.weight"]
+    opts = [torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                               {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98), eps=1e-6),
+            torch.optim.SparseAdam([model.token_embedding.weight], lr=lr, betas=(0.9, 0.98), eps=1e-6)]
+    n_warm = max(1, int(warmup * steps))
+    token_cache = {}
+    t0, loss_avg = time.time(), None
+    for step in range(1, steps + 1):
+        lr_now = lr * step / n_warm if step <= n_warm else \
+            lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = lr_now
+        img_f, cap_f, texts, seeds = sample_batch(batch_size, gen)
+        images = to_tensor([render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
+                            for (c, s, t, l), sd in zip(img_f.tolist(), seeds)])     # [B, 3, 32, 32]
+        for t in texts:
+            if t not in token_cache:
+                token_cache[t] = tokenize([t], context_length=TOY_CONFIG["context_length"])[0]
+        tokens = torch.stack([token_cache[t] for t in texts])                       # [B, 16]
+        # truth[i, j]: every factor that caption j names equals image i's factor
+        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(-1)  # [B, B]
+        logits, _ = model(images, tokens)
+        loss = contrastive_loss(logits, truth)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))                              # as in CLIP
+        loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
+        if log and (step % log_every == 0 or step == steps):
+            el = time.time() - t0
+            log(f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
+                f"elapsed {_fmt_time(el)}  ETA {_fmt_time(el / step * (steps - step))}")
+    model.token_embedding.sparse = False
+    model.eval()
+    info = dict(recipe=RECIPE, steps=steps, seed=seed, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+                final_loss=round(loss_avg, 4), train_seconds=round(time.time() - t0, 1), config=TOY_CONFIG)
+    if out_path:
+        save_checkpoint(model, out_path, info)
+    return model, info
+
+
+def save_checkpoint(model, path, info=None):
+    """torch.save the toy state dict atomically (temp file in the same folder, then os.replace);
+    `info` goes to a JSON file beside it (<path>.json) for people, not for loading."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".toy-", suffix=".pt.tmp", dir=folder)
+    os.close(fd)
+    try:
+        torch.save(toy_state_dict(model), tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if info is not None:
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".json.tmp", delete=False) as f:
+            json.dump(info, f, indent=2)
+        os.replace(f.name, path + ".json")
+
+
+def checkpoint_name(steps=DEFAULT_STEPS, seed=0):
+    return f"toy-clip-{RECIPE}-steps{steps}-seed{seed}.pt"
+
+
+def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
+    """Path of the pretrained toy CLIP checkpoint in cache_dir; pretrains it first when missing."""
+    path = os.path.join(os.path.expanduser(cache_dir), checkpoint_name(steps, seed))
+    if os.path.isfile(path):
+        return path
+    if log:
+        log(f"Pretraining the toy CLIP once ({steps} steps, seed {seed}); it is cached at {path}")
+    pretrain(steps=steps, seed=seed, out_path=path, log=log)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero-shot evaluation on the dataset's classes
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def zero_shot(model, split="test", template=TEMPLATE, batch_size=256):
+    """Zero-shot accuracy (percent) of `model` on the toy classes: {"all", "base", "novel"}.
+
+    Images are the dataset's own images of `split` (rendered in memory, identical to the PNGs). As in
+    base-to-novel evaluation, "base" and "novel" compete only among their own half of the classes."""
+    from clip.tokenizer import tokenize
+    model.eval()
+    names = classnames()
+    tokens = tokenize([template.format(n) for n in names], context_length=model.context_length)
+    text = F.normalize(model.encode_text(tokens).float(), dim=-1)                # [C, E]
+    items = [it for it in dataset_items() if it["split"] == split]
+    labels = torch.tensor([it["label"] for it in items])
+    feats = []
+    for i in range(0, len(items), batch_size):
+        arrays = [render_array(it["color"], it["shape"], it["texture"], it["location"], it["seed"],
+                               model.visual.input_resolution) for it in items[i:i + batch_size]]
+        feats.append(F.normalize(model.encode_image(to_tensor(arrays)).float(), dim=-1))
+    sims = torch.cat(feats) @ text.T                                               # [N, C]
+    m = math.ceil(len(names) / 2)
+    out = {}
+    for key, lo, hi in (("all", 0, len(names)), ("base", 0, m), ("novel", m, len(names))):
+        keep = (labels >= lo) & (labels < hi)
+        pred = sims[keep][:, lo:hi].argmax(1) + lo
+        out[key] = round(100.0 * (pred == labels[keep]).float().mean().item(), 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def _log_err(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The toy world: procedural images with DeAR's attributes as "
+                                            "factors, and a tiny CLIP pretrained on them.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render", help="render one image to a PNG")
+    r.add_argument("--color", required=True, help=", ".join(COLORS))
+    r.add_argument("--shape", required=True, help=", ".join(SHAPES))
+    r.add_argument("--texture", default="solid", help=", ".join(TEXTURES))
+    r.add_argument("--location", default="top left", help=", ".join(LOCATIONS))
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    r.add_argument("--out", required=True, help="output PNG path")
+    d = sub.add_parser("dataset", help="write the toy dataset under ROOT/toyworld (once)")
+    d.add_argument("--root", required=True, help="data root, the same as dear.py --root")
+    t = sub.add_parser("pretrain", help="pretrain the tiny CLIP into the CLIP cache (once)")
+    t.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--cache-dir", default=None, help="default: $CLIP_CACHE, else ~/.cache/clip")
+    t.add_argument("--force", action="store_true", help="pretrain again even if the checkpoint exists")
+    z = sub.add_parser("zeroshot", help="zero-shot accuracy of a toy checkpoint on the toy classes")
+    z.add_argument("--checkpoint", default=None, help="default: the cached toy CLIP (pretrained if missing)")
+    z.add_argument("--split", default="test", choices=("train", "val", "test"))
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "render":
+            render(args.color, args.shape, args.texture, args.location, args.seed, args.size).save(args.out)
+            print(f"{caption(args.color, args.shape, args.texture, args.location)} -> {args.out}")
+        elif args.cmd == "dataset":
+            print(ensure_dataset(args.root))
+        elif args.cmd in ("pretrain", "zeroshot"):
+            from clip import cache_dir
+            ckpt = getattr(args, "checkpoint", None)
+            if ckpt is None:
+                cache = cache_dir(getattr(args, "cache_dir", None))
+                path = os.path.join(cache, checkpoint_name(args.steps if args.cmd == "pretrain" else DEFAULT_STEPS,
+                                                           getattr(args, "seed", 0)))
+                if args.cmd == "pretrain" and args.force and os.path.exists(path):
+                    os.remove(path)
+                ckpt = ensure_pretrained(cache, **({"steps": args.steps, "seed": args.seed}
+                                                   if args.cmd == "pretrain" else {}), log=_log_err)
+            if not os.path.isfile(ckpt):
+                raise ToyWorldError(f"checkpoint {ckpt} does not exist; run `python toyworld.py pretrain` first")
+            from clip.model import build_model
+            model = build_model(torch.load(ckpt, map_location="cpu", weights_only=True))
+            acc = zero_shot(model, split=getattr(args, "split", "test"))
+            print(f"{ckpt}\nzero-shot accuracy (%): all {acc['all']:.1f}  base {acc['base']:.1f}  "
+                  f"novel {acc['novel']:.1f}  (chance: all {100 / len(classnames()):.1f}, "
+                  f"base/novel {100 / math.ceil(len(classnames()) / 2):.1f})")
+    except ToyWorldError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
