@@ -496,10 +496,10 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def train_transform(size=224):
-    """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(0.5, 1), bicubic) + flip."""
+def train_transform(size=224, min_scale=0.5):
+    """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(min_scale, 1), bicubic) + flip."""
     return T.Compose([T.Lambda(to_rgb),
-                      T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+                      T.RandomResizedCrop(size, scale=(min_scale, 1.0), interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 

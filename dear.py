@@ -57,13 +57,17 @@ DATASET_DEFAULTS = {
 }
 XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source model (cross-dataset / domain generalisation)
 
-# (epochs, batch size, warm-up epochs) per protocol, MMRL's configs (research/anchors.md §2.4).
+# (epochs, batch size, warm-up epochs) per protocol, MMRL's configs (research/anchors.md §2.4), and per
+# (protocol, dataset) where it differs. The toy world's tiny CLIP needs more steps to fit 16 shots.
 SCHEDULES = {
-    "b2n":          (10, 4, 1),
-    "b2n_imagenet": (5, 32, 1),
-    "fewshot":      (50, 32, 1),
-    "xd":           (1, 32, 0),
+    "b2n":                  (10, 4, 1),
+    ("b2n", "imagenet"):    (5, 32, 1),
+    ("b2n", "toyworld"):    (30, 4, 1),
+    "fewshot":              (50, 32, 1),
+    "xd":                   (1, 32, 0),
 }
+# Smallest area of RandomResizedCrop: MMRL's 0.5; the toy world's objects sit in a corner that a crop would cut.
+CROP_SCALE = {"toyworld": 1.0}
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Config:
     epochs: int = None                # None = SCHEDULES
     batch_size: int = None
     warmup_epochs: int = None
+    crop_scale: float = None          # smallest crop area of the training augmentation; None = CROP_SCALE or 0.5
     lr: float = 1e-3
     warmup_lr: float = 1e-5
     weight_decay: float = 5e-4
@@ -116,10 +121,10 @@ def resolve(cfg: Config) -> Config:
     beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
     c.beta = beta if c.beta is None else c.beta
     c.lambda_reg = lam if c.lambda_reg is None else c.lambda_reg
-    key = "b2n_imagenet" if (c.protocol == "b2n" and c.dataset == "imagenet") else c.protocol
-    if key not in SCHEDULES:
+    if c.protocol not in SCHEDULES:
         raise ValueError(f"unknown --protocol {c.protocol!r}; choose b2n, fewshot or xd")
-    epochs, batch, warmup = SCHEDULES[key]
+    epochs, batch, warmup = SCHEDULES.get((c.protocol, c.dataset), SCHEDULES[c.protocol])
+    c.crop_scale = CROP_SCALE.get(c.dataset, 0.5) if c.crop_scale is None else c.crop_scale
     c.epochs = epochs if c.epochs is None else c.epochs
     c.batch_size = batch if c.batch_size is None else c.batch_size
     c.warmup_epochs = warmup if c.warmup_epochs is None else c.warmup_epochs
@@ -131,7 +136,8 @@ def resolve(cfg: Config) -> Config:
               (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
               (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
               (0.0 < c.alpha_cls < 1.0, f"--alpha-cls must lie in (0, 1), got {c.alpha_cls}"),
-              (c.epochs >= 1 and c.batch_size >= 1, "--epochs and --batch-size must be >= 1")]
+              (c.epochs >= 1 and c.batch_size >= 1, "--epochs and --batch-size must be >= 1"),
+              (0.0 < c.crop_scale <= 1.0, f"--crop-scale must lie in (0, 1], got {c.crop_scale}")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -143,7 +149,7 @@ def variant_name(c: Config) -> str:
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
-                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr")
+                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale")
              and getattr(c, f.name) != getattr(base, f.name)]
     if c.backbone != base.backbone and c.backbone not in clip.available_models():  # a checkpoint file
         parts[0] = "backbone-" + os.path.splitext(os.path.basename(c.backbone))[0]
@@ -457,7 +463,7 @@ def train(model, ds, cfg, device, rdir, log, ckpt_every_s=600.0):
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     amp = autocast_dtype(device)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
-    transform = data.train_transform(model.clip.visual.input_resolution)
+    transform = data.train_transform(model.clip.visual.input_resolution, min_scale=cfg.crop_scale)
     ckpt, start_epoch, start_step = os.path.join(rdir, "checkpoint.pt"), 0, 0
     if os.path.exists(ckpt):
         state = torch.load(ckpt, map_location=device, weights_only=True)
@@ -568,7 +574,7 @@ def load_roles(cfg, model, device, log):
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the test images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool="toy" if model.name == "toy" else None)
+                                   device=str(device), pool="toy" if "toy" in (model.name, probe[:3]) else None)
         roles = entropy.load_roles(path, model_name=model.name, num_layers=L, num_heads=H, layers=layers)
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
@@ -725,9 +731,12 @@ def parse_args(argv=None) -> Config:
                    help="logits on novel classes and target datasets; cls is MMRL's class-only rule (default: %(default)s)")
     g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=None, help="default: 10 (b2n), 5 (b2n ImageNet), 50 (fewshot), 1 (xd)")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="default: 10 (b2n), 5 (b2n ImageNet), 30 (b2n toyworld), 50 (fewshot), 1 (xd)")
     g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (b2n ImageNet, fewshot, xd)")
     g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
+    g.add_argument("--crop-scale", type=float, default=None,
+                   help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="(default: %(default)s)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")

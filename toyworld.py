@@ -64,7 +64,7 @@ SPLIT_FILE = "split_zhou_ToyWorld.json"
 TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
                   context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
                   transformer_layers=4, vision_heads=4)
-DEFAULT_STEPS = 150
+DEFAULT_STEPS = 200
 RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
 
 

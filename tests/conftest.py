@@ -50,3 +50,13 @@ def tiny_clip(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8,
 def tiny_model():
     """The default tiny CLIP: ViT 4 blocks x 4 heads, width 64, 32x32 images, patch 8; text 2 blocks."""
     return tiny_clip()
+
+
+@pytest.fixture(scope="session")
+def toy_cache(tmp_path_factory):
+    """A CLIP cache folder holding the toy CLIP, pretrained once per test session with the default recipe
+    (what `clip.load("toy")` and `python dear.py --dataset toyworld` use); shared by the end-to-end tests."""
+    import toyworld
+    cache = tmp_path_factory.mktemp("clip_cache")
+    toyworld.ensure_pretrained(str(cache), log=lambda *a, **k: None)
+    return str(cache)
