@@ -642,7 +642,6 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
 
     try:
         device = pick_device(cfg.device)
-        seed_everything(cfg.seed)
         train_ds, evals = build_eval_sets(cfg)
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
         clip_model, _ = clip.load(cfg.backbone, device=device)
@@ -650,6 +649,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
         roles = load_roles(cfg, clip_model, device, log) if use_tokens and cfg.mask != "none" else None
+        seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
         try:
             model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
                          attr_tokens=use_tokens, alpha_cls=cfg.alpha_cls).to(device)
