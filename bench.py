@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import clip
+import data
 import dear
 from clip.model import CLIP
 from dear import ATTRIBUTES, K
@@ -602,13 +603,6 @@ def markdown(res, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(text: str, path: str):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def int_list(s: str):
     try:
         values = [int(v) for v in s.split(",") if v.strip()]
@@ -664,7 +658,7 @@ def main(argv=None):
     except ValueError as e:  # e.g. a J that does not fit the towers
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_atomic(markdown(res, args), args.out)
+    data.write_atomic(args.out, markdown(res, args))
     print(markdown(res, args))
     print(f"wrote {args.out}")
 

@@ -140,18 +140,24 @@ class Dataset:
 
 # ----------------------------------------------------------------------------- small helpers
 
-def write_json_atomic(path, obj, indent=None):
-    """Write JSON to a temporary file beside `path`, then rename, so a reader never sees half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
+def write_atomic(path, payload):
+    """Write bytes or text to a temporary file beside `path`, then rename: a reader never sees half a file.
+    The one atomic writer of the project (dear.py, entropy.py, toyworld.py and bench.py use it too)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload.encode("utf-8") if isinstance(payload, str) else payload)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_json_atomic(path, obj, indent=None):
+    write_atomic(path, json.dumps(obj, indent=indent))
 
 
 def read_json(path):

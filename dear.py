@@ -17,6 +17,7 @@ Every design choice the paper leaves open is a flag; see ../README.md, "Where th
 """
 import argparse
 import dataclasses
+import io
 import json
 import math
 import os
@@ -194,6 +195,11 @@ class AttributeTokens(nn.Module):
         return self.F_t[i](self.R)  # [K, W]
 
 
+def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Put the K tokens right after the first token (CLS, or SOT on the text side): [B, 1 + K + rest, D]."""
+    return torch.cat([x[:, :1], fresh.unsqueeze(0).expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
+
+
 def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
     """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of block l-1).
     x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays simple)."""
@@ -299,8 +305,8 @@ class DeAR(nn.Module):
         self.eot = tokens.argmax(-1)                                    # [C] EOT has the largest id
         tokens = tokens[:, : int(self.eot.max()) + 1]  # [C, T'] up to the longest prompt: the causal mask never
         # lets the padding reach EOT, so dropping it changes nothing but the cost
-        x = self.clip.embed_text(tokens)                                # [C, T, W]
-        self.text_prefix = self.clip.run_text_blocks(x, 0, self.first_text)  # [C, T, W]
+        x = self.clip.embed_text(tokens)                                # [C, T', W]
+        self.text_prefix = self.clip.run_text_blocks(x, 0, self.first_text)  # [C, T', W]
         frozen = self.clip.run_text_blocks(self.text_prefix, self.first_text, self.Lt)
         self.t0 = F.normalize(self.clip.text_head(frozen, self.eot), dim=-1)  # [C, E]
         self.classnames = list(classnames)
@@ -309,16 +315,12 @@ class DeAR(nn.Module):
         """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]"""
         if not self.use_tokens:
             return self.t0
-        x = self.text_prefix
-        C = x.shape[0]
+        x = self.text_prefix                                             # [C, T', W]
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(x.dtype)
-            if i == 0:  # insert right after SOT: [SOT, t_1..t_K, words..., EOT, pad...]
-                x = torch.cat([x[:, :1], fresh.unsqueeze(0).expand(C, -1, -1), x[:, 1:]], dim=1)
-            else:
-                x = mix(x, fresh, self.beta)
-            x = self.clip.run_text_blocks(x, b, b + 1)  # the causal mask of length T + K: tokens see SOT
-            # and earlier tokens, words and EOT see the tokens
+            fresh = self.tokens.text(i).to(x.dtype)                      # [K, W]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [C, T' + K, W]: [SOT, t_1..t_K, words, EOT]
+            x = self.clip.run_text_blocks(x, b, b + 1)  # the causal mask of length T' + K: tokens see SOT and
+            # earlier tokens, words and EOT see the tokens
         return F.normalize(self.clip.text_head(x, self.eot + K), dim=-1)  # EOT moved K places right
 
     # --- image side ------------------------------------------------------------------------------
@@ -333,14 +335,10 @@ class DeAR(nn.Module):
                 f0 = F.normalize(visual.head(visual.run_blocks(x, self.first, self.L)[:, 0]), dim=-1)
         if not self.use_tokens:
             return f0, None, f0
-        B = x.shape[0]
         for i, b in enumerate(range(self.first, self.L)):
-            fresh = self.tokens.vision(i).to(x.dtype)
-            if i == 0:  # [CLS, attr_1..attr_K, patches]
-                x = torch.cat([x[:, :1], fresh.unsqueeze(0).expand(B, -1, -1), x[:, 1:]], dim=1)
-            else:
-                x = mix(x, fresh, self.beta)
-            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"))
+            fresh = self.tokens.vision(i).to(x.dtype)                    # [K, D]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]: [CLS, attr_1..attr_K, patches]
+            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"))  # the role mask of block b
         f_cls = visual.head(x[:, 0])                                  # [B, E]
         f_attr = visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
         return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0
@@ -350,10 +348,12 @@ class DeAR(nn.Module):
         t = self.encode_classes() if t is None else t
         f_cls, f_attr, f0 = self.encode_images(images, with_frozen)
         scale = self.clip.logit_scale.exp()
-        feats = f_cls.unsqueeze(1) if f_attr is None else torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)
-        logits = scale * feats @ t.t().to(feats.dtype)                # [B, 1+K, C]
-        alpha = self.alpha()[: logits.shape[1]]
-        fused = (alpha / alpha.sum())[None, :, None].to(logits.dtype).mul(logits).sum(1)  # [B, C]
+        if f_attr is None:  # no tokens (zero-shot CLIP, or the ablation): the class logits alone
+            logits = scale * f_cls.unsqueeze(1) @ t.t().to(f_cls.dtype)  # [B, 1, C]
+            return {"logits": logits, "fused": logits[:, 0], "f_cls": f_cls, "f0": f0, "t": t}
+        feats = torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)          # [B, 1+K, E]
+        logits = scale * feats @ t.t().to(feats.dtype)                  # [B, 1+K, C]
+        fused = torch.einsum("k,bkc->bc", self.alpha().to(logits.dtype), logits)  # sum_k alpha_k logits_k
         return {"logits": logits, "fused": fused, "f_cls": f_cls, "f0": f0, "t": t}
 
 
@@ -437,14 +437,12 @@ def epoch_batches(n: int, batch_size: int, seed: int):
 
 
 def atomic_save(obj, path: str, as_json=False):
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """A JSON file or a torch checkpoint, written to a temporary file and renamed (never half a file)."""
     if as_json:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+        return data.write_json_atomic(path, obj, indent=2)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data.write_atomic(path, buffer.getvalue())
 
 
 def fmt_time(seconds: float) -> str:

@@ -22,12 +22,13 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from data import write_atomic
 
 FORMAT = "dear-roles/1"
 # the 12 concepts of the text pool; the first five are DeAR's attributes, in the order of its tokens
@@ -304,21 +305,6 @@ def assign_role(entropy, P, low, high):
 
 # ----------------------------------------------------------------------------------------------
 # 5. Outputs: roles.json, roles.md, roles.png; loading a roles file
-
-
-def write_atomic(path, data):
-    """Write bytes or text to path through a temp file in the same folder and os.replace."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def short_role(head):

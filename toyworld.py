@@ -26,6 +26,7 @@ Command line:
     python toyworld.py zeroshot [--checkpoint PATH]
 """
 import argparse
+import io
 import json
 import math
 import os
@@ -38,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from data import write_atomic
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -352,20 +355,11 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
 def save_checkpoint(model, path, info=None):
     """torch.save the toy state dict atomically (temp file in the same folder, then os.replace);
     `info` goes to a JSON file beside it (<path>.json) for people, not for loading."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".toy-", suffix=".pt.tmp", dir=folder)
-    os.close(fd)
-    try:
-        torch.save(toy_state_dict(model), tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    buffer = io.BytesIO()
+    torch.save(toy_state_dict(model), buffer)
+    write_atomic(path, buffer.getvalue())
     if info is not None:
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".json.tmp", delete=False) as f:
-            json.dump(info, f, indent=2)
-        os.replace(f.name, path + ".json")
+        write_atomic(path + ".json", json.dumps(info, indent=2))
 
 
 def checkpoint_name(steps=DEFAULT_STEPS, seed=0):
