@@ -112,6 +112,7 @@ class Config:
     load: str = None
     resume: bool = False
     force: bool = False
+    roles_only: bool = False          # only compute/find the head roles and copy them to <out>/roles/J<J>/
 
 
 def resolve(cfg: Config) -> Config:
@@ -577,7 +578,25 @@ def load_roles(cfg, model, device, log):
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
     log(f"head roles: {path}")
-    return roles
+    return roles, path
+
+
+def export_roles(cfg: Config) -> str:
+    """--roles-only: compute (or find) the head roles dear.py would use and copy roles.json/.md/.png to
+    <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
+    cfg = resolve(cfg)
+    device = pick_device(cfg.device)
+    model, _ = clip.load(cfg.backbone, device=device)
+    dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
+    cfg = dataclasses.replace(cfg, J=cfg.J or default_J(model.visual.transformer.layers))
+    _, path = load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
+    for name in ("roles.json", "roles.md", "roles.png"):
+        source = os.path.join(os.path.dirname(path), name)
+        if os.path.exists(source):
+            with open(source, "rb") as f:
+                data.write_atomic(os.path.join(dest, name), f.read())
+    print(f"roles copied to {dest}")
+    return dest
 
 
 def build_eval_sets(cfg):
@@ -646,7 +665,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         if cfg.J is None:
             cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
-        roles = load_roles(cfg, clip_model, device, log) if use_tokens and cfg.mask != "none" else None
+        roles = load_roles(cfg, clip_model, device, log)[0] if use_tokens and cfg.mask != "none" else None
         seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
         try:
             model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
@@ -744,6 +763,8 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--load", default=None, help="a finished run folder (holding model.pt and config.json)")
     g.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
     g.add_argument("--force", action="store_true", help="redo a finished run, or restart an interrupted one")
+    g.add_argument("--roles-only", action="store_true",
+                   help="only compute (or find) the head roles and copy them to OUT/roles/J<J>/ (run_all.sh's roles stage)")
     args = p.parse_args(argv)
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
 
@@ -751,6 +772,8 @@ def parse_args(argv=None) -> Config:
 def main(argv=None):
     cfg = parse_args(argv)
     try:
+        if cfg.roles_only:
+            return export_roles(cfg)
         results = run(cfg)
     except (RunError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

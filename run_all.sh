@@ -207,32 +207,6 @@ for line in sys.stdin.read().splitlines():
     except BaseException:   # a bad job line: dear.py itself says what is wrong when the job runs
         print("-\t0\t")
 '
-# The roles job: dear.py's own load_roles() (the roles it would compute on first use, same probe set, same
-# cache), run once per J before any training job; then roles.json/.md/.png are copied to OUT/roles/J<J>.
-ROLES_PY='
-import importlib.util, os, shutil, sys
-path = os.path.abspath(sys.argv[1])
-sys.path.insert(0, os.path.dirname(path))
-spec = importlib.util.spec_from_file_location("dear", path)
-dear = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(dear)
-cfg = dear.resolve(dear.parse_args(sys.argv[3:]))
-device = dear.pick_device(cfg.device)
-model, _ = dear.clip.load(cfg.backbone, device=device)
-if cfg.J is None:   # the default insertion layer of the backbone, resolved as dear.py does
-    cfg.J = dear.default_J(model.visual.transformer.layers)
-said = []
-dear.load_roles(cfg, model, device, lambda m: (print(m, flush=True), said.append(m)))
-found = [m.split("head roles: ", 1)[1] for m in said if "head roles: " in m]
-if found:
-    os.makedirs(sys.argv[2], exist_ok=True)
-    for name in ("roles.json", "roles.md", "roles.png"):
-        src = os.path.join(os.path.dirname(found[-1]), name)
-        if os.path.exists(src):
-            shutil.copy(src, os.path.join(sys.argv[2], name))
-    print("copied to", sys.argv[2])
-'
-
 N=${#JOB_ARGS[@]}
 JOB_DIR=(); JOB_J=(); JOB_ROLES=()
 if [[ $N -gt 0 ]]; then
@@ -264,7 +238,9 @@ if want roles && [[ $want_dear == 1 || ${#ORDER[@]} -eq 0 ]]; then
         [[ $j != - ]] || j=""
         name="J${j:-default}"
         ROLE_OUT+=("$OUT/roles/$name")
-        ROLE_CMDS+=("$(quote "$PYTHON" -c "$ROLES_PY" "$DEAR_PY" "$OUT/roles/$name" --dataset "${B2N_DATASETS[0]}" \
+        # dear.py --roles-only: the roles dear.py itself would compute on first use (same probe set, same cache),
+        # copied to OUT/roles/J<J>/ for Table 6
+        ROLE_CMDS+=("$(quote "$PYTHON" "$DEAR_PY" --roles-only --dataset "${B2N_DATASETS[0]}" \
             --root "$ROOT" --out "$OUT" --backbone "$BACKBONE" "${COMMON[@]}" ${j:+--J "$j"} "${EXTRA[@]}")")
     done
 fi

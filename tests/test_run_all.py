@@ -180,6 +180,7 @@ FAKE_DEAR = textwrap.dedent('''
         p.add_argument("--workers", type=int)
         p.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false")
         p.add_argument("--resume", action="store_true")
+        p.add_argument("--roles-only", action="store_true")
         return p.parse_args(argv)
 
     def resolve(c):
@@ -195,26 +196,19 @@ FAKE_DEAR = textwrap.dedent('''
         name = f"{c.method}-{'_'.join(parts) or 'default'}-shots{c.shots}-seed{c.seed}"
         return os.path.join(c.out, c.protocol, c.dataset, name)
 
-    def pick_device(name):
-        return "cpu"
-
-    def default_J(num_layers):
-        return 9
-
-    def load_roles(cfg, model, device, log):
-        d = os.path.join(os.environ["FAKE_CACHE"], f"roles_J{cfg.J}")
-        os.makedirs(d, exist_ok=True)
-        for name in ("roles.json", "roles.md"):
-            with open(os.path.join(d, name), "w") as f:
-                f.write("| head | role |\\n|---|---|\\n| L9 H0 | generalization |\\n")
-        log("head roles: " + os.path.join(d, "roles.json"))
-
     if __name__ == "__main__":
         c = parse_args()
         with open(os.environ["FAKE_CALLS"], "a") as f:
             f.write(json.dumps({"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
         if os.environ.get("FAKE_FAIL") == c.dataset:
             sys.exit("simulated crash")
+        if c.roles_only:  # like dear.py --roles-only: the roles files, copied to OUT/roles/J<J>/
+            d = os.path.join(c.out, "roles", f"J{c.J or 'default'}")
+            os.makedirs(d, exist_ok=True)
+            for name in ("roles.json", "roles.md"):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write("| head | role |\\n|---|---|\\n| L9 H0 | generalization |\\n")
+            sys.exit(0)
         d = run_dir(c)
         os.makedirs(d, exist_ok=True)
         splits = ["base", "novel"] if c.protocol == "b2n" else ["all"]
@@ -252,8 +246,8 @@ def test_job_list_covers_every_table(fake, tmp_path):
     p = run_all(["--list", "--root", "DATA", "--out", "OUT"], env, tmp_path)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    roles = [line for line in lines if " -c " in line]
-    dear = [line for line in lines if " -c " not in line]
+    roles = [line for line in lines if "--roles-only" in line]
+    dear = [line for line in lines if "--roles-only" not in line]
     assert len(roles) == 3 and len(lines) == len(roles) + len(dear)   # roles for J = default (9), 7, 11, first
     assert lines[:3] == roles
 
@@ -296,7 +290,8 @@ def test_finished_runs_are_skipped_and_crashed_runs_resume(fake, tmp_path):
     assert p.returncode == 1                            # a failed run makes the script fail ...
     assert "FAILED  b2n: b2n/eurosat/dear-default-shots16-seed1" in p.stdout
     first = calls(calls_file)
-    assert len(first) == 11 * 3                          # ... but the other runs still ran
+    assert sum("--roles-only" in c["argv"] for c in first) == 1   # the roles job, once
+    assert len(first) == 1 + 11 * 3                      # ... and the other runs still ran
     assert os.path.exists(tmp_path / "out" / "roles" / "Jdefault" / "roles.md")
     assert os.path.exists(tmp_path / "out" / "tables" / "tables.md")   # tables of what finished
 
