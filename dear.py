@@ -554,6 +554,14 @@ def harmonic_mean(base: float, novel: float) -> float:
 # 8. Protocols and the command line
 
 
+def load_clip(backbone, device):
+    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError."""
+    try:
+        return clip.load(backbone, device=device)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
+
+
 def load_roles(cfg, model, device, log):
     """The roles of every head of blocks J..L: from --roles, from the cache, or computed once by entropy.py
     (probe images: ImageNet val if present under --root, else the training dataset's test images)."""
@@ -586,7 +594,7 @@ def export_roles(cfg: Config) -> str:
     <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
     cfg = resolve(cfg)
     device = pick_device(cfg.device)
-    model, _ = clip.load(cfg.backbone, device=device)
+    model, _ = load_clip(cfg.backbone, device)
     dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
     cfg = dataclasses.replace(cfg, J=cfg.J or default_J(model.visual.transformer.layers))
     _, path = load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
@@ -661,7 +669,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         device = pick_device(cfg.device)
         train_ds, evals = build_eval_sets(cfg)
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
-        clip_model, _ = clip.load(cfg.backbone, device=device)
+        clip_model, _ = load_clip(cfg.backbone, device)
         if cfg.J is None:
             cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
         use_tokens = cfg.method == "dear" and cfg.attr_tokens

@@ -320,3 +320,8 @@ def test_bad_roles_file_and_device_stop_with_a_message(world, tmp_path, capsys):
     with pytest.raises(SystemExit):
         dear.main(cli(world, tmp_path / "r", "--dataset", "eurosatt", "--force"))
     assert "eurosat" in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit):
+        dear.main(cli(world, tmp_path / "r", "--backbone", str(corrupt), "--force"))
+    assert "cannot load the CLIP backbone" in capsys.readouterr().err
