@@ -11,9 +11,10 @@ A reference reproduction in plain PyTorch. Read top to bottom:
   7. Training (AdamW, autocast on CUDA, checkpoints, resume) and evaluation
   8. Protocols (b2n, fewshot, xd; zero-shot CLIP through the same code) and the command line
 
-The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12). Code indexes blocks from 0;
-the conversion happens in exactly one place, `DeAR.__init__` (`self.first = J - 1`).
-Every design choice the paper leaves open is a flag; see ../README.md, "Where this reproduction had to choose".
+The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the roles file.
+Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and `block_masks` reads
+the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open is a flag; see README.md,
+"Where this reproduction had to choose".
 """
 import argparse
 import dataclasses
