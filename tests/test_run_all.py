@@ -345,7 +345,7 @@ NEEDED = ("dear.py", "entropy.py", "data.py", "toyworld.py")
 @pytest.mark.skipif(not all(os.path.exists(os.path.join(ROOT, f)) for f in NEEDED),
                     reason="run_all.sh --smoke needs dear.py, entropy.py, data.py and toyworld.py")
 def test_smoke_run_end_to_end(tmp_path, toy_cache):
-    env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)  # the toy CLIP, pretrained once per session
+    env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)  # the toy CLIP, pretrained once per pytest run
     for k in ("GPUS", "SEEDS", "DEAR_PY"):
         env.pop(k, None)
     p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
