@@ -651,6 +651,8 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         print(f"done already: {results_path} (pass --force to redo)")
         with open(results_path) as f:
             return json.load(f)
+    device = pick_device(cfg.device)
+    train_ds, evals = build_eval_sets(cfg)  # every dataset checked before anything is written
     os.makedirs(rdir, exist_ok=True)
     ckpt = os.path.join(rdir, "checkpoint.pt")
     if os.path.exists(ckpt) and cfg.force:
@@ -667,8 +669,6 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             print(line, flush=True)
 
     try:
-        device = pick_device(cfg.device)
-        train_ds, evals = build_eval_sets(cfg)
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
         clip_model, _ = load_clip(cfg.backbone, device)
         if cfg.J is None:
