@@ -572,13 +572,13 @@ def load_roles(cfg, model, device, log):
     path = cfg.roles
     try:
         if path is None:
-            probe = "imagenet"
-            try:
-                data.build_dataset("imagenet", cfg.root)
-            except data.DataError:
-                probe = cfg.dataset
             path = entropy.default_roles_path(model.name, layers, clip.cache_dir())  # where entropy.py writes too
             if not os.path.exists(path):
+                probe = "imagenet"
+                try:
+                    data.build_dataset("imagenet", cfg.root)
+                except data.DataError:
+                    probe = cfg.dataset
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the test images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
