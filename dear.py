@@ -169,10 +169,14 @@ def default_J(num_layers: int) -> int:
 
 def run_dir(c: Config) -> str:
     name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
-    dataset = c.dataset  # "folder:PATH" runs are named after the folder
-    if dataset.startswith("folder:"):
-        dataset = "folder-" + os.path.basename(os.path.normpath(dataset[len("folder:"):]))
-    return os.path.join(c.out, c.protocol, dataset, name)
+    return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
+
+
+def dataset_tag(name: str) -> str:
+    """A folder name for a dataset; "folder:PATH" datasets are named after their folder."""
+    if name.startswith("folder:"):
+        return "folder-" + os.path.basename(os.path.normpath(name[len("folder:"):]))
+    return name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,7 +649,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
     except ValueError as e:
         raise RunError(str(e)) from e
     variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
-    rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{cfg.dataset}") if cfg.eval_only else run_dir(cfg)
+    rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{dataset_tag(cfg.dataset)}") if cfg.eval_only else run_dir(cfg)
     results_path = os.path.join(rdir, "results.json")
     if os.path.exists(results_path) and not cfg.force:
         print(f"done already: {results_path} (pass --force to redo)")

@@ -241,6 +241,12 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     assert len(roles) == 1  # computed once, cached beside the checkpoint cache
     dear.main(cli(world, tmp_path / "runs"))  # a finished run is not redone
     assert "done already" in capsys.readouterr().out
+    # the trained model evaluated again, on all classes, without training
+    dear.main(cli(world, tmp_path / "runs", "--eval-only", "--load", str(rdir), "--protocol", "fewshot"))
+    (again,) = (rdir / "eval").rglob("results.json")
+    again = json.loads(again.read_text())
+    assert [(e["split"], e["n"]) for e in again["evals"]] == [("all", 36)] and again["config"]["J"] == 3
+    assert again["fusion_weights"] == results["fusion_weights"]  # the trained weights, loaded
     # zero-shot CLIP through the same code: no training, no roles
     dear.main(cli(world, tmp_path / "runs", "--method", "zeroshot"))
     (zs,) = (tmp_path / "runs" / "b2n").glob("*/zeroshot-*")
