@@ -174,12 +174,19 @@ def fingerprint(obj):
     return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
 
 
-def progress(i, n, t0, what):
-    """One self-overwriting progress line with an ETA (stderr)."""
-    elapsed = time.time() - t0
-    eta = elapsed / max(i, 1) * (n - i)
-    end = "\n" if i == n else ""
-    print(f"\r{what}: {i}/{n}  {elapsed:.0f}s elapsed, ETA {eta:.0f}s", end=end, file=sys.stderr, flush=True)
+def fmt_time(seconds):
+    """Seconds as 1m05s, or 1h02m past an hour: the one duration format of the progress lines."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def progress(what, done, total, start):
+    """One progress line on stderr, rewritten in place, with speed and ETA (data.py and entropy.py use it)."""
+    elapsed = max(time.time() - start, 1e-6)
+    eta = (total - done) * elapsed / max(done, 1)
+    sys.stderr.write(f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {fmt_time(eta)})   "
+                     + ("\n" if done >= total else ""))
+    sys.stderr.flush()
 
 
 def list_images(folder):
@@ -281,7 +288,7 @@ def list_wnid_folders(image_dir, names, spec, prefix="", what=""):
                             f"expected layout: {spec.layout()}")
         items += [(f"{prefix}{wnid}/{im}", label, names[wnid]) for im in list_images(os.path.join(image_dir, wnid))]
         if what and ((label + 1) % 50 == 0 or label + 1 == len(folders)):
-            progress(label + 1, len(folders), t0, what)
+            progress(what, label + 1, len(folders), t0)
     return items
 
 

@@ -451,11 +451,6 @@ def atomic_save(obj, path: str, as_json=False):
     data.write_atomic(path, buffer.getvalue())
 
 
-def fmt_time(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 def train(model, ds, cfg, device, rdir, log, ckpt_every_s=600.0):
     """Train the trainable parameters on ds.train; checkpoints at every epoch end (and every ckpt_every_s
     seconds inside an epoch) into rdir/checkpoint.pt, which --resume continues from."""
@@ -513,7 +508,7 @@ def train(model, ds, cfg, device, rdir, log, ckpt_every_s=600.0):
             if step + 1 == steps or done % max(1, steps // 5) == 0:
                 eta = (time.time() - t_start) / done * (total - done)
                 log(f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
-                    f"(ce {parts['ce']:.3f}) lr {lr_at(epoch, cfg):.2e} acc {100 * correct / seen:.1f}% eta {fmt_time(eta)}")
+                    f"(ce {parts['ce']:.3f}) lr {lr_at(epoch, cfg):.2e} acc {100 * correct / seen:.1f}% eta {data.fmt_time(eta)}")
             if time.time() - last_save > ckpt_every_s and step + 1 < steps:
                 save(epoch, step + 1)
                 last_save = time.time()
@@ -544,7 +539,7 @@ def evaluate(model, items, classnames, template, cfg, device, logits="fused", lo
         count.index_add_(0, labels, torch.ones_like(labels))
         if (i + 1) % max(1, n_batches // 5) == 0 and i + 1 < n_batches:
             eta = (time.time() - t_start) / (i + 1) * (n_batches - i - 1)
-            log(f"  eval {name}: {i + 1}/{n_batches} batches, eta {fmt_time(eta)}")
+            log(f"  eval {name}: {i + 1}/{n_batches} batches, eta {data.fmt_time(eta)}")
     acc = 100.0 * correct.sum().item() / max(1, count.sum().item())
     per_class = [{"class": c, "accuracy": 100.0 * correct[k].item() / max(1, count[k].item()), "n": count[k].item()}
                  for k, c in enumerate(classnames)]

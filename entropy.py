@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data import write_atomic
+from data import progress, write_atomic
 
 FORMAT = "dear-roles/1"
 # the 12 concepts of the text pool; the first five are DeAR's attributes, in the order of its tokens
@@ -45,15 +45,6 @@ class EntropyError(ValueError):
 
 class RolesError(EntropyError):
     """A roles file that cannot be used: wrong format, other model, missing layers or heads, unknown roles."""
-
-
-def progress(what, done, total, start):
-    """One progress line on stderr, rewritten in place, with speed and ETA."""
-    elapsed = max(time.time() - start, 1e-6)
-    eta = (total - done) * elapsed / max(done, 1)
-    sys.stderr.write(f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {eta // 60:.0f}m{eta % 60:02.0f}s)   "
-                     + ("\n" if done >= total else ""))
-    sys.stderr.flush()
 
 
 # ----------------------------------------------------------------------------------------------

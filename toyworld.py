@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from data import write_atomic
+from data import fmt_time, write_atomic
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -286,10 +286,6 @@ def toy_state_dict(model):
     return sd
 
 
-def _fmt_time(s):
-    return f"{int(s // 60)}m{int(s % 60):02d}s"
-
-
 def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3, weight_decay=0.05,
              warmup=0.05, log=print, log_every=20):
     """Train the tiny CLIP contrastively on toy-world pairs; return (model, info dict).
@@ -342,7 +338,7 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
         if log and (step % log_every == 0 or step == steps):
             el = time.time() - t0
             log(f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
-                f"elapsed {_fmt_time(el)}  ETA {_fmt_time(el / step * (steps - step))}")
+                f"elapsed {fmt_time(el)}  ETA {fmt_time(el / step * (steps - step))}")
     model.token_embedding.sparse = False
     model.eval()
     info = dict(recipe=RECIPE, steps=steps, seed=seed, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
