@@ -31,6 +31,7 @@ import data
 import dear
 from clip.model import CLIP
 from dear import ATTRIBUTES, K
+from util import write_atomic
 
 # OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of tests/conftest.py
 VIT_B16 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=16,
@@ -658,7 +659,7 @@ def main(argv=None):
     except ValueError as e:  # e.g. a J that does not fit the towers
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    data.write_atomic(args.out, markdown(res, args))
+    write_atomic(args.out, markdown(res, args))
     print(markdown(res, args))
     print(f"wrote {args.out}")
 

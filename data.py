@@ -14,18 +14,18 @@ import argparse
 import dataclasses
 import difflib
 import hashlib
-import importlib
 import json
 import math
 import os
 import random
 import sys
-import tempfile
 import time
 
 import torch
 from PIL import Image
 from torchvision import transforms as T
+
+from util import fingerprint, progress, read_json, write_json_atomic
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -136,57 +136,6 @@ class Dataset:
     @property
     def num_classes(self):
         return len(self.classnames)
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-def write_atomic(path, payload):
-    """Write bytes or text to a temporary file beside `path`, then rename: a reader never sees half a file.
-    The one atomic writer of the project (dear.py, entropy.py, toyworld.py and bench.py use it too)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload.encode("utf-8") if isinstance(payload, str) else payload)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_json_atomic(path, obj, indent=None):
-    write_atomic(path, json.dumps(obj, indent=indent))
-
-
-def read_json(path):
-    """A parsed JSON file, or None when it is missing or unreadable."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def fingerprint(obj):
-    """SHA256 of an object's canonical JSON: ties a cache to the exact lists it was made from."""
-    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
-
-
-def fmt_time(seconds):
-    """Seconds as 1m05s, or 1h02m past an hour: the one duration format of the progress lines."""
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def progress(what, done, total, start):
-    """One progress line on stderr, rewritten in place, with speed and ETA (data.py and entropy.py use it)."""
-    elapsed = max(time.time() - start, 1e-6)
-    eta = (total - done) * elapsed / max(done, 1)
-    sys.stderr.write(f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {fmt_time(eta)})   "
-                     + ("\n" if done >= total else ""))
-    sys.stderr.flush()
 
 
 def list_images(folder):
@@ -468,13 +417,9 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     elif name in DATASETS:
         spec, root = DATASETS[name], os.path.abspath(os.path.expanduser(str(root)))
         folder = os.path.join(root, spec.folder)
-        if spec.reader == "toyworld":  # generated on first use by toyworld.py, then read like any CoOp dataset
-            toyworld = importlib.import_module("toyworld")
-            try:
-                folder = toyworld.ensure_dataset(root)
-            except getattr(toyworld, "ToyWorldError", ()) as e:  # one error type for the callers
-                raise DataError(str(e)) from None
-            spec = dataclasses.replace(spec, template=getattr(toyworld, "TEMPLATE", spec.template))
+        if spec.reader == "toyworld" and not os.path.isfile(os.path.join(folder, spec.split)):
+            raise DataError(f"the toy world is not generated under {root}; make it with "
+                            f"`python toyworld.py dataset --root {root}` (dear.py and entropy.py do this on first use)")
         elif not os.path.isdir(root):
             raise DataError(f"data root not found: {root}\nPass --root DATA, the folder that holds the CoOp "
                             f"datasets; {name} is expected as DATA/{spec.layout()} (see {COOP_GUIDE})")

@@ -7,9 +7,10 @@ A reference reproduction in plain PyTorch. Read top to bottom:
   3. role_mask: the role-based per-head attention mask of one vision block
   4. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion alpha
   5. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
-  6. The learning-rate schedule (closed form)
-  7. Training (AdamW, autocast on CUDA, checkpoints, resume) and evaluation
-  8. Protocols (b2n, fewshot, xd; zero-shot CLIP through the same code) and the command line
+  6. Protocols (b2n, fewshot, xd; zero-shot CLIP through the same code) and the command line
+
+The training loop and the evaluation (AdamW, the MMRL schedule, autocast, checkpoints, resume) are MMRL's
+protocol with nothing DeAR-specific in them; they live in train.py, which `run` calls with the DeAR loss.
 
 The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the roles file.
 Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and `block_masks` reads
@@ -18,22 +19,21 @@ the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
 """
 import argparse
 import dataclasses
-import io
 import json
-import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import clip
 import data
+import toyworld
+from train import RunError, atomic_save, evaluate, pick_device, seed_everything, train
+from util import write_atomic
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
@@ -82,7 +82,7 @@ class Config:
     shots: int = 16
     seed: int = 1
     backbone: str = None              # a clip.available_models() name or a checkpoint path; None = ViT-B/16
-                                      # ("toy", the tiny CLIP of toyworld.py, for --dataset toyworld)
+                                      # ("toy": the tiny CLIP of toyworld.py, the default for --dataset toyworld)
     targets: str = ""                 # xd: comma-separated target datasets ("" = the 4 variants + 10 datasets)
     out: str = "runs"
     # the method (paper names)
@@ -154,7 +154,7 @@ def variant_name(c: Config) -> str:
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                            "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale")
              and getattr(c, f.name) != getattr(base, f.name)]
-    if c.backbone != base.backbone and c.backbone not in clip.available_models():  # a checkpoint file
+    if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
         parts[0] = "backbone-" + os.path.splitext(os.path.basename(c.backbone))[0]
     parts = [p.replace("/", "-") for p in parts]
     if c.roles:
@@ -378,186 +378,18 @@ def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
     return total, {"ce": ce.item(), "reg_img": reg_img.item(), "reg_txt": reg_txt.item(), "fusion": fusion.item()}
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. The schedule
-
-
-def lr_at(epoch: int, cfg: Config) -> float:
-    """Learning rate of a 0-based epoch: warm-up epochs at a constant warmup_lr, then cosine stepped once per
-    epoch, lr * (1 + cos(pi * (e - W) / E)) / 2 (Dassl's ConstantWarmupScheduler + CosineAnnealingLR)."""
-    if epoch < cfg.warmup_epochs:
-        return cfg.warmup_lr
-    return cfg.lr * (1 + math.cos(math.pi * (epoch - cfg.warmup_epochs) / cfg.epochs)) / 2
-
-
-# ----------------------------------------------------------------------------------------------
-# 7. Training and evaluation
-
-
-class RunError(Exception):
-    """A problem the user can fix; the CLI prints the message and exits with status 2."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError(f"--device {name} was asked for but CUDA is not available here; use --device cpu")
-    return torch.device(name)
-
-
-def autocast_dtype(device: torch.device):
-    """CUDA: bf16 where supported, else fp16 (with a GradScaler); CPU: None (plain fp32)."""
-    if device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class Augmented(torch.utils.data.Dataset):
-    """Training items with augmentations seeded per (epoch seed, item): an epoch is the same on any machine,
-    with any number of workers, and a resumed epoch replays exactly."""
-
-    def __init__(self, items, transform, seed: int):
-        self.images, self.seed = data.ImageList(items, transform), seed
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        torch.manual_seed(self.seed * 1_000_003 + i)
-        return self.images[i]
-
-
-def epoch_batches(n: int, batch_size: int, seed: int):
-    """The shuffled batches of one epoch (index lists); the last partial batch is dropped as in Dassl."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    if n >= batch_size:
-        order = order[: n - n % batch_size]
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def atomic_save(obj, path: str, as_json=False):
-    """A JSON file or a torch checkpoint, written to a temporary file and renamed (never half a file)."""
-    if as_json:
-        return data.write_json_atomic(path, obj, indent=2)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data.write_atomic(path, buffer.getvalue())
-
-
-def train(model, ds, cfg, device, rdir, log, ckpt_every_s=600.0):
-    """Train the trainable parameters on ds.train; checkpoints at every epoch end (and every ckpt_every_s
-    seconds inside an epoch) into rdir/checkpoint.pt, which --resume continues from."""
-    params = [p for p in model.trainable() if p.requires_grad]
-    if not params:
-        log("no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP")
-        return
-    model.set_classes(ds.classnames, ds.template)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    amp = autocast_dtype(device)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
-    transform = data.train_transform(model.clip.visual.input_resolution, min_scale=cfg.crop_scale)
-    ckpt, start_epoch, start_step = os.path.join(rdir, "checkpoint.pt"), 0, 0
-    if os.path.exists(ckpt):
-        state = torch.load(ckpt, map_location=device, weights_only=True)
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, start_step = state["epoch"], state["step"]
-        log(f"resuming from {ckpt}: epoch {start_epoch + 1}, step {start_step}")
-
-    def save(epoch, step):
-        atomic_save({"model": model.trainable_state(), "optimizer": opt.state_dict(),
-                     "scaler": scaler.state_dict(), "epoch": epoch, "step": step}, ckpt)
-
-    steps = len(epoch_batches(len(ds.train), cfg.batch_size, 0))
-    total, done, t_start, last_save = (cfg.epochs - start_epoch) * steps - start_step, 0, time.time(), time.time()
-    for epoch in range(start_epoch, cfg.epochs):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(epoch, cfg)
-        epoch_seed = cfg.seed * 1000 + epoch
-        batches = epoch_batches(len(ds.train), cfg.batch_size, epoch_seed)
-        first = start_step if epoch == start_epoch else 0
-        loader = torch.utils.data.DataLoader(
-            Augmented(ds.train, transform, epoch_seed), batch_sampler=batches[first:],
-            num_workers=cfg.workers, pin_memory=device.type == "cuda", persistent_workers=False)
-        model.train()
-        correct = seen = 0
-        for step, (images, labels) in enumerate(loader, start=first):
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                out = model(images, with_frozen=True)
-                loss, parts = dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
-            if not torch.isfinite(loss):
-                raise RunError(f"the loss became {loss.item()} at epoch {epoch + 1}, step {step + 1} "
-                               f"(parts: {parts}); the last good checkpoint is kept in {ckpt}. Try a lower --lr, "
-                               "or --device cpu to rule out a mixed-precision overflow.")
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            correct += (out["fused"].argmax(-1) == labels).sum().item()
-            seen += labels.numel()
-            done += 1
-            if step + 1 == steps or done % max(1, steps // 5) == 0:
-                eta = (time.time() - t_start) / done * (total - done)
-                log(f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
-                    f"(ce {parts['ce']:.3f}) lr {lr_at(epoch, cfg):.2e} acc {100 * correct / seen:.1f}% eta {data.fmt_time(eta)}")
-            if time.time() - last_save > ckpt_every_s and step + 1 < steps:
-                save(epoch, step + 1)
-                last_save = time.time()
-        save(epoch + 1, 0)
-        last_save = time.time()
-
-
-@torch.no_grad()
-def evaluate(model, items, classnames, template, cfg, device, logits="fused", log=print, name=""):
-    """Top-1 accuracy (%) of `logits` ("fused" or "cls") on items; class text features computed once."""
-    model.eval()
-    model.set_classes(classnames, template)
-    amp = autocast_dtype(device)
-    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        t = model.encode_classes()  # [C, E], once for the whole evaluation
-    loader = torch.utils.data.DataLoader(
-        data.ImageList(items, data.test_transform(model.clip.visual.input_resolution)),
-        batch_size=cfg.eval_batch_size, shuffle=False, num_workers=cfg.workers, pin_memory=device.type == "cuda")
-    C = len(classnames)
-    correct, count = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
-    t_start, n_batches = time.time(), len(loader)
-    for i, (images, labels) in enumerate(loader):
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            out = model(images.to(device, non_blocking=True), t=t)
-        scores = out["fused"] if logits == "fused" else out["logits"][:, 0]
-        hit = (scores.argmax(-1).cpu() == labels).long()
-        correct.index_add_(0, labels, hit)
-        count.index_add_(0, labels, torch.ones_like(labels))
-        if (i + 1) % max(1, n_batches // 5) == 0 and i + 1 < n_batches:
-            eta = (time.time() - t_start) / (i + 1) * (n_batches - i - 1)
-            log(f"  eval {name}: {i + 1}/{n_batches} batches, eta {data.fmt_time(eta)}")
-    acc = 100.0 * correct.sum().item() / max(1, count.sum().item())
-    per_class = [{"class": c, "accuracy": 100.0 * correct[k].item() / max(1, count[k].item()), "n": count[k].item()}
-                 for k, c in enumerate(classnames)]
-    return {"accuracy": acc, "n": int(count.sum()), "logits": logits, "per_class": per_class}
-
-
 def harmonic_mean(base: float, novel: float) -> float:
     return 2 * base * novel / (base + novel) if base + novel > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Protocols and the command line
+# 6. Protocols and the command line
 
 
 def load_clip(backbone, device):
     """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError."""
     try:
-        return clip.load(backbone, device=device)
+        return toyworld.load_clip(backbone, device=device)  # clip.load, plus "toy" (the toy world's tiny CLIP)
     except (RuntimeError, ValueError, OSError) as e:
         raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
 
@@ -602,19 +434,26 @@ def export_roles(cfg: Config) -> str:
         source = os.path.join(os.path.dirname(path), name)
         if os.path.exists(source):
             with open(source, "rb") as f:
-                data.write_atomic(os.path.join(dest, name), f.read())
+                write_atomic(os.path.join(dest, name), f.read())
     print(f"roles copied to {dest}")
     return dest
+
+
+def build_dataset(name, root, *args):
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use."""
+    if name == "toyworld":
+        toyworld.ensure_dataset(root)
+    return data.build_dataset(name, root, *args)
 
 
 def build_eval_sets(cfg):
     """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
     dataset stops the run before any long work."""
     if cfg.protocol == "b2n":
-        base = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
-        novel = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
+        base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
+        novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
         return base, [(base, "base", "fused"), (novel, "novel", cfg.novel_logits)]
-    source = data.build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
+    source = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
     evals = [(source, "all", "fused")]
     if cfg.protocol == "xd":
         targets = [t for t in cfg.targets.split(",") if t] or \
@@ -622,7 +461,7 @@ def build_eval_sets(cfg):
         missing = []
         for name in targets:
             try:
-                evals.append((data.build_dataset(name, cfg.root), "all", cfg.novel_logits))
+                evals.append((build_dataset(name, cfg.root), "all", cfg.novel_logits))
             except data.DataError as e:
                 missing.append(f"  {name}: {e}")
         if missing:
@@ -688,7 +527,10 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         elif cfg.method == "dear":
             log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} epochs, "
                 f"batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}")
-            train(model, train_ds, cfg, device, rdir, log)
+            def loss_fn(model, out, labels):  # the DeAR loss with this run's weights
+                return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+
+            train(model, train_ds, cfg, device, rdir, log, loss_fn)
             atomic_save(model.trainable_state(), os.path.join(rdir, "model.pt"))
         train_s, t1 = time.time() - t0, time.time()
         results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
@@ -734,7 +576,7 @@ def parse_args(argv=None) -> Config:
                    help="zeroshot: frozen CLIP with the dataset's template, through the same code (default: %(default)s)")
     g.add_argument("--shots", type=int, default=d.shots, help="training images per class (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the few-shot subset and the run (default: %(default)s)")
-    g.add_argument("--backbone", default=None, help="CLIP name (" + ", ".join(clip.available_models()) +
+    g.add_argument("--backbone", default=None, help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
                    ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
     g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
                    "(default: the 4 ImageNet variants and the other 10 datasets)")
@@ -783,7 +625,7 @@ def main(argv=None):
         if cfg.roles_only:
             return export_roles(cfg)
         results = run(cfg)
-    except (RunError, data.DataError) as e:
+    except (RunError, data.DataError, toyworld.ToyWorldError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py download`).
 
-Every archive goes to a temporary file, is checked (byte count against the server's Content-Length,
+Every archive streams through clip.stream (the one download loop) into a temporary file, is checked (byte count against the server's Content-Length,
 and MD5 where a published value is known), renamed into place, then unpacked with every member
 checked: no path and no link may point outside the target folder. Split JSONs and a few small
 files live on Google Drive (links in CoOp's DATASETS.md); they are fetched with the standard library.
@@ -9,20 +9,19 @@ All URLs can be replaced: --mirror for the archives, --gdrive-url (or $DEAR_GDRI
 import dataclasses
 import hashlib
 import html
-import http.client
 import os
 import re
 import shutil
 import stat
 import sys
 import tarfile
-import time
 import urllib.parse
 import urllib.request
 import zipfile
 
+import clip
+
 GDRIVE_URL = "https://drive.usercontent.google.com/download"
-CHUNK = 1 << 20
 
 
 class DownloadError(Exception):
@@ -91,39 +90,16 @@ MANUAL = {  # images that have no stable public URL
 
 # ----------------------------------------------------------------------------- fetching
 
-def _progress(done, total, t0, label):
-    elapsed = max(time.time() - t0, 1e-6)
-    rate = done / elapsed
-    if total:
-        eta = (total - done) / max(rate, 1e-6)
-        line = f"{label}: {done / 1e6:.1f}/{total / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta:.0f}s"
-    else:
-        line = f"{label}: {done / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s"
-    print("\r" + line, end="", file=sys.stderr, flush=True)
-
-
 def _save(response, dest, md5="", label=""):
     """Stream a response into dest + '.part', check it, then rename to dest."""
     total = int(response.headers.get("Content-Length") or 0)
-    part, digest, done, t0, last = dest + ".part", hashlib.md5(), 0, time.time(), 0.0
+    part = dest + ".part"
     try:
         with open(part, "wb") as f:
-            while True:
-                try:
-                    chunk = response.read(CHUNK)
-                except (OSError, http.client.HTTPException) as e:
-                    raise DownloadError(f"{label}: the connection broke after {done} bytes ({e!r}); "
-                                        f"run the command again") from None
-                if not chunk:
-                    break
-                f.write(chunk)
-                digest.update(chunk)
-                done += len(chunk)
-                if time.time() - last > 0.5:
-                    _progress(done, total, t0, label)
-                    last = time.time()
-        _progress(done, total, t0, label)
-        print(file=sys.stderr)
+            try:
+                done, digest = clip.stream(response, f, hashlib.md5(), label)
+            except OSError as e:
+                raise DownloadError(f"{label}: {e}; run the command again") from None
         if total and done != total:
             raise DownloadError(f"{label}: got {done} bytes, the server announced {total}; the download was "
                                 f"cut off, run the command again")
@@ -245,7 +221,7 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
 def download_dataset(spec, root, mirror=None, gdrive_url=None, sources=None):
     """Fetch what has a public URL for one dataset (images, split JSON, extra files); say what is manual."""
     if spec.reader == "toyworld":
-        print("toyworld needs no download: it is generated on first use", file=sys.stderr)
+        print("toyworld needs no download: make it with  python toyworld.py dataset --root DATA", file=sys.stderr)
         return
     sources = SOURCES if sources is None else sources
     root = os.path.abspath(os.path.expanduser(str(root)))

@@ -28,7 +28,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data import progress, write_atomic
+import clip
+import data
+import toyworld
+from util import progress, write_atomic
 
 FORMAT = "dear-roles/1"
 # the 12 concepts of the text pool; the first five are DeAR's attributes, in the order of its tokens
@@ -87,16 +90,9 @@ def default_pool():
 def toy_pool():
     """Descriptions in the words of the toy world (color, shape, texture, location), for the toy CLIP.
 
-    Uses toyworld's vocabularies when toyworld.py is importable, else the same lists written here."""
-    try:
-        import toyworld
-        vocab = {"color": toyworld.COLORS, "shape": toyworld.SHAPES,
-                 "texture": toyworld.TEXTURES, "location": toyworld.LOCATIONS}
-    except ImportError:
-        vocab = {"color": ("red", "green", "blue", "yellow", "purple", "orange"),
-                 "shape": ("circle", "square", "triangle", "cross"),
-                 "texture": ("solid", "striped", "dotted"),
-                 "location": ("top left", "top right", "bottom left", "bottom right")}
+    The vocabularies are toyworld's own."""
+    vocab = {"color": toyworld.COLORS, "shape": toyworld.SHAPES,
+             "texture": toyworld.TEXTURES, "location": toyworld.LOCATIONS}
     templates = {
         "color": ("{}", "a {} object", "something {}", "the color {}", "a {} thing", "painted {}"),
         "shape": ("{}", "a {}", "a photo of a {}", "a {} shape", "the outline of a {}", "a small {}"),
@@ -111,7 +107,6 @@ def toy_pool():
 @torch.no_grad()
 def encode_texts(model, texts, batch_size=256):
     """Raw descriptions (no template, as TextSpan) -> L2-normalised text embeddings [T, E], fp32."""
-    import clip
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(texts), batch_size):
@@ -530,7 +525,6 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
     quantiles over the analysed heads). The model runs on the device of its parameters."""
-    import data
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -579,13 +573,13 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
         num_workers=0):
     """Load CLIP and the probe set (the test split of `dataset`), compute the roles, return roles.json's path.
     out_dir None: beside the checkpoint cache, at default_roles_path(...)."""
-    import clip
-    import data
     check_thresholds(low, high)
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _ = clip.load(backbone, device=device, download_root=download_root)
+    model, _ = toyworld.load_clip(backbone, device=device, download_root=download_root)  # "toy" too
     layers = parse_layers(layers, model.visual.layers)
+    if dataset == "toyworld":
+        toyworld.ensure_dataset(root)
     probe_set = data.build_dataset(dataset, root)
     pool_texts, labels, pool_name = load_pool(model, pool, texts)
     if out_dir is None:
@@ -626,12 +620,8 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--download-root", default=None, help="CLIP checkpoint cache (default: clip.cache_dir())")
     args = p.parse_args(argv)
-    errors = (EntropyError, FileNotFoundError, NotImplementedError, ValueError)
-    try:
-        import data
-        errors += (data.DataError,)
-    except ImportError:
-        pass
+    errors = (EntropyError, FileNotFoundError, NotImplementedError, ValueError, data.DataError,
+              toyworld.ToyWorldError)
     try:
         if args.max_images < 1 or args.n < 1 or args.rank < 1 or args.batch_size < 1:
             raise EntropyError("--max-images, --n, --rank and --batch-size must be positive")

@@ -256,6 +256,10 @@ if [[ $MODE == list ]]; then
 fi
 
 # ------------------------------------------------------------------------------------------------
+# The toy world is generated, not downloaded: make it (once) before the check looks for it.
+if [[ $SMOKE == 1 && $MODE != list ]]; then
+    "$PYTHON" "$HERE/toyworld.py" dataset --root "$ROOT" >/dev/null || exit 2
+fi
 # Datasets: check every dataset the selected stages need, and report all missing ones at once,
 # before any GPU time is spent.
 

@@ -18,6 +18,8 @@ import os
 import re
 import sys
 
+from util import write_atomic
+
 # ----------------------------------------------------------------------------------------------
 # Datasets in the paper's table order (the same names as data.py's B2N_DATASETS / DG_TARGETS).
 
@@ -494,13 +496,6 @@ def roles_section(out, tables_dir):
         if os.path.exists(os.path.join(folder, "roles.png")):
             lines += [f"![head roles]({rel}/roles.png)", ""]
     return "\n".join(lines)
-
-
-def write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def build(out, baseline="default"):

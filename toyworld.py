@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from data import fmt_time, write_atomic
+import clip
+from util import fmt_time, write_atomic
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -360,6 +361,19 @@ def save_checkpoint(model, path, info=None):
 
 def checkpoint_name(steps=DEFAULT_STEPS, seed=0):
     return f"toy-clip-{RECIPE}-steps{steps}-seed{seed}.pt"
+
+
+BACKBONE = "toy"  # the name dear.py and entropy.py accept for the toy CLIP (--backbone toy)
+
+
+def load_clip(name_or_path, device=None, download_root=None):
+    """clip.load, plus the name "toy": the tiny CLIP of this file, pretrained into the CLIP cache on first use.
+    clip/ knows nothing of the toy world; callers that accept --backbone toy load through here."""
+    if name_or_path != BACKBONE:
+        return clip.load(name_or_path, device=device, download_root=download_root)
+    model, preprocess = clip.load(ensure_pretrained(clip.cache_dir(download_root)), device=device)
+    model.name = BACKBONE
+    return model, preprocess
 
 
 def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):

@@ -11,6 +11,7 @@ archives that OpenAI publishes (only their state dict is read) and plain state d
 OpenAI CLIP (model architecture, vocabulary, checkpoints) is released under the MIT licence.
 """
 import hashlib
+import http.client
 import os
 import sys
 import tempfile
@@ -40,7 +41,6 @@ MODELS = {
     "ViT-L/14@336px": "https://openaipublic.azureedge.net/clip/models/"
                       "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
 }
-TOY = "toy"  # the tiny CLIP pretrained on the toy world (toyworld.py), made locally on first use
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)
 STD = (0.26862954, 0.26130258, 0.27577711)
@@ -48,7 +48,7 @@ STD = (0.26862954, 0.26130258, 0.27577711)
 
 def available_models():
     """Names `load` accepts (besides a path to a checkpoint file)."""
-    return list(MODELS) + [TOY]
+    return list(MODELS)
 
 
 def cache_dir(download_root=None) -> str:
@@ -79,6 +79,29 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
     sys.stderr.flush()
 
 
+def stream(response, out, hasher, name: str):
+    """Copy an HTTP response into the open file `out` in 1 MiB chunks, feeding `hasher`, with one progress
+    line on stderr. Returns (bytes copied, hasher). A broken connection raises OSError saying how far it got.
+    The one download loop of the project: download.py fetches the dataset archives through it too."""
+    total = int(response.headers.get("Content-Length") or 0)
+    done, start, last = 0, time.time(), 0.0
+    while True:
+        try:
+            chunk = response.read(1 << 20)
+        except (OSError, http.client.HTTPException) as e:
+            raise OSError(f"the connection broke after {done} bytes ({e!r})") from None
+        if not chunk:
+            break
+        out.write(chunk)
+        hasher.update(chunk)
+        done += len(chunk)
+        if time.time() - last > 0.5:
+            _progress(done, total, start, name)
+            last = time.time()
+    _progress(done, total, start, name, final=True)
+    return done, hasher
+
+
 def download(url: str, root: str) -> str:
     """Fetch `url` into `root` once and return the file's path.
 
@@ -97,24 +120,11 @@ def download(url: str, root: str) -> str:
 
     name = os.path.basename(url)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=name + ".", suffix=".part")
-    h = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
             try:
                 with urllib.request.urlopen(url, timeout=60) as response:
-                    total = int(response.headers.get("Content-Length") or 0)
-                    done, start, last = 0, time.time(), 0.0
-                    while True:
-                        chunk = response.read(1 << 20)
-                        if not chunk:
-                            break
-                        out.write(chunk)
-                        h.update(chunk)
-                        done += len(chunk)
-                        if time.time() - last > 0.5:
-                            _progress(done, total, start, name)
-                            last = time.time()
-                    _progress(done, total, start, name, final=True)
+                    _, h = stream(response, out, hashlib.sha256(), name)
             except (urllib.error.URLError, OSError) as e:
                 raise RuntimeError(f"download of {url} failed: {e}; check the network (or put the file, "
                                    f"with SHA256 {expected}, at {target})") from None
@@ -191,10 +201,6 @@ def load(name_or_path: str, device=None, download_root=None):
     root = cache_dir(download_root)
     if name_or_path in MODELS:
         path, name = download(MODELS[name_or_path], root), name_or_path
-    elif name_or_path == TOY:
-        import toyworld  # imported here: only the toy model needs it
-
-        path, name = toyworld.ensure_pretrained(root), TOY
     elif os.path.isfile(os.path.expanduser(str(name_or_path))):
         path, name = os.path.expanduser(str(name_or_path)), str(name_or_path)
     else:

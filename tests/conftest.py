@@ -55,7 +55,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def toy_cache(tmp_path_factory):
     """A CLIP cache folder holding the toy CLIP, pretrained once per test session with the default recipe
-    (what `clip.load("toy")` and `python dear.py --dataset toyworld` use); shared by the end-to-end tests."""
+    (what `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use); shared by the end-to-end tests."""
     import toyworld
     cache = tmp_path_factory.mktemp("clip_cache")
     toyworld.ensure_pretrained(str(cache), log=lambda *a, **k: None)

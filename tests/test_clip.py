@@ -416,23 +416,10 @@ def test_download_mismatch_and_failure_raise_and_keep_nothing(tmp_path, server, 
     assert os.listdir(cache) == []
 
 
-def test_cache_dir_and_toy_hook(tmp_path, monkeypatch):
+def test_cache_dir_and_available_models(tmp_path, monkeypatch):
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "env"))
     assert clip.cache_dir() == str(tmp_path / "env")
     assert clip.cache_dir(str(tmp_path / "root")) == str(tmp_path / "root")
     monkeypatch.delenv("CLIP_CACHE")
     assert clip.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "clip")
-    assert clip.available_models() == ["ViT-B/32", "ViT-B/16", "ViT-L/14", "ViT-L/14@336px", "toy"]
-
-    calls = []
-
-    def ensure_pretrained(cache_dir):
-        calls.append(cache_dir)
-        path = os.path.join(cache_dir, "toy.pt")
-        torch.save(tiny_state_dict(seed=7), path)
-        return path
-
-    monkeypatch.setitem(sys.modules, "toyworld", types.SimpleNamespace(ensure_pretrained=ensure_pretrained))
-    m, _ = clip.load("toy", device="cpu", download_root=str(tmp_path))
-    assert calls == [str(tmp_path)] and m.name == "toy"
-    assert m.visual.heads == 4  # head counts come from the checkpoint's extra entries
+    assert clip.available_models() == ["ViT-B/32", "ViT-B/16", "ViT-L/14", "ViT-L/14@336px"]  # OpenAI's, no "toy"

@@ -315,26 +315,19 @@ def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     assert data.build_dataset(f"folder:{tmp_path / 'one'}", None).test == a.test
 
 
-def test_toyworld_is_read_through_the_json_machinery(tmp_path, monkeypatch):
-    calls = []
-
-    def ensure_dataset(root):
-        calls.append(root)
-        folder = os.path.join(root, "toyworld")
-        if not os.path.exists(folder):
-            entries = {s: [(f"{c}/{s}_{i}.png", y, c) for y, c in enumerate(["red_circle", "blue_square"])
-                           for i in range(3)] for s in ("train", "val", "test")}
-            write_split(os.path.join(folder, "split_zhou_ToyWorld.json"), os.path.join(folder, "images"), entries)
-        return folder
-
-    stand_in = types.ModuleType("toyworld")
-    stand_in.ensure_dataset, stand_in.TEMPLATE = ensure_dataset, "a toy picture of a {}."
-    monkeypatch.setitem(sys.modules, "toyworld", stand_in)
-    ds = data.build_dataset("toyworld", str(tmp_path / "new_root"), shots=2, seed=1)
-    assert calls == [str(tmp_path / "new_root")]
-    assert ds.classnames == ["red circle", "blue square"] and ds.template == "a toy picture of a {}."
+def test_toyworld_is_read_through_the_json_machinery(tmp_path):
+    """data.py only reads the toy world (toyworld.py writes it); until then it names the command that makes it."""
+    root = tmp_path / "new_root"
+    with pytest.raises(data.DataError, match="python toyworld.py dataset"):
+        data.build_dataset("toyworld", str(root), shots=2, seed=1)
+    folder = os.path.join(root, "toyworld")
+    entries = {s: [(f"{c}/{s}_{i}.png", y, c) for y, c in enumerate(["red_circle", "blue_square"])
+                   for i in range(3)] for s in ("train", "val", "test")}
+    write_split(os.path.join(folder, "split_zhou_ToyWorld.json"), os.path.join(folder, "images"), entries)
+    ds = data.build_dataset("toyworld", str(root), shots=2, seed=1)
+    assert ds.classnames == ["red circle", "blue square"] and ds.template == "a photo of a {}."
     assert len(ds.train) == 4 and len(ds.test) == 6
-    assert (tmp_path / "new_root" / "toyworld" / "split_fewshot" / "shot_2-seed_1.json").exists()
+    assert (root / "toyworld" / "split_fewshot" / "shot_2-seed_1.json").exists()
 
 
 # ------------------------------------------------------------------------------------------- transforms, loaders

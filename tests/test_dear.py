@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_clip
 import dear
+import train
 from dear import ATTRIBUTES, K, DeAR, role_mask
 
 H, P = 4, 16  # the tiny CLIP: 4 heads per block, 32x32 images with patch 8 -> 16 patches
@@ -152,14 +153,14 @@ def test_fusion_weights_and_loss_terms():
 def test_schedule_values():
     cfg = dear.resolve(dear.Config(dataset="dtd", protocol="b2n"))
     assert (cfg.epochs, cfg.batch_size, cfg.beta, cfg.lambda_reg) == (10, 4, 0.9, 7.0)
-    lrs = [dear.lr_at(e, cfg) for e in range(cfg.epochs)]
+    lrs = [train.lr_at(e, cfg) for e in range(cfg.epochs)]
     assert lrs[0] == 1e-5 and lrs[1] == pytest.approx(1e-3)
     assert lrs[2] == pytest.approx(1e-3 * (1 + math.cos(math.pi / 10)) / 2)
     assert lrs[-1] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 8 / 10)) / 2) and lrs[-1] > 0
     assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
     assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
-    assert dear.lr_at(0, xd) == pytest.approx(1e-3)
+    assert train.lr_at(0, xd) == pytest.approx(1e-3)
     assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
 
 
@@ -186,11 +187,11 @@ def test_variant_names_separate_ablations():
 
 
 def test_epoch_batches_are_seeded_and_drop_last():
-    a, b = dear.epoch_batches(10, 4, 3), dear.epoch_batches(10, 4, 3)
+    a, b = train.epoch_batches(10, 4, 3), train.epoch_batches(10, 4, 3)
     assert a == b and len(a) == 2 and all(len(x) == 4 for x in a)
-    small = dear.epoch_batches(3, 4, 0)  # fewer items than a batch: one partial batch, nothing dropped
+    small = train.epoch_batches(3, 4, 0)  # fewer items than a batch: one partial batch, nothing dropped
     assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
-    assert dear.epoch_batches(10, 4, 4) != a
+    assert train.epoch_batches(10, 4, 4) != a
 
 
 # ---------------------------------------------------------------------------------------------- the real CLI
@@ -259,13 +260,13 @@ def test_resume_replays_the_interrupted_run_exactly(world, tmp_path, monkeypatch
     args = cli(world, tmp_path / "a", "--roles", str(roles), "--protocol", "fewshot")
     dear.main(args)
     (full,) = (tmp_path / "a").rglob("model.pt")
-    real_lr_at = dear.lr_at
+    real_lr_at = train.lr_at
 
     def interrupt(epoch, cfg):  # Ctrl-C at the start of the second epoch
         if epoch == 1:
             raise KeyboardInterrupt
         return real_lr_at(epoch, cfg)
-    monkeypatch.setattr(dear, "lr_at", interrupt)
+    monkeypatch.setattr(train, "lr_at", interrupt)
     args_b = cli(world, tmp_path / "b", "--roles", str(roles), "--protocol", "fewshot")
     with pytest.raises(SystemExit) as stop:
         dear.main(args_b)
@@ -274,7 +275,7 @@ def test_resume_replays_the_interrupted_run_exactly(world, tmp_path, monkeypatch
     with pytest.raises(SystemExit) as refused:  # a partial run is neither silently redone nor resumed
         dear.main(args_b)
     assert refused.value.code == 2
-    monkeypatch.setattr(dear, "lr_at", real_lr_at)
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
     dear.main(args_b + ["--resume"])
     (resumed,) = (tmp_path / "b").rglob("model.pt")
     a, b = torch.load(full), torch.load(resumed)
@@ -307,7 +308,9 @@ def test_training_lowers_the_loss(world, tmp_path):
             return dear.dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)[0].item()
     model.set_classes(ds.classnames, ds.template)
     before = train_loss()
-    dear.train(model, ds, cfg, torch.device("cpu"), str(tmp_path), log=lambda m: None)
+    def loss_fn(model, out, labels):
+        return dear.dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+    train.train(model, ds, cfg, torch.device("cpu"), str(tmp_path), lambda m: None, loss_fn)
     assert train_loss() < before - 0.05
 
 
