@@ -4,7 +4,7 @@ DeAR trains only tokens and two small maps, so a training step should cost littl
 forward pass. Measured in one process, on one device, with random weights of the real shapes (nothing is
 downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike; medians over repeats.
   a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights; outputs agree
-  b. one DeAR training step (as dear.train) vs one frozen CLIP forward of the batch and of all class prompts
+  b. one DeAR training step (as train.train) vs one frozen CLIP forward of the batch and of all class prompts
   c. the same DeAR step written the naive way vs ours      d. DeAR evaluation vs zero-shot CLIP
   e. peak memory of a training step
 
@@ -29,6 +29,7 @@ from torch import nn
 import clip
 import data
 import dear
+import train
 from clip.model import CLIP
 from dear import ATTRIBUTES, K
 from util import write_atomic
@@ -181,8 +182,8 @@ def sync(device):
 
 
 def amp(device):
-    """The autocast dear.train / dear.evaluate use: bf16 (or fp16) on CUDA, nothing on CPU."""
-    dtype = dear.autocast_dtype(device)
+    """The autocast train.train / train.evaluate use: bf16 (or fp16) on CUDA, nothing on CPU."""
+    dtype = train.autocast_dtype(device)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
@@ -281,7 +282,7 @@ def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method
 
 
 def dear_step(model, opt, scaler, images, labels, device, lambda_reg=1.0, lambda_fusion=1.0):
-    """One DeAR training step exactly as dear.train runs it. Returns the loss and a copy of R's gradient."""
+    """One DeAR training step exactly as train.train runs it. Returns the loss and a copy of R's gradient."""
     model.train()
     with amp(device):
         out = model(images, with_frozen=True)
@@ -440,7 +441,7 @@ def bench_train(b, net, opt, scaler, C, B):
 
 
 def bench_eval(b, net, images, C):
-    """d. evaluation: per-batch cost with the class text features computed once, as dear.evaluate does."""
+    """d. evaluation: per-batch cost with the class text features computed once, as train.evaluate does."""
     net.set_classes(classnames(C), TEMPLATE)
     net.eval()
     t = b.no_grad(net.encode_classes)()
@@ -470,7 +471,7 @@ def run(args):
     # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
     # see the same parameters and the naive and our losses can be compared
     opt = torch.optim.AdamW([p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4)
-    scaler = torch.amp.GradScaler("cuda", enabled=dear.autocast_dtype(b.device) == torch.float16)
+    scaler = torch.amp.GradScaler("cuda", enabled=train.autocast_dtype(b.device) == torch.float16)
     settings = list(zip(args.classes, args.batches))
     for C, B in settings:
         bench_train(b, net, opt, scaler, C, B)
@@ -546,7 +547,7 @@ def markdown(res, args) -> str:
     device = torch.device(args.device)
     s = res["sizes"]
     prec = {None: "fp32", torch.bfloat16: "autocast bf16", torch.float16: "autocast fp16 + GradScaler"}[
-        dear.autocast_dtype(device)]
+        train.autocast_dtype(device)]
     lines = ["# DeAR speed bench", "",
              "Written by `bench.py`; every ratio compares two measurements made in the same process, "
              "interleaved, with the same inputs. Random weights with the real shapes (nothing downloaded).", "",
@@ -590,7 +591,7 @@ def markdown(res, args) -> str:
               "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
               "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
               "The agree row checks it computes the same loss and gradient as ours.",
-              "- d: per-batch cost only, as `dear.evaluate` computes the class text features once.",
+              "- d: per-batch cost only, as `train.evaluate` computes the class text features once.",
               "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
               "every block (the masks cost the same whatever the roles)."]
     if device.type == "cpu":
