@@ -19,7 +19,9 @@ the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
 """
 import argparse
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,9 +33,10 @@ import torch.nn.functional as F
 
 import clip
 import data
+import runs
 import toyworld
 from train import RunError, atomic_save, evaluate, pick_device, seed_everything, train
-from util import write_atomic
+from util import read_json, write_atomic
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
@@ -106,7 +109,7 @@ class Config:
     warmup_lr: float = 1e-5
     weight_decay: float = 5e-4
     eval_batch_size: int = 100
-    workers: int = 4
+    workers: int = None               # data-loading processes; None = min(4, the CPUs this process may use)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     # bookkeeping
     eval_only: bool = False
@@ -128,15 +131,25 @@ def resolve(cfg: Config) -> Config:
         raise ValueError(f"unknown --protocol {c.protocol!r}; choose b2n, fewshot or xd")
     epochs, batch, warmup = SCHEDULES.get((c.protocol, c.dataset), SCHEDULES[c.protocol])
     c.crop_scale = CROP_SCALE.get(c.dataset, 0.5) if c.crop_scale is None else c.crop_scale
+    c.workers = min(4, available_cpus()) if c.workers is None else c.workers
     c.epochs = epochs if c.epochs is None else c.epochs
     c.batch_size = batch if c.batch_size is None else c.batch_size
     c.warmup_epochs = warmup if c.warmup_epochs is None else c.warmup_epochs
+    numbers = {"beta": c.beta, "lambda-reg": c.lambda_reg, "lambda-fusion": c.lambda_fusion, "alpha-cls": c.alpha_cls,
+               "lr": c.lr, "warmup-lr": c.warmup_lr, "weight-decay": c.weight_decay, "crop-scale": c.crop_scale}
+    for flag, value in numbers.items():
+        if not math.isfinite(value):
+            raise ValueError(f"--{flag} must be a finite number, got {value}")
     checks = [(c.J is None or c.J >= 1, f"--J counts blocks from 1, got {c.J}"),
+              (c.lr > 0 and c.warmup_lr > 0, f"--lr must be positive, got {c.lr}"),
+              (c.weight_decay >= 0 and c.lambda_reg >= 0 and c.lambda_fusion >= 0,
+               "--weight-decay, --lambda-reg and --lambda-fusion must be >= 0"),
               (c.method in ("dear", "zeroshot"), f"unknown --method {c.method!r}; choose dear or zeroshot"),
               (c.mask in ("role", "generalization-only", "none"),
                f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
               (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
               (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
+              (c.workers >= 0, f"--workers must be >= 0, got {c.workers}"),
               (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
               (0.0 < c.alpha_cls < 1.0, f"--alpha-cls must lie in (0, 1), got {c.alpha_cls}"),
               (c.epochs >= 1 and c.batch_size >= 1, "--epochs and --batch-size must be >= 1"),
@@ -147,18 +160,25 @@ def resolve(cfg: Config) -> Config:
     return c
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (the DataLoader warns when it gets more workers than that)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def variant_name(c: Config) -> str:
-    """A short name for the non-default method flags, so each ablation gets its own run folder."""
+    """A short name for the non-default method flags, so each ablation gets its own run folder. Files are
+    named by content: a checkpoint or a roles file gets the first 8 hex digits of its SHA256 in the name."""
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                            "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale")
              and getattr(c, f.name) != getattr(base, f.name)]
     if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
-        parts[0] = "backbone-" + os.path.splitext(os.path.basename(c.backbone))[0]
+        name = os.path.splitext(os.path.basename(c.backbone))[0]
+        parts[0] = f"backbone-{name}-{runs.short(runs.backbone_sha256(c.backbone))}"
     parts = [p.replace("/", "-") for p in parts]
     if c.roles:
-        parts.append("roles-" + os.path.splitext(os.path.basename(c.roles))[0])
+        parts.append("roles-" + runs.short(runs.roles_sha256(c.roles)))
     return "_".join(parts) or "default"
 
 
@@ -168,14 +188,17 @@ def default_J(num_layers: int) -> int:
 
 
 def run_dir(c: Config) -> str:
+    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run."""
     name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
     return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
 
 
 def dataset_tag(name: str) -> str:
-    """A folder name for a dataset; "folder:PATH" datasets are named after their folder."""
+    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short hash of
+    its resolved path, so two folders with the same last name never share runs."""
     if name.startswith("folder:"):
-        return "folder-" + os.path.basename(os.path.normpath(name[len("folder:"):]))
+        path = runs.dataset_folder(name, None)
+        return f"folder-{os.path.basename(path)}-{runs.short(hashlib.sha256(path.encode()).hexdigest())}"
     return name
 
 
@@ -395,30 +418,39 @@ def load_clip(backbone, device):
 
 
 def load_roles(cfg, model, device, log):
-    """The roles of every head of blocks J..L: from --roles, from the cache, or computed once by entropy.py
-    (probe images: ImageNet val if present under --root, else the training dataset's test images)."""
+    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
+    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
+    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
     import entropy
     L, H = model.visual.transformer.layers, model.visual.transformer.heads
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
     try:
         if path is None:
+            probe, split = "imagenet", "test"
+            try:
+                data.build_dataset("imagenet", cfg.root)
+            except data.DataError:
+                probe, split = cfg.dataset, "train"
+            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
             path = entropy.default_roles_path(model.name, layers, clip.cache_dir())  # where entropy.py writes too
             if not os.path.exists(path):
-                probe = "imagenet"
-                try:
-                    data.build_dataset("imagenet", cfg.root)
-                except data.DataError:
-                    probe = cfg.dataset
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the test images of {probe!r} -> {path}")
+                    f"entropy.py on the {split} images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool="toy" if "toy" in (model.name, probe[:3]) else None)
-        roles = entropy.load_roles(path, model_name=model.name, num_layers=L, num_heads=H, layers=layers)
+                                   device=str(device), pool=pool)
+        roles = read_roles(path, model, layers)
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
     log(f"head roles: {path}")
     return roles, path
+
+
+def read_roles(path, model, layers):
+    """A roles file, checked against the backbone (model name, depth, heads, blocks)."""
+    import entropy
+    return entropy.load_roles(path, model_name=model.name, num_layers=model.visual.transformer.layers,
+                              num_heads=model.visual.transformer.heads, layers=layers)
 
 
 def export_roles(cfg: Config) -> str:
@@ -440,10 +472,25 @@ def export_roles(cfg: Config) -> str:
 
 
 def build_dataset(name, root, *args):
-    """data.build_dataset; the toy world (data.py only reads it) is generated on first use."""
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
+    not there at all gets the command that downloads it and the offline quick start."""
     if name == "toyworld":
         toyworld.ensure_dataset(root)
-    return data.build_dataset(name, root, *args)
+    try:
+        return data.build_dataset(name, root, *args)
+    except data.DataError as e:
+        if name in data.DATASETS and not os.path.isdir(runs.dataset_folder(name, root)):
+            raise RunError(f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
+                           "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)") from e
+        raise
+
+
+def xd_targets(cfg):
+    """xd: the target datasets, --targets or the 4 ImageNet variants and the other 10 datasets."""
+    if cfg.protocol != "xd":
+        return []
+    return [t for t in cfg.targets.split(",") if t] or \
+        [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
 
 
 def build_eval_sets(cfg):
@@ -455,48 +502,77 @@ def build_eval_sets(cfg):
         return base, [(base, "base", "fused"), (novel, "novel", cfg.novel_logits)]
     source = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
     evals = [(source, "all", "fused")]
-    if cfg.protocol == "xd":
-        targets = [t for t in cfg.targets.split(",") if t] or \
-            [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
-        missing = []
-        for name in targets:
-            try:
-                evals.append((build_dataset(name, cfg.root), "all", cfg.novel_logits))
-            except data.DataError as e:
-                missing.append(f"  {name}: {e}")
-        if missing:
-            raise RunError("target datasets missing (pass --targets to choose fewer):\n" + "\n".join(missing))
+    missing = []
+    for name in xd_targets(cfg):
+        try:
+            evals.append((build_dataset(name, cfg.root), "all", cfg.novel_logits))
+        except (data.DataError, RunError) as e:
+            missing.append(f"  {name}: {str(e).splitlines()[0]}")
+    if missing:
+        raise RunError("target datasets missing (pass --targets to choose fewer):\n" + "\n".join(missing))
     return source, evals
 
 
+class Interrupted(Exception):
+    """Ctrl-C, with what was kept: the CLI prints the message and exits with status 130."""
+
+
+def eval_only_config(cfg: Config):
+    """--eval-only --load RUN: the method flags of the finished run RUN (its config.json), on --dataset/--protocol."""
+    saved = read_json(os.path.join(cfg.load or "", "config.json"))
+    if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")) or saved is None:
+        raise RunError(f"--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and config.json "
+                       f"(got {cfg.load!r})")
+    method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method")
+    return dataclasses.replace(cfg, **{k: saved[k] for k in method_fields if k in saved})
+
+
 def run(cfg: Config, log_to_stdout=True) -> dict:
-    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results."""
+    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results.
+
+    The run folder (run_dir) is the run's identity: a finished run is reused, and an interrupted one resumed,
+    only when its config.json (flags and runs.inputs: dataset folder, checkpoint and roles hashes) matches."""
     if cfg.eval_only:
-        if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")):
-            raise RunError(f"--eval-only needs --load RUN_DIR holding model.pt (got {cfg.load!r})")
-        with open(os.path.join(cfg.load, "config.json")) as f:
-            saved = json.load(f)
-        method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method")
-        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in method_fields})
+        cfg = eval_only_config(cfg)
     try:
         cfg = resolve(cfg)
+        variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
+        config = dict(dataclasses.asdict(cfg), inputs=runs.inputs(cfg, xd_targets(cfg)))
     except ValueError as e:
         raise RunError(str(e)) from e
-    variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
     rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{dataset_tag(cfg.dataset)}") if cfg.eval_only else run_dir(cfg)
-    results_path = os.path.join(rdir, "results.json")
+    results_path, ckpt = os.path.join(rdir, "results.json"), os.path.join(rdir, "checkpoint.pt")
     if os.path.exists(results_path) and not cfg.force:
+        runs.check_same(rdir, config, "finished")
         print(f"done already: {results_path} (pass --force to redo)")
-        with open(results_path) as f:
-            return json.load(f)
+        return read_json(results_path)
     device = pick_device(cfg.device)
     train_ds, evals = build_eval_sets(cfg)  # every dataset checked before anything is written
-    os.makedirs(rdir, exist_ok=True)
-    ckpt = os.path.join(rdir, "checkpoint.pt")
+    try:
+        os.makedirs(rdir, exist_ok=True)
+        lock = runs.RunLock(rdir).__enter__()
+    except OSError as e:
+        raise RunError(f"cannot write the run folder {rdir} ({e.strerror}); choose a writable --out") from None
+    try:
+        return _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals, log_to_stdout)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals, log_to_stdout):
+    """The body of `run`, holding the run folder's lock."""
+    pinned = os.path.join(rdir, "roles.json")
     if os.path.exists(ckpt) and cfg.force:
         os.remove(ckpt)
     elif os.path.exists(ckpt) and not cfg.resume:
         raise RunError(f"{rdir} holds an interrupted run; pass --resume to continue it or --force to start over")
+    elif os.path.exists(ckpt):
+        runs.check_same(rdir, config, "interrupted")
+    if not os.path.exists(ckpt) and os.path.exists(pinned):
+        os.remove(pinned)  # a fresh start takes the roles of now; a resumed run keeps its own
+    if cfg.eval_only and os.path.exists(os.path.join(cfg.load, "roles.json")):
+        with open(os.path.join(cfg.load, "roles.json"), "rb") as f:  # the roles the evaluated model was trained with
+            write_atomic(pinned, f.read())
     log_file = open(os.path.join(rdir, "log.txt"), "a")
 
     def log(msg):
@@ -509,17 +585,28 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
     try:
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
         clip_model, _ = load_clip(cfg.backbone, device)
-        if cfg.J is None:
-            cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
+        L = clip_model.visual.transformer.layers
+        J = cfg.J or default_J(L)
+        if not 1 <= J <= L:
+            raise RunError(f"--J {J} is beyond the backbone: {cfg.backbone} has {L} blocks, so J must lie in 1..{L}")
+        cfg = dataclasses.replace(cfg, J=J)
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
-        roles = load_roles(cfg, clip_model, device, log)[0] if use_tokens and cfg.mask != "none" else None
+        roles, roles_used = None, None
+        if use_tokens and cfg.mask != "none":
+            if os.path.exists(pinned):  # resumed or evaluated: the run's own roles, whatever the cache holds now
+                roles, source = read_roles(pinned, clip_model, list(range(J, L + 1))), pinned
+                log(f"head roles: the run's own copy {pinned}")
+            else:
+                roles, source = load_roles(cfg, clip_model, device, log)
+            roles_used = runs.pin_roles(source, rdir)
         seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
         try:
             model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
                          attr_tokens=use_tokens, alpha_cls=cfg.alpha_cls).to(device)
         except ValueError as e:
             raise RunError(str(e)) from e
-        atomic_save(dataclasses.asdict(cfg), os.path.join(rdir, "config.json"), as_json=True)
+        config = dict(config, resolved={"J": cfg.J}, roles_used=roles_used)
+        atomic_save(config, os.path.join(rdir, "config.json"), as_json=True)
         t0 = time.time()
         if cfg.eval_only:
             state = torch.load(os.path.join(cfg.load, "model.pt"), map_location=device, weights_only=True)
@@ -527,6 +614,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         elif cfg.method == "dear":
             log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} epochs, "
                 f"batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}")
+
             def loss_fn(model, out, labels):  # the DeAR loss with this run's weights
                 return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
 
@@ -535,7 +623,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         train_s, t1 = time.time() - t0, time.time()
         results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
                    "shots": cfg.shots, "seed": cfg.seed, "variant": variant, "config": dataclasses.asdict(cfg),
-                   "evals": []}
+                   "inputs": config["inputs"], "roles_used": roles_used, "evals": []}
         for ds, split, rule in evals:
             r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
                          name=f"{ds.name}/{split}")
@@ -552,6 +640,12 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             os.remove(ckpt)
         log(f"wrote {results_path}")
         return results
+    except KeyboardInterrupt:
+        if os.path.exists(ckpt):
+            raise Interrupted(f"interrupted: the last checkpoint is kept in {ckpt}; rerun the same command with "
+                              "--resume") from None
+        raise Interrupted("interrupted before the first checkpoint: nothing was kept to resume; rerun the same "
+                          "command to start again") from None
     finally:
         log_file.close()
 
@@ -606,7 +700,8 @@ def parse_args(argv=None) -> Config:
                    help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="(default: %(default)s)")
-    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="data-loading processes (default: 4, or fewer on a machine with fewer CPUs)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g = p.add_argument_group("runs")
     g.add_argument("--eval-only", action="store_true", help="evaluate the model of --load on --dataset / --protocol")
@@ -628,8 +723,11 @@ def main(argv=None):
     except (RunError, data.DataError, toyworld.ToyWorldError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted: the last checkpoint is kept; rerun the same command with --resume", file=sys.stderr)
+    except Interrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining before any run)
+        print("\ninterrupted: nothing was kept; rerun the same command to start again", file=sys.stderr)
         sys.exit(130)
     print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}))
 

@@ -114,11 +114,15 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
     transform = data.train_transform(model.clip.visual.input_resolution, min_scale=cfg.crop_scale)
     ckpt, start_epoch, start_step = os.path.join(rdir, "checkpoint.pt"), 0, 0
     if os.path.exists(ckpt):
-        state = torch.load(ckpt, map_location=device, weights_only=True)
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, start_step = state["epoch"], state["step"]
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=True)
+            model.load_state_dict(state["model"], strict=False)
+            opt.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+            start_epoch, start_step = state["epoch"], state["step"]
+        except Exception as e:  # a truncated file, another run's checkpoint, or not a checkpoint at all
+            raise RunError(f"the checkpoint {ckpt} cannot be resumed ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); pass --force to start the run over") from None
         log(f"resuming from {ckpt}: epoch {start_epoch + 1}, step {start_step}")
 
     def save(epoch, step):

@@ -235,7 +235,8 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
     assert sum(results["fusion_weights"].values()) == pytest.approx(1.0)
-    assert results["config"]["J"] == 3 and results["variant"] == "backbone-tiny_J-3_epochs-2"
+    sha = dear.runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
+    assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
     assert "epoch 2/2" in (rdir / "log.txt").read_text()
     roles = list((tmp_path / "cache").rglob("roles.json"))

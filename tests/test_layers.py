@@ -15,8 +15,9 @@ LAYERS = {
     "data": 2,                     # the datasets; knows nothing of the toy world
     "toyworld": 3,                 # a user of clip and data
     "entropy": 4, "train": 4,      # head roles; the training loop and evaluation
-    "dear": 5,                     # the method and its command line
-    "tables": 6, "bench": 6,       # reports
+    "runs": 5,                     # run folders: identity, lock, pinned roles
+    "dear": 6,                     # the method and its command line
+    "tables": 7, "bench": 7,       # reports
 }
 
 
