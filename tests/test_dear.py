@@ -134,20 +134,192 @@ def test_text_tokens_after_sot_and_eot_shift():
     assert not torch.allclose(model.encode_classes(), model.t0, atol=1e-3)  # the tokens do change t
 
 
+# ---------------------------------------------------------------------------------------------- the vision side by hand
+
+# A different role layout in each of blocks J..L (J = 2 of the tiny CLIP's 4): giving a block another block's
+# roles changes the output. Every head kind appears, and every attribute in some block.
+LAYOUTS = {
+    2: [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)],
+    3: [("attribute", "shape"), ("mixed", None), ("generalization", None), ("attribute", "texture")],
+    4: [("attribute", "location"), ("generalization", None), ("attribute", "object"), ("mixed", None)],
+}
+
+
+def layout_roles():
+    return {l: [{"role": r, "attribute": a} for r, a in heads] for l, heads in LAYOUTS.items()}
+
+
+def hand_allowed(role, attribute, n):
+    """[n, n] bool, row = query, column = key: the paper's rules stated pair by pair over [CLS, attr_1..attr_K, patches]."""
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for q in range(n):
+        for k in range(n):
+            q_token, k_token = 1 <= q <= K, 1 <= k <= K
+            if role == "mixed" or q == k or not (q_token or k_token):
+                allowed[q, k] = True  # mixed: anything; everyone sees itself; originals see originals
+            elif role == "attribute" and q_token != k_token:
+                allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (q, k)  # originals <-> attr_a only
+    return allowed
+
+
+def hand_block(block, x, allowed=None):
+    """One pre-LN block written out head by head: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+    allowed: [H, n, n] bool or None (no mask)."""
+    attn, D = block.attn, x.shape[-1]
+    hs = D // H
+    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(D, dim=-1)  # [B, n, D] each
+    heads = []
+    for h in range(H):
+        c = slice(h * hs, (h + 1) * hs)
+        scores = q[..., c] @ k[..., c].transpose(1, 2) / math.sqrt(hs)  # [B, n, n]
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed[h], float("-inf"))
+        heads.append(scores.softmax(-1) @ v[..., c])
+    x = x + attn.out_proj(torch.cat(heads, dim=-1))
+    return x + block.mlp(block.ln_2(x))
+
+
+def hand_vision(clip_model, model, images, J, beta, layouts):
+    """f_cls, f_attr by hand: blocks 1..J-1 untouched; F^J(R) inserted after CLS at the input of block J; before
+    every later block l the token slots become beta * F^l(R) + (1 - beta) * (their output of block l-1); block l
+    masked by its own layout (None: no mask); f_cls through the frozen proj, f_attr through P_attr."""
+    v = clip_model.visual
+    blocks, L, B = v.transformer.resblocks, v.transformer.layers, images.shape[0]
+    x = v.conv1(images).flatten(2).transpose(1, 2)                               # [B, P, D]
+    x = torch.cat([v.class_embedding.expand(B, 1, -1), x], dim=1) + v.positional_embedding
+    x = v.ln_pre(x)                                                              # [B, 1+P, D]
+    for l in range(1, J):
+        x = hand_block(blocks[l - 1], x)
+    for i, l in enumerate(range(J, L + 1)):
+        aligner = model.tokens.F_v[i]
+        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(B, K, -1)  # F^l(R): [B, K, D]
+        if l == J:
+            x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)                  # [B, 1+K+P, D]
+        else:
+            x = torch.cat([x[:, :1], beta * fresh + (1 - beta) * x[:, 1:1 + K], x[:, 1 + K:]], dim=1)
+        allowed = None if layouts is None else \
+            torch.stack([hand_allowed(r, a, x.shape[1]) for r, a in layouts[l]])
+        x = hand_block(blocks[l - 1], x, allowed)
+    f_cls = v.ln_post(x[:, 0]) @ v.proj
+    f_attr = v.ln_post(x[:, 1:1 + K]) @ model.P_attr
+    return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
+
+
+def vision_model(roles, mask):
+    """The tiny CLIP (vision 4 blocks, text 3) with J = 2, beta 0.3, and tokens and P_attr moved off their
+    initial values so that every path matters: tokens as large as the residual stream, P_attr != proj."""
+    clip_model = tiny_clip(text_layers=3)
+    torch.manual_seed(1)
+    model = DeAR(clip_model, roles, J=2, beta=0.3, mask=mask)
+    with torch.no_grad():
+        model.tokens.R.normal_()
+        model.P_attr.add_(0.05 * torch.randn_like(model.P_attr))
+    return clip_model, model, torch.randn(2, 3, 32, 32)
+
+
+def test_vision_forward_by_hand_with_a_role_layout_per_block():
+    """encode_images equals the by-hand forward: tokens at block J, beta mixing from J+1, each block its own roles."""
+    clip_model, model, images = vision_model(layout_roles(), "role")
+    f_cls, f_attr, f0 = model.encode_images(images, with_frozen=True)
+    with torch.no_grad():
+        ref_cls, ref_attr = hand_vision(clip_model, model, images, J=2, beta=0.3, layouts=LAYOUTS)
+    assert torch.allclose(f_cls, ref_cls, atol=1e-5) and torch.allclose(f_attr, ref_attr, atol=1e-5)
+    assert (f_cls - f0).abs().max() > 1e-3  # the attribute and mixed heads do carry the tokens into CLS
+
+
+def test_mask_none_by_hand():
+    """--mask none: the tokens enter and mix exactly as with roles, and no head is masked."""
+    clip_model, model, images = vision_model(None, "none")
+    f_cls, f_attr, _ = model.encode_images(images)
+    with torch.no_grad():
+        ref_cls, ref_attr = hand_vision(clip_model, model, images, J=2, beta=0.3, layouts=None)
+    assert torch.allclose(f_cls, ref_cls, atol=1e-5) and torch.allclose(f_attr, ref_attr, atol=1e-5)
+
+
+def test_every_trainable_part_gets_a_gradient():
+    """The classification loss alone (lambda_reg = lambda_fusion = 0) reaches P_attr, R, every aligner F_v^l and
+    F_t^l, and the fusion weights w; the frozen CLIP gets no gradient."""
+    _, model, images = vision_model(layout_roles(), "role")
+    model.set_classes(["a", "b", "c"], "a photo of a {}.")
+    out = model(images, with_frozen=True)
+    total, _ = dear.dear_loss(out, torch.tensor([0, 2]), model.t0, model.alpha(), lambda_reg=0.0, lambda_fusion=0.0)
+    total.backward()
+    params = dict(model.named_parameters())
+    names = ["P_attr", "w", "tokens.R"] + [f"tokens.{side}.{i}.{part}" for side in ("F_v", "F_t")
+                                           for i in range(3) for part in ("weight", "bias")]
+    for name in names:
+        assert params[name].grad is not None and params[name].grad.abs().max() > 0, name
+    assert all(p.grad is None for n, p in params.items() if n.startswith("clip."))
+
+
+def test_text_tower_shallower_than_vision():
+    """Text 3 blocks, vision 4, J = 3: the tokens live in the last two blocks of each tower (text blocks 2 and 3)."""
+    clip_model = tiny_clip(text_layers=3)
+    model = DeAR(clip_model, roles_all("mixed", layers=(3, 4)), J=3, beta=0.25)
+    with torch.no_grad():
+        model.tokens.R.normal_()
+    model.set_classes(["cat", "dog"], "a photo of a {}.")
+    tokens = dear.clip.tokenize(["a photo of a cat.", "a photo of a dog."])
+    blocks, R = clip_model.transformer.resblocks, model.tokens.R
+    fresh = [R @ f.weight.t() + f.bias for f in model.tokens.F_t]  # F_t^l(R): [K, W], l = J, J+1
+    with torch.no_grad():
+        x = blocks[0](clip_model.embed_text(tokens), attn_mask=clip_model.causal_mask(77))
+        x = torch.cat([x[:, :1], fresh[0].expand(2, K, -1), x[:, 1:]], 1)  # [2, 77 + K, W]
+        x = blocks[1](x, attn_mask=clip_model.causal_mask(77 + K))
+        x = torch.cat([x[:, :1], 0.25 * fresh[1] + 0.75 * x[:, 1:1 + K], x[:, 1 + K:]], 1)
+        x = blocks[2](x, attn_mask=clip_model.causal_mask(77 + K))
+        eot = tokens.argmax(-1) + K
+        ref = F.normalize(clip_model.ln_final(x[torch.arange(2), eot]) @ clip_model.text_projection, dim=-1)
+        assert torch.allclose(model.encode_classes(), ref, atol=1e-5)
+
+
+def test_loss_terms_on_hand_set_features():
+    """Features at known angles: 1 - cos is known, so every term and the total are numbers computed here."""
+    e = torch.eye(4)
+    c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
+    out = {"f0": torch.stack([e[0], e[1]]),
+           "f_cls": torch.stack([c60 * e[0] + s60 * e[2], e[3]]),  # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
+           "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]),       # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+           "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]])}
+    t0 = torch.stack([e[0], e[1]])
+    alpha = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+    total, parts = dear.dear_loss(out, torch.tensor([0, 1]), t0, alpha, lambda_reg=3.0, lambda_fusion=0.5)
+    ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))) / 2  # two-class CE of margins 2 and 1
+    assert parts["ce"] == pytest.approx(ce, rel=1e-6)
+    assert parts["reg_img"] == pytest.approx(0.75, rel=1e-6)
+    assert parts["reg_txt"] == pytest.approx(0.1, rel=1e-6)
+    assert parts["fusion"] == pytest.approx(math.log(2), rel=1e-6)
+    assert total.item() == pytest.approx(ce + 3.0 * (0.75 + 0.1) + 0.5 * math.log(2), rel=1e-6)
+
+
+def test_harmonic_mean_by_hand():
+    assert dear.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
+    assert dear.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
+    assert dear.harmonic_mean(100.0, 0.0) == 0.0 and dear.harmonic_mean(0.0, 0.0) == 0.0
+
+
 def test_fusion_weights_and_loss_terms():
     model = DeAR(tiny_clip(text_layers=3), roles_all("generalization"), J=3)
     alpha = model.alpha()
     assert alpha[0].item() == pytest.approx(0.7) and torch.allclose(alpha[1:], torch.full((K,), 0.06))
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
-    out = model(torch.randn(4, 3, 32, 32), with_frozen=True)
-    assert out["logits"].shape == (4, 1 + K, 3) and out["fused"].shape == (4, 3)
-    assert torch.allclose(out["fused"], (alpha[None, :, None] * out["logits"]).sum(1), atol=1e-5)
+    images = torch.randn(4, 3, 32, 32)
+    out = model(images, with_frozen=True)
+    f_cls, f_attr, _ = model.encode_images(images)
+    t, scale = model.encode_classes(), model.clip.logit_scale.exp()
+    # six logit sets s * cos(f, t): the class features first, then the tokens in ATTRIBUTES order
+    refs = [f_cls] + [f_attr[:, k] for k in range(K)]
+    assert out["logits"].shape == (4, 1 + K, 3)
+    assert all(torch.allclose(out["logits"][:, k], scale * f @ t.t(), atol=1e-4) for k, f in enumerate(refs))
+    assert torch.allclose(out["fused"], sum(alpha[k] * out["logits"][:, k] for k in range(1 + K)), atol=1e-4)
     labels = torch.tensor([0, 1, 2, 0])
     total, parts = dear.dear_loss(out, labels, model.t0, alpha, lambda_reg=2.0, lambda_fusion=0.5)
-    assert parts["reg_img"] == pytest.approx(0.0, abs=1e-6)  # generalization heads: f_cls == f^0
-    assert parts["fusion"] == pytest.approx(-math.log(0.7), rel=1e-5)
+    reg_img = (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()  # unit vectors: cos is the dot product
+    reg_txt = (1 - (out["t"] * model.t0).sum(-1)).mean().item()
+    assert reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4  # generalization heads: f_cls == f^0
+    assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-4)      # ... while the text tokens move t
     ce = F.cross_entropy(out["fused"], labels).item()
-    assert total.item() == pytest.approx(ce + 2.0 * (parts["reg_img"] + parts["reg_txt"]) + 0.5 * parts["fusion"], rel=1e-5)
+    assert total.item() == pytest.approx(ce + 2.0 * (reg_img + reg_txt) - 0.5 * math.log(0.7), rel=1e-5)
 
 
 def test_schedule_values():
@@ -234,7 +406,10 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     assert [(e["split"], e["n"]) for e in results["evals"]] == [("base", 18), ("novel", 18)]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
-    assert sum(results["fusion_weights"].values()) == pytest.approx(1.0)
+    w = torch.load(rdir / "model.pt")["w"]  # the trained fusion weights: alpha = softmax(w), by hand here
+    assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
+    assert list(results["fusion_weights"].values()) == pytest.approx((w.exp() / w.exp().sum()).tolist(), abs=1e-6)
+    assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)  # trained away from the start
     sha = dear.runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
