@@ -8,7 +8,10 @@ Point --root at the folder that holds the datasets in the layout of CoOp's DATAS
 
 Few-shot subsets are the ones CoOp/Dassl draw for the same seed (see `fewshot_sample`), cached as
 portable JSON in <dataset folder>/split_fewshot/shot_{K}-seed_{S}.json. Base/novel classes follow
-CoOp's `subsample_classes`. Transforms are Dassl's / CLIP's. `python data.py --help` shows the CLI.
+CoOp's `subsample_classes`. A folder:PATH dataset is split once (`read_folder`); the split is kept in
+PATH/split_folder.json, or under `cache_dir()` when PATH is read-only, and a folder that changed since
+is refused. Transforms are Dassl's / CLIP's (16-bit images scaled to 8 bit). `python data.py --help`
+shows the CLI; `check` also opens every image.
 """
 import argparse
 import dataclasses
@@ -18,9 +21,11 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as T
@@ -32,13 +37,23 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 CHECK_LIMIT = 1000          # paths per split checked up front; the rest fail clearly when loaded
 CUSTOM_SPLIT_SEED = 1       # folder:PATH datasets are split once, with this seed, and the split is kept
+FOLDER_SPLIT = "split_folder.json"
 FEWSHOT_FORMAT = "dear-fewshot/1"
 IMAGENET_FORMAT = "dear-imagenet/1"
 COOP_GUIDE = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 
 
 class DataError(Exception):
-    """Bad data on disk or bad arguments; the message says what is wrong and how to fix it."""
+    """Bad data on disk or bad arguments; the message says what is wrong and how to fix it.
+
+    A DataLoader worker's DataError comes back to the main process rebuilt from torch's text
+    "Caught DataError in DataLoader worker process 0.\nOriginal Traceback ...\ndata.DataError: <message>";
+    only <message> is kept, so the user sees one clear line naming the file, not the worker's traceback."""
+
+    def __init__(self, message=""):
+        if isinstance(message, str) and message.startswith("Caught DataError") and "Traceback" in message:
+            message = re.split(r"^(?:\w+\.)*DataError: ", message, flags=re.M)[-1].strip()
+        super().__init__(message)
 
 
 # ----------------------------------------------------------------------------- the dataset table
@@ -132,10 +147,21 @@ class Dataset:
     classnames: list
     template: str
     folder: str = ""
+    split_file: str = ""   # folder:PATH datasets: where their split is kept
+    warnings: list = dataclasses.field(default_factory=list)  # also printed when the dataset is built
 
     @property
     def num_classes(self):
         return len(self.classnames)
+
+    @property
+    def shots_per_class(self):
+        """Training images per class (index = label): the real shots, which are fewer than --shots for a
+        class that has fewer images (CoOp keeps all of them)."""
+        counts = [0] * self.num_classes
+        for _, y, _ in self.train:
+            counts[y] += 1
+        return counts
 
 
 def list_images(folder):
@@ -288,32 +314,100 @@ def read_v2(spec, folder, root):
     return image_dir, {"train": [], "val": [], "test": test}
 
 
+def cache_dir():
+    """Where data.py keeps what it cannot keep beside a dataset: $DEAR_CACHE, else ~/.cache/dear."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("DEAR_CACHE") or os.path.join("~", ".cache", "dear")))
+
+
+def folder_cache(folder):
+    """The cache folder of a folder:PATH dataset, keyed by its resolved path (two folders named pets differ)."""
+    real = os.path.realpath(folder)
+    key = hashlib.sha256(real.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir(), "folders", f"{os.path.basename(real) or 'root'}-{key}")
+
+
+def folder_split_file(folder):
+    """The split file of a folder dataset: PATH/split_folder.json, else the cache's; None before the first run."""
+    for path in (os.path.join(folder, FOLDER_SPLIT), os.path.join(folder_cache(folder), FOLDER_SPLIT)):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def list_class_folders(folder):
+    """{class folder: its image paths relative to folder, sorted}; split_fewshot/ is the few-shot cache."""
+    return {c: [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
+            for c in list_dirs(folder) if c != "split_fewshot"}
+
+
+def check_folder_unchanged(folder, path, split, listing):
+    """Stop when the class folders or images on disk differ from those the kept split lists."""
+    stored = {p for items in split.values() for p, _, _ in items}
+    now = {p for paths in listing.values() for p in paths}
+    old_classes = {c for items in split.values() for _, _, c in items}
+    added, removed = sorted(now - stored), sorted(stored - now)
+    new_classes, gone_classes = sorted(set(listing) - old_classes), sorted(old_classes - set(listing))
+    if not (added or removed or new_classes or gone_classes):
+        return
+
+    def some(paths):
+        return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+    changes = ([f"class folders added: {some(new_classes)}"] if new_classes else []) \
+        + ([f"class folders gone: {some(gone_classes)}"] if gone_classes else []) \
+        + ([f"{len(added)} image(s) added ({some(added)})"] if added else []) \
+        + ([f"{len(removed)} image(s) gone ({some(removed)})"] if removed else [])
+    only_removed = removed and not (added or new_classes or gone_classes)
+    raise DataError(
+        f"{folder} no longer matches its split {path}: {'; '.join(changes)}.\n"
+        f"The split was drawn once (seed {CUSTOM_SPLIT_SEED}) and is kept so that results stay comparable. Restore "
+        f"the folder as it was, or delete {path} to split the folder anew (a new shuffle: results from before "
+        f"and after are not comparable)"
+        + (", or delete the gone images' entries from it to keep the rest of the split" if only_removed else "") + ".")
+
+
+def write_folder_split(folder, split):
+    """Keep the split in PATH/split_folder.json, or in the cache when PATH cannot be written; return where."""
+    path = os.path.join(folder, FOLDER_SPLIT)
+    try:
+        write_json_atomic(path, split, indent=4)
+        return path
+    except OSError as e:
+        fallback = os.path.join(folder_cache(folder), FOLDER_SPLIT)
+        try:
+            write_json_atomic(fallback, split, indent=4)
+        except OSError as e2:
+            raise DataError(f"cannot keep the split of {folder}: neither {path} ({e.strerror or e}) nor {fallback} "
+                            f"({e2.strerror or e2}) can be written; set $DEAR_CACHE to a writable folder") from None
+        print(f"note: {folder} is not writable ({e.strerror or e}); its split is kept in {fallback}", file=sys.stderr)
+        return fallback
+
+
 def read_folder(spec, folder, root):
-    """folder:PATH: one sub-folder per class; split 50/20/30 per class once, kept in PATH/split_folder.json."""
+    """folder:PATH: one sub-folder per class; split 50/20/30 per class once (seed CUSTOM_SPLIT_SEED) and kept
+    (`folder_split_file`); a folder whose classes or images changed since is refused (`check_folder_unchanged`)."""
     if not os.path.isdir(folder):
         raise DataError(f"folder dataset not found: {folder}\nExpected layout: {spec.layout()}")
-    path = os.path.join(folder, spec.split)
-    if os.path.exists(path):
-        return folder, read_split_json(path)
-    classes = [c for c in list_dirs(folder) if c != "split_fewshot"]
+    listing = list_class_folders(folder)
+    path = folder_split_file(folder)
+    if path:
+        split = read_split_json(path)
+        check_folder_unchanged(folder, path, split, listing)
+        return folder, split
+    if not listing:
+        raise DataError(f"{folder} has no class sub-folders.\nExpected layout: {spec.layout()}")
     rng, split = random.Random(CUSTOM_SPLIT_SEED), {"train": [], "val": [], "test": []}
-    for label, c in enumerate(classes):
-        images = [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
+    for label, (c, images) in enumerate(listing.items()):
         if not images:
             raise DataError(f"class folder {os.path.join(folder, c)} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        images = list(images)
         rng.shuffle(images)
         n_train = max(1, round(0.5 * len(images)))
         n_val = min(round(0.2 * len(images)), len(images) - n_train)
         for key, part in (("train", images[:n_train]), ("val", images[n_train:n_train + n_val]),
                           ("test", images[n_train + n_val:])):
             split[key] += [(p, label, c) for p in part]
-    if not classes:
-        raise DataError(f"{folder} has no class sub-folders.\nExpected layout: {spec.layout()}")
-    try:
-        write_json_atomic(path, split, indent=4)
-    except OSError as e:
-        raise DataError(f"cannot write the split file {path} ({e}); make the folder writable once") from None
-    print(f"wrote the {len(classes)}-class split of {folder} to {path}", file=sys.stderr)
+    path = write_folder_split(folder, split)
+    print(f"wrote the {len(listing)}-class split of {folder} to {path}", file=sys.stderr)
     return folder, split
 
 
@@ -379,6 +473,9 @@ def check_files(items, what, spec):
     DataError naming the file when the loader reaches them."""
     for path, _, _ in items[::max(1, len(items) // CHECK_LIMIT)]:
         if not os.path.isfile(path):
+            if spec.reader == "folder":  # your own folder: no download to redo
+                raise DataError(f"image listed in the {what} split is missing on disk: {path}; restore it, or "
+                                f"split the folder anew by deleting {spec.split} (a new shuffle)")
             raise DataError(f"image listed in the {what} split is missing on disk: {path}\n"
                             f"Expected layout under --root: {spec.layout()} (an incomplete download or "
                             f"extraction? re-extract the images, see {COOP_GUIDE})")
@@ -427,8 +524,17 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
         raise DataError(suggest(name))
 
     image_dir, split = READERS[spec.reader](spec, folder, root)
+    split_file = folder_split_file(folder) if spec.reader == "folder" else ""
+    if split_file:  # the split (and its few-shot cache) may live in the cache when the folder is read-only
+        spec = dataclasses.replace(spec, split=split_file)
+    if subsample != "all":
+        labels = {y for _, y, _ in (split["train"] or split["test"])}
+        if len(labels) == 1:
+            raise DataError(f"base-to-novel needs at least 2 classes (base: the first half, novel: the rest); "
+                            f"{name} has 1. Use --subsample all, or a dataset with more classes.")
     if shots >= 1 and not spec.test_only:
-        split["train"], split["val"] = fewshot_split(folder, split, shots, seed, sample_val=spec.reader != "imagenet")
+        cache = os.path.dirname(split_file) if split_file else folder
+        split["train"], split["val"] = fewshot_split(cache, split, shots, seed, sample_val=spec.reader != "imagenet")
 
     def finish(items):  # absolute paths; clean names (CoOp's renames, '_' -> ' ')
         return [(os.path.join(image_dir, p), y, spec.renames.get(c, c).replace("_", " ")) for p, y, c in items]
@@ -445,12 +551,37 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     if missing:
         raise DataError(f"labels {missing[:5]} have no items in {folder}; the split file is inconsistent")
     classnames = [names[y] for y in range(len(names))]
-    return Dataset(name, train, val, test, classnames, spec.template, folder)
+    ds = Dataset(name, train, val, test, classnames, spec.template, folder, split_file)
+    ds.warnings = dataset_warnings(ds, shots, subsample, spec.test_only)
+    for w in ds.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return ds
+
+
+def dataset_warnings(ds, shots, subsample, test_only):
+    """What makes a result less than it seems: a one-class split, fewer images than --shots asks for."""
+    out, part = [], "" if subsample == "all" else f" ({subsample} classes)"
+    if ds.num_classes == 1:
+        out.append(f"{ds.name}{part} has only one class ({ds.classnames[0]}): every prediction is that class, "
+                   f"so its accuracy is 100% by construction")
+    counts = ds.shots_per_class
+    short = [k for k, n in enumerate(counts) if n < shots]
+    if shots >= 1 and not test_only and short:
+        k = min(short, key=lambda k: counts[k])
+        out.append(f"--shots {shots}: {len(short)} of {ds.num_classes} classes{part} have fewer training images "
+                   f"(fewest: {ds.classnames[k]}, {counts[k]}); they keep all they have, as in CoOp, so the real "
+                   f"shots per class are {min(counts)}..{max(counts)}")
+    return out
 
 
 # ----------------------------------------------------------------------------- transforms and loaders
 
 def to_rgb(image):
+    """Any PIL image as 8-bit RGB. 16-bit grayscale ("I;16..." modes, and "I" holding values above 255) is
+    scaled to 8 bit, v / 257 (65535 -> 255): PIL's own convert clips every value above 255, i.e. to white."""
+    if image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255):
+        levels = np.asarray(image, dtype=np.float64) / 257.0  # [H, W], 0..255
+        image = Image.fromarray(np.clip(np.round(levels), 0, 255).astype(np.uint8))
     return image.convert("RGB")
 
 
@@ -478,15 +609,41 @@ class ImageList(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         path, label = self.items[i][0], self.items[i][1]
-        try:
-            with Image.open(path) as im:
-                image = im.convert("RGB")  # decodes now, so a truncated file fails here, not later
-        except FileNotFoundError:
-            raise DataError(f"image listed in the split is missing on disk: {path}; re-extract the dataset") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise DataError(f"cannot read image {path} ({e}); the file is corrupt or not an image: "
-                            f"re-download it or replace it") from None
+        image = open_image(path)
         return (self.transform(image) if self.transform else image), label
+
+
+def open_image(path):
+    """An image file as 8-bit RGB, decoded now (so a truncated file fails here, not later); any failure is
+    a DataError naming the file."""
+    try:
+        with Image.open(path) as im:
+            return to_rgb(im)
+    except FileNotFoundError:
+        raise DataError(f"image listed in the split is missing on disk: {path}; restore it, or "
+                        f"re-extract the dataset it came from") from None
+    except Image.DecompressionBombError as e:  # PIL refuses images above 2 x Image.MAX_IMAGE_PIXELS
+        raise DataError(f"image {path} is too large to open safely ({e}); shrink it, or replace it") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"cannot read image {path} ({e}); the file is corrupt or not an image: "
+                        f"replace it with a good copy") from None
+
+
+def check_images(ds):
+    """Open (decode) every image of a dataset once, with a progress line; then stop, listing the unreadable ones."""
+    paths = list(dict.fromkeys(p for p, _, _ in ds.train + ds.val + ds.test))  # ImageNet: val is test
+    bad, t0, every = [], time.time(), max(1, len(paths) // 100)
+    for i, path in enumerate(paths):
+        try:
+            open_image(path)
+        except DataError as e:
+            bad.append(str(e))
+        if (i + 1) % every == 0 or i + 1 == len(paths):
+            progress(f"opening the images of {ds.name}", i + 1, len(paths), t0)
+    if bad:
+        more = f"\n(and {len(bad) - 10} more)" if len(bad) > 10 else ""
+        raise DataError(f"{len(bad)} of {len(paths)} images of {ds.name} cannot be read:\n" + "\n".join(bad[:10]) + more)
+    return len(paths)
 
 
 def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None, drop_last=None):
@@ -505,6 +662,36 @@ def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
 
 
+# ----------------------------------------------------------------------------- checking many datasets
+
+def check_root(names, root):
+    """Stop once, before any dataset is read, when the data root that the named datasets need is missing
+    (folder:PATH datasets and the generated toy world do not count: they say what they need themselves)."""
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    needs = [n for n in names if n in DATASETS and DATASETS[n].reader != "toyworld"]
+    if needs and not os.path.isdir(root):
+        raise DataError(f"data root not found: {root} (needed by {', '.join(needs)})\nPass --root DATA, the folder "
+                        f"that holds the CoOp datasets; fill it with `python data.py download {needs[0]} --root DATA` "
+                        f"(layout: {COOP_GUIDE})")
+
+
+def check_datasets(names, root, shots=-1, seed=1, subsample="all", open_images=False, report=print):
+    """Read each dataset (and open its images when open_images), calling report(name, dataset or None,
+    error message or None) for each; return the errors {name: message}. A missing root is one DataError."""
+    check_root(names, root)
+    errors = {}
+    for name in names:
+        try:
+            ds = build_dataset(name, root, shots, seed, subsample)
+            if open_images:
+                check_images(ds)
+            report(name, ds, None)
+        except DataError as e:
+            errors[name] = str(e)
+            report(name, None, str(e))
+    return errors
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def summary(ds, shots, seed, subsample):
@@ -516,6 +703,8 @@ def summary(ds, shots, seed, subsample):
              f"template: {ds.template}",
              f"first classes: {', '.join(ds.classnames[:5])}",
              f"example prompt: {ds.template.format(ds.classnames[0])}"]
+    if ds.split_file:
+        lines.append(f"split kept in: {ds.split_file}")
     return "\n".join(lines)
 
 
@@ -528,8 +717,11 @@ def main(argv=None):
                f"per class\n\nexamples:\n  python data.py check eurosat --root DATA --shots 16 --subsample base\n"
                f"  python data.py download eurosat --root DATA\nlayout: {COOP_GUIDE}")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="read a dataset and print a summary (classes, split sizes, template)")
-    check.add_argument("name", help="dataset name (see `python data.py --help`) or folder:PATH")
+    check = sub.add_parser("check", help="read datasets, open every image, print a summary (classes, split sizes, "
+                                         "template)")
+    check.add_argument("names", nargs="+", metavar="name", help="dataset names (see `python data.py --help`) or "
+                                                                 "folder:PATH")
+    check.add_argument("--no-images", action="store_true", help="only read the split lists; do not open the images")
     check.add_argument("--root", default="data", help="folder holding the datasets (default: data)")
     check.add_argument("--shots", type=int, default=-1, help="images per class (-1: all)")
     check.add_argument("--seed", type=int, default=1)
@@ -544,8 +736,14 @@ def main(argv=None):
     import download  # the helper module that fetches and unpacks archives
     try:
         if args.command == "check":
-            ds = build_dataset(args.name, args.root, args.shots, args.seed, args.subsample)
-            print(summary(ds, args.shots, args.seed, args.subsample))
+            def report(name, ds, error):
+                if ds:
+                    print(summary(ds, args.shots, args.seed, args.subsample), flush=True)
+                else:
+                    print(f"error: {error}", file=sys.stderr, flush=True)
+            if check_datasets(args.names, args.root, args.shots, args.seed, args.subsample,
+                              open_images=not args.no_images, report=report):
+                return 2
         else:
             if args.name not in DATASETS:
                 raise DataError(suggest(args.name))

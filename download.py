@@ -1,9 +1,11 @@
 """Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py download`).
 
-Every archive streams through clip.stream (the one download loop) into a temporary file, is checked (byte count against the server's Content-Length,
-and MD5 where a published value is known), renamed into place, then unpacked with every member
-checked: no path and no link may point outside the target folder. Split JSONs and a few small
-files live on Google Drive (links in CoOp's DATASETS.md); they are fetched with the standard library.
+Every archive streams through clip.stream (the one download loop) into a temporary file, is checked
+(byte count against the server's Content-Length, and MD5 where a published value is known), renamed into
+place, then unpacked with every member checked first (no path and no link may point outside the target
+folder, judged by name alone) into a temporary folder beside the archive, which is then moved into
+place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google Drive (links
+in CoOp's DATASETS.md); they are fetched with the standard library.
 All URLs can be replaced: --mirror for the archives, --gdrive-url (or $DEAR_GDRIVE_URL) for Drive.
 """
 import dataclasses
@@ -147,40 +149,98 @@ def fetch_drive(file_id, dest, md5="", gdrive_url=None):
 
 
 # ----------------------------------------------------------------------------- safe extraction
+# Every member is checked by name, before anything is written, against rules that need no file on disk:
+# the archive is unpacked into a new, empty folder, so only the archive itself says where a path leads.
 
 def _inside(target, path):
+    """Whether path lies in the folder target (a component-wise test: /data/xy is not inside /data/x)."""
     target = os.path.realpath(target)
     path = os.path.realpath(path)
     return path == target or path.startswith(target + os.sep)
 
 
+def _resolve(name, base, links):
+    """Follow `name` from the folder `base` (components inside the target) by name alone.
+
+    Returns (components it lands on, "") or (None, why it is refused): an absolute name, '..' climbing above
+    the target, or a step through one of the archive's own links (`links`, whose targets are not on disk
+    until extraction, so a path through them could lead anywhere). The last component may be a link."""
+    if name.startswith(("/", "\\")) or os.path.isabs(name):
+        return None, "has an absolute path"
+    parts, steps = list(base), [c for c in name.split("/") if c not in ("", ".")]
+    for i, step in enumerate(steps):
+        if step == "..":
+            if not parts:
+                return None, "climbs out of the target folder with '..'"
+            parts.pop()
+            continue
+        parts.append(step)
+        if i + 1 < len(steps) and "/".join(parts) in links:
+            return None, f"goes through the link {'/'.join(parts)} of the same archive"
+    return parts, ""
+
+
+def _check_members(archive, target, members):
+    """members: (name, kind, link target) with kind file | dir | symlink | hardlink | other.
+    Raises DownloadError on the first member that could write or point outside target."""
+    links = {"/".join(c for c in name.split("/") if c not in ("", "."))
+             for name, kind, _ in members if kind in ("symlink", "hardlink")}
+    for name, kind, linkname in members:
+        parts, why = _resolve(name, (), links)
+        if why:
+            raise DownloadError(f"{archive}: member {name} {why}; refusing to unpack (nothing was written)")
+        if (not parts and kind != "dir") or not _inside(target, os.path.join(target, *parts)):  # "./" is fine
+            raise DownloadError(f"{archive}: member {name} would land outside {target}; refusing to unpack")
+        if kind in ("symlink", "hardlink"):
+            base = parts[:-1] if kind == "symlink" else ()  # a symlink is read from its folder, a hard link from the top
+            where, why = _resolve(linkname, base, links | {"/".join(parts)})
+            if why or (kind == "hardlink" and not where):
+                raise DownloadError(f"{archive}: link {name} -> {linkname} {why or 'names no file'}; refusing to "
+                                    f"unpack (nothing was written)")
+        elif kind == "other":
+            raise DownloadError(f"{archive}: member {name} is a device or pipe; refusing to unpack")
+
+
 def safe_extract(archive, target):
-    """Unpack a zip or tar archive into target after checking every member: no absolute paths, no '..'
-    escapes, no links that point outside target, no device files. A bad archive writes nothing."""
-    os.makedirs(target, exist_ok=True)
-    if zipfile.is_zipfile(archive):
-        with zipfile.ZipFile(archive) as z:
-            for info in z.infolist():
-                if stat.S_ISLNK(info.external_attr >> 16):
-                    raise DownloadError(f"{archive}: member {info.filename} is a link; refusing to unpack")
-                if os.path.isabs(info.filename) or not _inside(target, os.path.join(target, info.filename)):
-                    raise DownloadError(f"{archive}: member {info.filename} would land outside {target}; refusing")
-            z.extractall(target)
-        return
-    if not tarfile.is_tarfile(archive):
-        raise DownloadError(f"{archive} is neither a zip nor a tar archive; delete it and download again")
-    with tarfile.open(archive) as tar:
-        for m in tar.getmembers():
-            path = os.path.join(target, m.name)
-            if os.path.isabs(m.name) or not _inside(target, path):
-                raise DownloadError(f"{archive}: member {m.name} would land outside {target}; refusing")
-            if m.issym() or m.islnk():
-                base = os.path.dirname(path) if m.issym() else target  # hard links name a member path
-                if os.path.isabs(m.linkname) or not _inside(target, os.path.join(base, m.linkname)):
-                    raise DownloadError(f"{archive}: link {m.name} -> {m.linkname} points outside {target}; refusing")
-            elif not (m.isfile() or m.isdir()):
-                raise DownloadError(f"{archive}: member {m.name} is a device or pipe; refusing")
-        tar.extractall(target, filter="data")  # the stdlib's own guard as a second line of defence
+    """Unpack a zip or tar archive into target after checking every member (`_check_members`): no absolute
+    names, no '..' out of target, no links (zip: none at all; tar: only to members inside, never through
+    another link), no device files. A refused archive writes nothing."""
+    try:
+        if zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as z:
+                for info in z.infolist():
+                    if stat.S_ISLNK(info.external_attr >> 16):  # unpacked as a plain file, so never right
+                        raise DownloadError(f"{archive}: member {info.filename} is a symbolic link; refusing to unpack")
+                _check_members(archive, target, [(i.filename, "dir" if i.is_dir() else "file", "")
+                                                 for i in z.infolist()])
+                os.makedirs(target, exist_ok=True)
+                z.extractall(target)
+            return
+        if not tarfile.is_tarfile(archive):
+            raise DownloadError(f"{archive} is neither a zip nor a tar archive; delete it and download again")
+        with tarfile.open(archive) as tar:
+            members = tar.getmembers()
+            kinds = [(m.name, "symlink" if m.issym() else "hardlink" if m.islnk() else "file" if m.isfile()
+                      else "dir" if m.isdir() else "other", m.linkname) for m in members]
+            _check_members(archive, target, kinds)
+            os.makedirs(target, exist_ok=True)
+            tar.extractall(target, filter="data")  # the stdlib's own guard as a second line of defence
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError) as e:  # a damaged archive, or the stdlib's guard
+        raise DownloadError(f"{archive}: cannot unpack it ({e}); delete it and download again") from None
+
+
+def _merge(src, dst):
+    """Move the tree src into dst: a path dst lacks arrives in one rename (so it appears complete or not at
+    all); folders present on both sides are merged, files replaced."""
+    if not os.path.lexists(dst):
+        os.replace(src, dst)
+    elif os.path.isdir(src) and os.path.isdir(dst) and not os.path.islink(dst):
+        for entry in sorted(os.listdir(src)):
+            _merge(os.path.join(src, entry), os.path.join(dst, entry))
+    elif os.path.isdir(src) or os.path.isdir(dst):
+        raise DownloadError(f"{dst} is in the way of the unpacked {os.path.basename(src)}; move it aside and rerun")
+    else:
+        os.replace(src, dst)
 
 
 # ----------------------------------------------------------------------------- one dataset
@@ -211,10 +271,17 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
     else:
         fetch_url(url, archive, src.md5)
     target = os.path.join(root, src.extract_to)
+    unpacking = archive + ".unpacking"  # unpacked here first, so a cut-off unpack never looks finished
+    shutil.rmtree(unpacking, ignore_errors=True)  # what an interrupted run left
     print(f"unpacking {name} into {target}", file=sys.stderr)
-    safe_extract(archive, target)
-    if src.move:
-        shutil.move(os.path.join(root, src.move[0]), os.path.join(root, src.move[1]))
+    safe_extract(archive, unpacking)
+    if src.move:  # (from, to) relative to root; `from` lies in what was unpacked
+        inner = os.path.relpath(os.path.join(root, src.move[0]), target)
+        os.makedirs(os.path.dirname(os.path.join(root, src.move[1])), exist_ok=True)
+        _merge(os.path.join(unpacking, inner), os.path.join(root, src.move[1]))
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    _merge(unpacking, target)
+    shutil.rmtree(unpacking, ignore_errors=True)
     os.remove(archive)  # unpacked: the archive is no longer needed
 
 

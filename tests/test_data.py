@@ -1,5 +1,6 @@
 """data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot subsets
-equal to Dassl's, base/novel, transforms, loaders, bad input, and downloads from a local HTTP server."""
+equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit images), loaders, bad
+input, downloads from a local HTTP server, and archives built to each path-escape attack."""
 import collections
 import hashlib
 import http.server
@@ -7,7 +8,9 @@ import io
 import json
 import os
 import random
+import re
 import shutil
+import stat
 import sys
 import tarfile
 import threading
@@ -308,11 +311,118 @@ def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     assert (len(a.train), len(a.val), len(a.test)) == (15, 6, 9)  # 50/20/30 per class
     assert [os.path.relpath(p, tmp_path / "one") for p, _, _ in a.test] == \
         [os.path.relpath(p, tmp_path / "two") for p, _, _ in b.test]
-    assert (tmp_path / "one" / "split_folder.json").exists()
-    make_image(str(tmp_path / "one" / "plum" / "99.png"))  # later runs reuse the written split
-    again = data.build_dataset(f"folder:{tmp_path / 'one'}", None, shots=2)
+    assert (tmp_path / "one" / "split_folder.json").exists() and a.split_file == str(tmp_path / "one" / "split_folder.json")
+    again = data.build_dataset(f"folder:{tmp_path / 'one'}", None, shots=2)  # later runs reuse the written split
     assert len(again.train) == 6 and sum(len(s) for s in (a.train, a.val, a.test)) == 30
     assert data.build_dataset(f"folder:{tmp_path / 'one'}", None).test == a.test
+
+
+def fruit_folder(folder, classes=("pear", "plum", "red_apple"), n=10):
+    for c in classes:
+        for i in range(n):
+            make_image(str(folder / c / f"{i:02d}.png"), seed=i)
+    return f"folder:{folder}"
+
+
+@pytest.mark.parametrize("change,words", [
+    ("image added", ["1 image(s) added (plum/99.png)"]),
+    ("image gone", ["1 image(s) gone (pear/03.png)", "delete the gone images' entries"]),
+    ("class added", ["class folders added: kiwi", "3 image(s) added (kiwi/00.png, kiwi/01.png, kiwi/02.png)"]),
+    ("class gone", ["class folders gone: plum", "10 image(s) gone (plum/00.png, plum/01.png, plum/02.png, ...)"])])
+def test_folder_that_changed_since_its_split_is_refused(tmp_path, change, words):
+    name = fruit_folder(tmp_path / "fruit")
+    first = data.build_dataset(name, None)
+    split_file = str(tmp_path / "fruit" / "split_folder.json")
+    if change == "image added":
+        make_image(str(tmp_path / "fruit" / "plum" / "99.png"))
+    elif change == "image gone":
+        os.remove(tmp_path / "fruit" / "pear" / "03.png")
+    elif change == "class added":
+        for i in range(3):
+            make_image(str(tmp_path / "fruit" / "kiwi" / f"{i:02d}.png"), seed=i)
+    else:
+        shutil.move(str(tmp_path / "fruit" / "plum"), str(tmp_path / "plum"))
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(name, None, shots=2)
+    msg = str(err.value)
+    for w in words + [f"no longer matches its split {split_file}", f"delete {split_file}", "new shuffle", "Restore"]:
+        assert w in msg, (w, msg)
+    assert "CoOp" not in msg and "download" not in msg and "github" not in msg  # not advice for CoOp's datasets
+    if change == "class gone":  # restoring the folder brings the kept split back, unchanged
+        shutil.move(str(tmp_path / "plum"), str(tmp_path / "fruit" / "plum"))
+        assert data.build_dataset(name, None).test == first.test
+    else:  # deleting the split file splits the folder as it is now
+        os.remove(split_file)
+        n = {"image added": 31, "image gone": 29, "class added": 33}[change]
+        ds = data.build_dataset(name, None)
+        assert len(ds.train) + len(ds.val) + len(ds.test) == n
+
+
+def test_read_only_folder_keeps_its_split_in_the_cache(tmp_path, monkeypatch, capsys):
+    """A folder that refuses writes (root ignores chmod, so the refusal is simulated) is split into
+    $DEAR_CACHE/folders/<name>-<first 12 hex of SHA256 of the resolved path>/, and said so."""
+    monkeypatch.setenv("DEAR_CACHE", str(tmp_path / "cache"))
+    real_write = data.write_json_atomic
+    locked = [str(tmp_path / "a" / "pets"), str(tmp_path / "b" / "pets")]
+
+    def write(path, *args, **kw):
+        if any(os.path.abspath(path).startswith(f + os.sep) for f in locked):
+            raise PermissionError(13, "Permission denied", path)
+        return real_write(path, *args, **kw)
+    monkeypatch.setattr(data, "write_json_atomic", write)
+    split_files = []
+    for folder in locked:
+        name = fruit_folder(tmp_path / folder, n=4)
+        ds = data.build_dataset(name, None, shots=1)
+        key = hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:12]
+        want = str(tmp_path / "cache" / "folders" / f"pets-{key}" / "split_folder.json")
+        assert ds.split_file == want and os.path.isfile(want) and not os.path.exists(os.path.join(folder, "split_folder.json"))
+        assert os.path.isfile(os.path.join(os.path.dirname(want), "split_fewshot", "shot_1-seed_1.json"))
+        err = capsys.readouterr().err
+        assert f"its split is kept in {want}" in err and "could not cache" not in err
+        assert data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test  # reused
+        split_files.append(want)
+    assert split_files[0] != split_files[1]  # two folders named pets keep two splits
+    make_image(str(tmp_path / "a" / "pets" / "pear" / "99.png"))  # the cached split is checked like any other
+    with pytest.raises(data.DataError, match="no longer matches its split " + split_files[0]):
+        data.build_dataset(f"folder:{locked[0]}", None)
+
+
+def test_split_and_fewshot_files_get_the_users_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        name = fruit_folder(tmp_path / "fruit", n=4)
+        data.build_dataset(name, None, shots=1)
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "fruit" / "split_folder.json", tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path  # 0666 less the umask, as open() would
+
+
+def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
+    one = fruit_folder(tmp_path / "one", classes=("pear",), n=4)
+    for part in ("base", "novel"):
+        with pytest.raises(data.DataError, match=r"base-to-novel needs at least 2 classes .*has 1\."):
+            data.build_dataset(one, None, subsample=part)
+    assert data.build_dataset(one, None).warnings == [
+        f"{one} has only one class (pear): every prediction is that class, so its accuracy is 100% by construction"]
+    three = fruit_folder(tmp_path / "three", n=4)  # base: pear, plum; novel: red apple alone
+    novel = data.build_dataset(three, None, subsample="novel")
+    assert novel.classnames == ["red apple"] and len(novel.warnings) == 1
+    assert "(novel classes) has only one class (red apple)" in novel.warnings[0]
+    assert "warning: " + novel.warnings[0] in capsys.readouterr().err
+    assert data.build_dataset(three, None, subsample="base").warnings == []
+
+
+def test_shots_above_what_a_class_has_warn_and_real_shots_are_kept(tmp_path):
+    build_uneven_dtd(str(tmp_path))  # train images per class: 6, 7, 1, 5, 9
+    ds = data.build_dataset("dtd", str(tmp_path), shots=8, seed=1)
+    assert ds.shots_per_class == [6, 7, 1, 5, 8]  # min(8, n) by hand
+    assert ds.warnings == ["--shots 8: 4 of 5 classes have fewer training images (fewest: braided, 1); they keep "
+                           "all they have, as in CoOp, so the real shots per class are 1..8"]
+    assert data.build_dataset("dtd", str(tmp_path), shots=1, seed=1).warnings == []
+    novel = data.build_dataset("dtd", str(tmp_path), shots=6, seed=1, subsample="novel")  # bubbly 5, bumpy 9
+    assert novel.shots_per_class == [5, 6] and "1 of 2 classes (novel classes)" in novel.warnings[0]
 
 
 def test_toyworld_is_read_through_the_json_machinery(tmp_path):
@@ -376,9 +486,36 @@ def test_corrupt_image_raises_data_error_naming_the_file(tmp_path, damage):
     path.write_bytes(b"not an image at all" if damage == "garbage" else good.getvalue()[:400])
     with pytest.raises(data.DataError, match="bad.jpg"):
         data.ImageList([(str(path), 0, "x")], data.test_transform(16))[0]
-    if damage == "garbage":  # a worker process re-raises it as the same type, message intact
-        with pytest.raises(data.DataError, match="bad.jpg"):
+    if damage == "garbage":  # a worker process re-raises it as the same type, with only the message
+        with pytest.raises(data.DataError) as here:
+            data.ImageList([(str(path), 0, "x")], data.test_transform(16))[0]
+        with pytest.raises(data.DataError) as err:
             next(iter(data.make_loader([(str(path), 0, "x")], data.test_transform(16), 1, False, num_workers=1)))
+        assert str(err.value) == str(here.value) and str(here.value).startswith(f"cannot read image {path} (")
+        assert "\n" not in str(err.value) and "Traceback" not in str(err.value)  # one line, not the worker's traceback
+
+
+def test_too_large_image_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "huge.png"
+    make_image(str(path), size=(20, 16))  # 320 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # PIL refuses above twice this: a decompression bomb
+    with pytest.raises(data.DataError, match=f"image {path} is too large to open safely .*320 pixels"):
+        data.ImageList([(str(path), 0, "x")])[0]
+
+
+def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
+    levels = np.array([[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16)  # 8-bit: 0, 100, 255, 50
+    want = np.array([[0, 100], [255, 50]], dtype=np.uint8)
+    path = tmp_path / "deep.png"
+    Image.fromarray(levels).save(path)
+    with Image.open(path) as im:
+        assert im.mode.startswith("I")  # how PIL opens a 16-bit grayscale PNG
+    rgb = np.asarray(data.ImageList([(str(path), 0, "x")])[0][0])
+    assert rgb.shape == (2, 2, 3) and all((rgb[..., k] == want).all() for k in range(3))
+    wide = Image.fromarray(levels.astype(np.int32))  # mode "I", as older PIL opens 16-bit PNGs
+    assert wide.mode == "I" and (np.asarray(data.to_rgb(wide))[..., 0] == want).all()
+    small = Image.fromarray(np.array([[0, 100], [255, 50]], dtype=np.int32))  # "I" holding 8-bit levels
+    assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -452,6 +589,37 @@ def test_cli_check_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data.main(["--help"])
     assert "imagenet_a" in capsys.readouterr().out
+
+
+def test_cli_check_opens_every_image(tmp_path, capsys):
+    build_json_layout(str(tmp_path), "eurosat")  # 30 images
+    assert data.main(["check", "eurosat", "--root", str(tmp_path)]) == 0
+    assert "opening the images of eurosat 30/30" in capsys.readouterr().err
+    ds = data.build_dataset("eurosat", str(tmp_path))
+    bad = ds.test[-1][0]
+    with open(bad, "wb") as f:
+        f.write(b"not an image")
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0  # the lists alone look fine
+    capsys.readouterr()
+    assert data.main(["check", "eurosat", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: 1 of 30 images of eurosat cannot be read:\ncannot read image {bad} (" in err
+    assert "Traceback" not in err
+
+
+def test_check_on_a_missing_root_says_so_once(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert data.main(["check", "eurosat", "dtd", "food101", "--root", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("data root not found") == 1 and err.startswith(f"error: data root not found: {missing} "
+                                                                    f"(needed by eurosat, dtd, food101)")
+    with pytest.raises(data.DataError, match="data root not found"):
+        data.check_root(["caltech101"], missing)
+    data.check_root([f"folder:{tmp_path}", "toyworld"], missing)  # these do not live under --root
+    build_json_layout(str(tmp_path), "eurosat")
+    seen = []
+    errors = data.check_datasets(["eurosat", "dtd"], str(tmp_path), report=lambda n, ds, e: seen.append((n, bool(ds))))
+    assert seen == [("eurosat", True), ("dtd", False)] and list(errors) == ["dtd"] and "dtd" in errors["dtd"]
 
 
 # ------------------------------------------------------------------------------------------- downloads
@@ -569,6 +737,46 @@ def test_tampered_archive_is_rejected_and_nothing_unpacked(tmp_path, server):
     assert not (tmp_path / "eurosat").exists() and os.listdir(tmp_path / ".downloads") == []
 
 
+def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, monkeypatch):
+    archive = fake_eurosat(server)  # 20 images under 2750/
+    src = download.Source(url=server.url + "/files/EuroSAT.zip", md5=hashlib.md5(archive).hexdigest(),
+                          extract_to="eurosat", creates="eurosat/2750")
+    real, calls = zipfile.ZipFile._extract_member, []
+
+    def cut_off(self, *args, **kwargs):  # the unpack stops (Ctrl-C, full disk) after 5 members
+        calls.append(1)
+        if len(calls) > 5:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(zipfile.ZipFile, "_extract_member", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        download.fetch_source(src, str(tmp_path))
+    assert len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()  # nothing half-done in place
+    monkeypatch.setattr(zipfile.ZipFile, "_extract_member", real)
+    download.fetch_source(src, str(tmp_path))  # the rerun unpacks again, from scratch
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "eurosat" / "2750") for f in fs]
+    assert len(files) == 20 and os.listdir(tmp_path / ".downloads") == []
+
+
+def test_unpack_merges_into_existing_folders_and_moves(tmp_path, server):
+    server.routes["/files/dtd.tar.gz"] = ("application/gzip", tar_bytes({"dtd/images/banded/x.jpg": b"1",
+                                                                          "dtd/labels/all.txt": b"2"}))
+    server.routes["/files/fgvc.tar.gz"] = ("application/gzip", tar_bytes({"fgvc-2013b/data/variants.txt": b"3",
+                                                                           "fgvc-2013b/evaluation.m": b"4"}))
+    (tmp_path / "dtd").mkdir()
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text("{}")  # already there: kept
+    download.fetch_source(download.Source(url=server.url + "/files/dtd.tar.gz", extract_to=".",
+                                          creates="dtd/images"), str(tmp_path))
+    download.fetch_source(download.Source(url=server.url + "/files/fgvc.tar.gz", extract_to=".",
+                                          creates="fgvc_aircraft/variants.txt",
+                                          move=("fgvc-2013b/data", "fgvc_aircraft")), str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "dtd")) == ["images", "labels", "split_zhou_DescribableTextures.json"]
+    assert (tmp_path / "dtd" / "images" / "banded" / "x.jpg").read_bytes() == b"1"
+    assert (tmp_path / "fgvc_aircraft" / "variants.txt").read_bytes() == b"3"
+    assert (tmp_path / "fgvc-2013b" / "evaluation.m").read_bytes() == b"4"
+    assert os.listdir(tmp_path / ".downloads") == []
+
+
 def test_cut_off_download_is_rejected(tmp_path, server):
     server.routes["/files/a.tar.gz"] = ("application/gzip", b"x" * 100, 5000)
     with pytest.raises(download.DownloadError, match="again"):
@@ -576,18 +784,96 @@ def test_cut_off_download_is_rejected(tmp_path, server):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("kind", ["zip-dotdot", "tar-dotdot", "tar-absolute", "tar-symlink-out"])
-def test_path_escaping_archive_is_refused(tmp_path, kind):
-    bodies = {"zip-dotdot": zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
-              "tar-dotdot": tar_bytes({"ok.txt": b"1", "sub/../../evil.txt": b"2"}),
-              "tar-absolute": tar_bytes({"ok.txt": b"1", str(tmp_path / "evil.txt"): b"2"}),
-              "tar-symlink-out": tar_bytes({"ok.txt": b"1"}, links=[("link", "../../evil.txt")])}
+def zip_with_symlink(name, target):
+    """A zip whose member carries the symlink mode bits (as `zip --symlinks` writes), body = the link target."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("ok.txt", b"1")
+        info = zipfile.ZipInfo(name)
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        z.writestr(info, target)
+    return buf.getvalue()
+
+
+def tar_members(entries):
+    """A tar from (name, kind, body or link target) in order; kind: file | dir | sym | hard | fifo."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, kind, arg in entries:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(arg)
+                t.addfile(info, io.BytesIO(arg))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE,
+                         "fifo": tarfile.FIFOTYPE}[kind]
+            info.linkname = arg
+            t.addfile(info)
+    return buf.getvalue()
+
+
+# Each attack: (archive bytes given the test folder, the expected refusal). The target folder is T/x, so
+# T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it for inside.
+ATTACKS = {
+    "zip-dotdot": (lambda T: zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
+                   r"member \.\./evil\.txt climbs out of the target folder"),
+    "zip-sibling": (lambda T: zip_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
+                    r"member \.\./xy/evil\.txt climbs out of the target folder"),
+    "zip-absolute": (lambda T: zip_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
+                     r"member /.*/xy/evil\.txt has an absolute path"),
+    "zip-symlink": (lambda T: zip_with_symlink("link", "../xy"), r"member link is a symbolic link"),
+    "tar-dotdot": (lambda T: tar_bytes({"ok.txt": b"1", "sub/../../evil.txt": b"2"}),
+                   r"member sub/\.\./\.\./evil\.txt climbs out of the target folder"),
+    "tar-sibling": (lambda T: tar_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
+                    r"member \.\./xy/evil\.txt climbs out of the target folder"),
+    "tar-absolute": (lambda T: tar_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
+                     r"member /.*/xy/evil\.txt has an absolute path"),
+    "tar-symlink-out": (lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", "../xy")]),
+                        r"link link -> \.\./xy climbs out of the target folder"),
+    "tar-symlink-absolute": (lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", f"{T}/xy")]),
+                             r"link link -> /.*/xy has an absolute path"),
+    # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent: x/xy/evil.txt
+    # would be written outside. The check refuses the link that steps through another link.
+    "tar-symlink-chain": (lambda T: tar_members([("ok.txt", "file", b"1"), ("y", "sym", "."), ("x", "sym", "y/.."),
+                                                 ("x/xy/evil.txt", "file", b"2")]),
+                          r"link x -> y/\.\. goes through the link y of the same archive"),
+    "tar-through-link": (lambda T: tar_members([("ok.txt", "file", b"1"), ("d", "sym", "sub"), ("sub", "dir", ""),
+                                                ("d/evil.txt", "file", b"2")]),
+                         r"member d/evil\.txt goes through the link d of the same archive"),
+    "tar-hardlink-out": (lambda T: tar_members([("ok.txt", "file", b"1"), ("h", "hard", "../xy/secret.txt")]),
+                         r"link h -> \.\./xy/secret\.txt climbs out of the target folder"),
+    "tar-hardlink-via-symlink": (lambda T: tar_members([("ok.txt", "file", b"1"), ("s", "sym", "."),
+                                                        ("h", "hard", "s/../xy/secret.txt")]),
+                                 r"link h -> s/\.\./xy/secret\.txt goes through the link s"),
+    "tar-pipe": (lambda T: tar_members([("ok.txt", "file", b"1"), ("pipe", "fifo", "")]),
+                 r"member pipe is a device or pipe"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ATTACKS))
+def test_escaping_archive_is_refused_by_its_own_check(tmp_path, monkeypatch, kind):
+    """Refused by name, before anything is unpacked: the stdlib's extraction (and its own filter) never runs."""
+    make, refusal = ATTACKS[kind]
+    (tmp_path / "xy").mkdir()
+    (tmp_path / "xy" / "secret.txt").write_bytes(b"secret")
     archive = tmp_path / "archive.bin"
-    archive.write_bytes(bodies[kind])
-    target = tmp_path / "target"
-    with pytest.raises(download.DownloadError, match="outside|link"):
+    archive.write_bytes(make(str(tmp_path)))
+
+    def never(*args, **kwargs):
+        raise AssertionError("extraction started before the archive was refused")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", never)
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", never)
+    target = tmp_path / "x"
+    with pytest.raises(download.DownloadError, match=f"^{re.escape(str(archive))}: {refusal}"):
         download.safe_extract(str(archive), str(target))
-    assert not (tmp_path / "evil.txt").exists() and not (target / "ok.txt").exists()  # checked before writing
+    assert not target.exists() and sorted(os.listdir(tmp_path / "xy")) == ["secret.txt"]
+    assert not (tmp_path / "evil.txt").exists()
+
+
+def test_inside_is_a_folder_test_not_a_string_prefix():
+    assert download._inside("/data/x", "/data/x/y") and download._inside("/data/x", "/data/x")
+    assert not download._inside("/data/x", "/data/xy") and not download._inside("/data/x", "/data/xy/z")
+    assert not download._inside("/data/x", "/data") and not download._inside("/data/x", "/data/x/../xy")
 
 
 def test_safe_extract_keeps_an_honest_tar(tmp_path):
@@ -595,6 +881,12 @@ def test_safe_extract_keeps_an_honest_tar(tmp_path):
     archive.write_bytes(tar_bytes({"dtd/images/banded/x.jpg": b"1"}, links=[("dtd/images/alias.jpg", "banded/x.jpg")]))
     download.safe_extract(str(archive), str(tmp_path / "t"))
     assert (tmp_path / "t" / "dtd" / "images" / "alias.jpg").read_bytes() == b"1"
+    # `tar -C dir .` style names, a link up to a folder inside, a hard link to a member
+    archive.write_bytes(tar_members([(".", "dir", ""), ("./d", "dir", ""), ("./d/a.txt", "file", b"2"),
+                                     ("./d/e", "dir", ""), ("./d/e/up", "sym", ".."), ("./h.txt", "hard", "d/a.txt")]))
+    download.safe_extract(str(archive), str(tmp_path / "u"))
+    assert (tmp_path / "u" / "d" / "e" / "up" / "a.txt").read_bytes() == b"2"
+    assert (tmp_path / "u" / "h.txt").read_bytes() == b"2"
 
 
 def test_google_drive_confirm_page_then_file(tmp_path, server):
