@@ -624,6 +624,11 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
         results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
                    "shots": cfg.shots, "seed": cfg.seed, "variant": variant, "config": dataclasses.asdict(cfg),
                    "inputs": config["inputs"], "roles_used": roles_used, "evals": []}
+        if train_ds is not None and cfg.method == "dear" and not cfg.eval_only:  # the shots each class really had
+            counts = train_ds.shots_per_class
+            results["train_shots"] = {"asked": cfg.shots, "min": min(counts), "max": max(counts), "per_class": counts}
+        results["warnings"] = list(dict.fromkeys(w for ds in [train_ds] + [e[0] for e in evals] if ds is not None
+                                                 for w in ds.warnings))  # data.py's warnings, each once
         for ds, split, rule in evals:
             r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
                          name=f"{ds.name}/{split}")

@@ -84,10 +84,15 @@ def test_a_finished_run_is_reused_only_when_its_config_matches(world, tmp_path, 
 def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, capsys):
     root, ckpt, dataset = world
     roles = write_roles(tmp_path / "roles.json", ckpt)
-    dear.main(cli(world, tmp_path / "runs", "--protocol", "fewshot", "--epochs", "1", "--roles", roles))
+    dear.main(cli(world, tmp_path / "runs", "--protocol", "fewshot", "--epochs", "1", "--roles", roles,
+                  "--shots", "16"))
     (results,) = (tmp_path / "runs").rglob("results.json")
     rdir = results.parent
-    used = json.loads(results.read_text())["roles_used"]
+    done = json.loads(results.read_text())
+    # 20 images a class, split 50/20/30: 10 training images, fewer than the 16 shots asked for, and it says so
+    assert {k: done["train_shots"][k] for k in ("asked", "min", "max")} == {"asked": 16, "min": 10, "max": 10}
+    assert any("--shots 16" in w for w in done["warnings"])
+    used = done["roles_used"]
     assert used["sha256"] == runs.file_sha256(roles) == runs.file_sha256(rdir / "roles.json")
     assert json.loads((rdir / "config.json").read_text())["roles_used"] == used
     write_roles(tmp_path / "roles.json", ckpt, flip=True)  # the roles file changes after training
