@@ -396,24 +396,26 @@ def load_clip(backbone, device):
 
 def load_roles(cfg, model, device, log):
     """The roles of every head of blocks J..L: from --roles, from the cache, or computed once by entropy.py
-    (probe images: ImageNet val if present under --root, else the training dataset's test images)."""
+    (probe images: ImageNet val if present under --root, else all training images of the training dataset)."""
     import entropy
     L, H = model.visual.transformer.layers, model.visual.transformer.heads
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
     try:
         if path is None:
-            path = entropy.default_roles_path(model.name, layers, clip.cache_dir())  # where entropy.py writes too
+            probe, split = "imagenet", "test"
+            try:
+                data.build_dataset("imagenet", cfg.root)
+            except data.DataError:
+                probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
+            pool = "toy" if "toy" in (model.name, probe[:3]) else None
+            # the cache folder is named by everything that changes the roles; entropy.run writes there too
+            path = entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool)
             if not os.path.exists(path):
-                probe = "imagenet"
-                try:
-                    data.build_dataset("imagenet", cfg.root)
-                except data.DataError:
-                    probe = cfg.dataset
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the test images of {probe!r} -> {path}")
+                    f"entropy.py on the {split} images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool="toy" if "toy" in (model.name, probe[:3]) else None)
+                                   device=str(device), pool=pool, split=split)
         roles = entropy.load_roles(path, model_name=model.name, num_layers=L, num_heads=H, layers=layers)
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
