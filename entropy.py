@@ -693,9 +693,11 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan, label the "
-                    "descriptions with concepts, and sort heads into attribute / generalization / mixed / other "
-                    "specialist roles by the entropy of their concepts. Writes roles.json, roles.md, roles.png.")
+        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan (each head's "
+                    "direct contribution as TextSpan's PRS logger computes it; texts picked inside the top singular "
+                    "directions of the uncentred contributions), label the descriptions with concepts, and sort "
+                    "heads into attribute / generalization / mixed / other specialist roles by the entropy of their "
+                    "concepts. Writes roles.json, roles.md, roles.png.")
     p.add_argument("--backbone", default="ViT-B/16", help="CLIP model name or checkpoint path (default ViT-B/16)")
     p.add_argument("--dataset", required=True, help="probe dataset (a data.py name or folder:PATH)")
     p.add_argument("--split", default="test", choices=SPLITS,
