@@ -422,7 +422,7 @@ def load_roles(cfg, model, device, log):
     entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
     does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
     import entropy
-    L, H = model.visual.transformer.layers, model.visual.transformer.heads
+    L = model.visual.transformer.layers
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
     try:
@@ -431,14 +431,15 @@ def load_roles(cfg, model, device, log):
             try:
                 data.build_dataset("imagenet", cfg.root)
             except data.DataError:
-                probe, split = cfg.dataset, "train"
-            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
-            path = entropy.default_roles_path(model.name, layers, clip.cache_dir())  # where entropy.py writes too
+                probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
+            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
+            # the cache folder is named by everything that changes the roles; entropy.run writes there too
+            path = entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool)
             if not os.path.exists(path):
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the {split} images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool=pool)
+                                   device=str(device), pool=pool, split=split)
         roles = read_roles(path, model, layers)
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e

@@ -3,19 +3,22 @@
 DeAR's first step, offline and once per backbone. Read top to bottom:
 
   1. Text pools: short image descriptions, each labelled with one of 12 concepts (concepts.tsv)
-  2. Head decomposition: each head's direct contribution to the image embedding (TextSpan's view of
-     the CLS output: residual stream = embeddings + heads + MLPs + biases, mapped through ln_post, proj)
-  3. TextSpan: per head, the N texts that explain most of the head's variance across images
+  2. Head decomposition: each head's direct contribution to the image embedding, as TextSpan's PRS logger
+     computes it (the CLS output = embedding + heads + MLPs; ln_post's mean and bias shared out evenly)
+  3. TextSpan: per head, the N texts that explain most of the head's variance across images (SVD of the
+     uncentred contributions, then greedy picks with removal, as `replace_with_iterative_removal`)
   4. Concept entropy of those texts, and roles by entropy thresholds
   5. Outputs (roles.json, roles.md, roles.png), loading and validating a roles file
   6. The pipeline (compute_roles, run) and the command line
 
     python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA --max-images 10000
+    python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA   (no ImageNet: dear.py's probe)
 
 Blocks are counted from 1 in every file this script writes and reads (as the paper does: blocks 9-12
 of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` only. Heads count from 0.
 """
 import argparse
+import hashlib
 import io
 import json
 import math
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 import clip
 import data
 import toyworld
-from util import progress, write_atomic
+from util import fingerprint, progress, write_atomic
 
 FORMAT = "dear-roles/1"
 # the 12 concepts of the text pool; the first five are DeAR's attributes, in the order of its tokens
@@ -39,6 +42,7 @@ CONCEPTS = ("color", "shape", "texture", "object", "location",
             "animal", "person", "scene", "text", "style", "count", "lighting")
 ATTRIBUTES = CONCEPTS[:5]
 ROLES = ("attribute", "generalization", "mixed", "specialist")
+SPLITS = ("test", "train")  # probe splits: "test" for ImageNet val (as TextSpan), "train" for a training dataset
 POOL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concepts.tsv")
 
 
@@ -133,14 +137,18 @@ def label_by_centroid(embeddings, ref_embeddings, ref_labels):
 
 @torch.no_grad()
 def decompose(model, images, layers):
-    """Split the image embedding (unnormalised, as encode_image) into additive parts.
+    """Split the image embedding (unnormalised, as encode_image) into additive parts, as TextSpan's PRS logger.
 
-    The CLS entry of the residual stream after the last block is a sum: the embedding input and everything
-    added by blocks outside `layers` ("rest"), and per analysed block the H heads' outputs, the attention
-    output bias and the MLP. ln_post is linear once the per-image mean and std are fixed, so every part p
-    maps to (p - mean(p)) / std * ln_post.weight @ proj, and ln_post.bias @ proj is one more part.
-    layers: 1-based block numbers. Returns a dict of fp32 tensors that sum to encode_image(images):
-      heads [B, nL, H, E], attn_bias [B, nL, E], mlp [B, nL, E], rest [B, E], ln_bias [B, E].
+    r, the CLS entry of the residual stream after the last block, is a sum of 2L + 1 "intermediates" (L: all
+    blocks of the model): the embedding, and per block its attention output and its MLP output. With r's
+    per-image mean and std fixed, ln_post is linear, and TextSpan gives every intermediate p the share
+        (p - mean(r) / (2L+1)) * ln_post.weight / std(r) + ln_post.bias / (2L+1),   then @ proj.
+    An analysed block's attention output is split into its H heads: head h's part of the CLS output
+    (attention row x values x its out_proj columns) plus out_proj.bias / H, with 1/H of the block's share
+    of mean(r) and of ln_post.bias. layers: 1-based block numbers. Returns fp32 tensors that sum to
+    encode_image(images):
+      heads [B, nL, H, E]; mlp [B, nL, E] (the analysed blocks' MLPs);
+      rest [B, E] (the embedding and the unanalysed blocks: 1 + 2 (L - nL) intermediates).
     """
     visual = model.visual
     blocks = visual.transformer.resblocks
@@ -149,40 +157,42 @@ def decompose(model, images, layers):
     B, _, D = x.shape
     H = visual.heads
     hs = D // H
-    heads, attn_bias, mlp = [], [], []
-    rest = x[:, 0].float()  # the CLS input of block 0; unanalysed blocks add their change below
+    heads, mlp = [], []
+    rest, rest_count = x[:, 0].float(), 1  # the CLS input of block 0; unanalysed blocks add their change below
     for b, block in enumerate(blocks):
         if b not in analysed:
             new = block(x)
             rest = rest + (new[:, 0] - x[:, 0]).float()
+            rest_count += 2  # its attention output and its MLP
             x = new
             continue
         attn = block.attn
         y = block.ln_1(x)
-        out, weights = attn(y, need_weights=True)  # out [B, L, D], weights [B, H, L, L]
-        v = F.linear(y, attn.in_proj_weight[2 * D:], attn.in_proj_bias[2 * D:]).float()  # values [B, L, D]
-        v = v.view(B, -1, H, hs)  # [B, L, H, hs]
+        out, weights = attn(y, need_weights=True)  # out [B, T, D], weights [B, H, T, T]
+        v = F.linear(y, attn.in_proj_weight[2 * D:], attn.in_proj_bias[2 * D:]).float()  # values [B, T, D]
+        v = v.view(B, -1, H, hs)  # [B, T, H, hs]
         mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)  # CLS row of each head [B, H, hs]
         # out_proj.weight is [D, D] with input columns grouped by head: head h owns columns h*hs..(h+1)*hs-1
         w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
-        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o))  # [B, H, D]
-        attn_bias.append(attn.out_proj.bias.float().expand(B, D))
+        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H)  # [B, H, D]
         x = x + out
         m = block.mlp(block.ln_2(x))
         mlp.append(m[:, 0].float())
         x = x + m
     ln = visual.ln_post
     r = x[:, 0].float()  # the residual stream at CLS, what ln_post normalises [B, D]
-    std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1]
+    mean = r.mean(-1, keepdim=True)  # [B, 1]
+    std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1], as LayerNorm (eps inside)
     proj = visual.proj.float()  # [D, E]
+    total = 2 * len(blocks) + 1  # intermediates in r
 
-    def through_ln(p):  # a part p [B, ..., D] -> its share of the embedding [B, ..., E]
-        scale = std.view(B, *([1] * (p.dim() - 1)))
-        return ((p - p.mean(-1, keepdim=True)) / scale * ln.weight.float()) @ proj
+    def through_ln(p, share):  # a part p [B, ..., D] worth `share` of the intermediates -> [B, ..., E]
+        view = (B,) + (1,) * (p.dim() - 1)  # r's mean and std per image, broadcast over the rest
+        return ((p - mean.view(view) * share) * ln.weight.float() / std.view(view) + ln.bias.float() * share) @ proj
 
-    return {"heads": through_ln(torch.stack(heads, 1)),  # [B, nL, H, E]
-            "attn_bias": through_ln(torch.stack(attn_bias, 1)), "mlp": through_ln(torch.stack(mlp, 1)),
-            "rest": through_ln(rest), "ln_bias": (ln.bias.float() @ proj).expand(B, -1)}
+    return {"heads": through_ln(torch.stack(heads, 1), 1 / (total * H)),  # [B, nL, H, E]
+            "mlp": through_ln(torch.stack(mlp, 1), 1 / total),  # [B, nL, E]
+            "rest": through_ln(rest, rest_count / total)}  # [B, E]
 
 
 def head_contributions(model, images, layers):
@@ -216,23 +226,31 @@ def check_textspan(n, rank, num_texts, num_images, dim):
 
 
 def textspan(contributions, text_embeddings, n=20, rank=80):
-    """Greedy TextSpan for one head: indices of the n texts that best span its variance, in pick order.
+    """Greedy TextSpan for one head (`replace_with_iterative_removal`): indices of the n texts that best span
+    the head's variance across images, in pick order.
 
     contributions [N, E]: the head's outputs on N images; text_embeddings [T, E].
-    Texts are first projected onto the top-`rank` right singular vectors of the centred contributions.
-    Then n times: pick the text whose direction carries the most variance across images, and remove that
-    direction from the images and from every text. Works on the covariance K = C^T C / N [E, E]:
-    var(C t) = t K t, and removing direction u from C turns K into (I - u u^T) K (I - u u^T).
+    1. The texts are projected onto the top-`rank` right singular vectors of the contributions as they are:
+       uncentred, as TextSpan does (the SVD comes before the mean is removed; a head with a large mean keeps
+       the mean's direction in its span).
+    2. The contributions are centred.
+    3. n times: pick the text whose direction carries the most variance across images, and remove that
+       direction from the images and from every text.
+    Works on the covariance K = C^T C / N [E, E] of the centred C: var(C t) = t K t, and removing direction u
+    from C turns K into (I - u u^T) K (I - u u^T).
     """
     C = contributions.double()
     texts = text_embeddings.to(C)
     N, E = C.shape
     check_textspan(n, rank, texts.shape[0], N, E)
+    # 1. the span: eigenvectors of C^T C = right singular vectors of the uncentred C (ascending eigenvalues);
+    #    an SVD of C [N, E] has min(N, E) of them
+    _, vectors = torch.linalg.eigh(C.T @ C)
+    basis = vectors[:, -min(rank, N, E):]  # [E, r]
+    texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
+    # 2. centre after the SVD
     C = C - C.mean(0)
     K = C.T @ C / N  # [E, E]
-    _, vectors = torch.linalg.eigh(K)  # ascending eigenvalues; eigenvectors of K = right singular vectors of C
-    basis = vectors[:, -rank:]  # [E, r]
-    texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
     picks = []
     for _ in range(n):
         scores = ((texts @ K) * texts).sum(-1)  # variance of C @ t across images, for every text [T]
@@ -402,6 +420,15 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     for key, want in (("num_layers", num_layers), ("num_heads", num_heads)):
         if want is not None and doc[key] != want:
             raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {hint}")
+    if not isinstance(doc["num_heads"], int) or doc["num_heads"] < 1:
+        raise RolesError(f"roles file {path}: 'num_heads' must be a positive number, got {doc['num_heads']!r}; {hint}")
+    if not isinstance(doc["layers"], list) or not all(isinstance(l, int) for l in doc["layers"]):
+        raise RolesError(f"roles file {path}: 'layers' must be a list of block numbers, got {doc['layers']!r}; {hint}")
+    if not isinstance(doc["heads"], list) or not all(isinstance(e, dict) for e in doc["heads"]):
+        bad = doc["heads"] if not isinstance(doc["heads"], list) else \
+            next(e for e in doc["heads"] if not isinstance(e, dict))
+        raise RolesError(f"roles file {path}: 'heads' must be a list of objects (one per head, with layer, head, "
+                         f"role, attribute), found {json.dumps(bad)[:60]}; {hint}")
     H, file_layers = doc["num_heads"], list(doc["layers"])
     missing = [l for l in (layers or []) if l not in file_layers]
     if missing:
@@ -411,7 +438,7 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     for entry in doc["heads"]:
         where = f"roles file {path}, entry {entry.get('layer')}/{entry.get('head')}"
         layer, head, role = entry.get("layer"), entry.get("head"), entry.get("role")
-        if layer not in roles or not isinstance(head, int) or not 0 <= head < H:
+        if not isinstance(layer, int) or layer not in roles or not isinstance(head, int) or not 0 <= head < H:
             raise RolesError(f"{where}: block/head outside the file's blocks {file_layers} x {H} heads; {hint}")
         if role not in ROLES:
             raise RolesError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}); {hint}")
@@ -432,18 +459,73 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     return roles
 
 
-def layers_tag(layers):
-    """'9-12' for a contiguous run of blocks, else '9_11'."""
-    layers = sorted(layers)
+def layers_tag(layers, num_layers=None):
+    """'9-12' for a contiguous run of blocks, else '9_11'. num_layers: the backbone's depth, checked when given."""
+    layers = parse_layers(layers, num_layers) if num_layers is not None else sorted(layers)
+    if not layers:
+        raise EntropyError("no blocks to analyse (an empty list); the first block (J) must not exceed the "
+                           "backbone's depth")
     if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1:
         return f"{layers[0]}-{layers[-1]}"
     return "_".join(map(str, layers))
 
 
-def default_roles_path(model_name, layers, cache_dir):
-    """Where computed roles are cached: <cache_dir>/roles/<model>_L<blocks>/roles.json."""
-    safe = "".join(c if c.isalnum() or c in "._@-" else "-" for c in str(model_name)).strip("-")
-    return os.path.join(cache_dir, "roles", f"{safe}_L{layers_tag(layers)}", "roles.json")
+def _safe(name):
+    """A name as a folder-name part: letters, digits and ._@- only."""
+    return "".join(c if c.isalnum() or c in "._@-" else "-" for c in str(name)).strip("-")
+
+
+def pool_sha256(pool, texts_file=None):
+    """SHA256 of the text pool's content: the built-in pool `pool` ("default" or "toy"), plus the --texts
+    file when given (its unlabelled lines are labelled by that built-in pool)."""
+    if pool not in ("default", "toy"):
+        raise EntropyError(f"unknown pool {pool!r}; use default or toy (or --texts FILE)")
+    h = hashlib.sha256()
+    if pool == "default":
+        with open(POOL_FILE, "rb") as f:
+            h.update(f.read())
+    else:
+        h.update("".join(f"{c}\t{t}\n" for t, c in zip(*toy_pool())).encode("utf-8"))
+    if texts_file is not None:
+        if not os.path.isfile(texts_file):
+            raise EntropyError(f"text pool {texts_file} does not exist; give a file with one description per line")
+        with open(texts_file, "rb") as f:
+            h.update(b"\0" + f.read())
+    return h.hexdigest()
+
+
+def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=20, rank=80, low=None, high=None,
+                 max_images=10000, seed=0):
+    """Everything that changes the roles `run` computes, as a dict (recorded in roles.json as "inputs").
+
+    model: the loaded CLIP (its .name and .sha256); layers: 1-based blocks; dataset: a data.py name (a named
+    dataset is the same set under any --root) or folder:PATH (resolved to an absolute path); pool None: the
+    default for the model (see load_pool); low/high None: the tertiles (recorded as null)."""
+    name = getattr(model, "name", None) or "unknown"
+    layers = parse_layers(layers, model.visual.layers)
+    if split not in SPLITS:
+        raise EntropyError(f"unknown probe split {split!r}; use one of {', '.join(SPLITS)}")
+    if str(dataset).startswith("folder:"):
+        dataset = "folder:" + os.path.realpath(os.path.expanduser(dataset[len("folder:"):]))
+    pool = pool or ("toy" if name == "toy" else "default")
+    return {"model": name, "checkpoint_sha256": getattr(model, "sha256", None), "layers": layers,
+            "dataset": dataset, "split": split, "max_images": max_images, "seed": seed,
+            "pool": pool, "texts_file": os.path.basename(texts) if texts else None,
+            "pool_sha256": pool_sha256(pool, texts), "texts_per_head": n, "rank": rank, "low": low, "high": high}
+
+
+def default_roles_path(model, layers, cache_dir, dataset, split="test", pool=None, texts=None, n=20, rank=80,
+                       low=None, high=None, max_images=10000, seed=0):
+    """Where `run` caches roles: <cache_dir>/roles/<model>_L<blocks>_<probe>-<split>_<key>/roles.json, where
+    <key> is a short hash of everything that changes the roles (roles_inputs: backbone name and checkpoint
+    SHA256, blocks, probe dataset and split, pool content, n, rank, thresholds, max_images, seed)."""
+    inputs = roles_inputs(model, layers, dataset, split=split, pool=pool, texts=texts, n=n, rank=rank, low=low,
+                          high=high, max_images=max_images, seed=seed)
+    probe = inputs["dataset"]
+    probe = os.path.basename(probe[len("folder:"):]) if probe.startswith("folder:") else probe
+    folder = (f"{_safe(inputs['model'])}_L{layers_tag(inputs['layers'])}_{_safe(probe)}-{split}_"
+              f"{fingerprint(inputs)[:12]}")
+    return os.path.join(cache_dir, "roles", folder, "roles.json")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,8 +546,10 @@ def parse_layers(spec, num_layers):
             raise EntropyError(f"cannot read layers {spec!r}; write e.g. 9-12 or 9,10,11,12 (blocks from 1)") from None
     else:
         layers = set(int(l) for l in spec)
-    if not layers:
-        raise EntropyError(f"no layers in {spec!r}; write e.g. 9-12 (blocks counted from 1)")
+    if not layers:  # e.g. dear.py's blocks J..L with J beyond the depth
+        raise EntropyError(f"no blocks in {spec!r}: the backbone has {num_layers} blocks (1..{num_layers}); choose "
+                           f"blocks within that range, e.g. {max(1, num_layers - 3)}-{num_layers} (so a first "
+                           f"block J of at most {num_layers})")
     if min(layers) < 1 or max(layers) > num_layers:
         raise EntropyError(f"the backbone has {num_layers} blocks (1..{num_layers}) but layers {spec!r} asks for "
                            f"blocks {min(layers)}..{max(layers)}; choose blocks within 1..{num_layers}")
@@ -518,13 +602,15 @@ def collect_contributions(model, loader, layers, total):
 
 
 def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=10000,
-                  n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0):
+                  n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0,
+                  inputs=None):
     """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
 
     items: probe images as data.py lists them, (path, label, classname); if there are more than max_images,
     a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
-    quantiles over the analysed heads). The model runs on the device of its parameters."""
+    quantiles over the analysed heads). probe: what roles.json records of the probe set (dataset, split);
+    inputs: roles_inputs(...), recorded as is. The model runs on the device of its parameters."""
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -533,7 +619,7 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     if len(set(texts)) != len(texts):
         raise EntropyError("the text pool has duplicate descriptions; TextSpan needs unique texts")
     if not items:
-        raise EntropyError("no probe images found; check --dataset/--root (the test split is used)")
+        raise EntropyError("no probe images found; check --dataset/--root/--split")
     items = list(items)
     if len(items) > max_images:
         keep = sorted(random.Random(seed).sample(range(len(items)), max_images))
@@ -561,50 +647,67 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     doc = {"format": FORMAT, "model": getattr(model, "name", None) or "unknown",
            "checkpoint_sha256": getattr(model, "sha256", None), "num_layers": visual.layers,
            "num_heads": visual.heads, "layers": layers,
-           "probe": {**(probe or {}), "images": len(contributions), "seed": seed},
+           "probe": {**(probe or {}), "images": len(contributions), "max_images": max_images, "seed": seed},
            "pool": {"name": pool_name, "texts": len(texts)}, "texts_per_head": n, "rank": rank,
            "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high},
-           "heads": heads}
+           "inputs": inputs, "heads": heads}
     return write_outputs(doc, out_dir)
 
 
 def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, pool=None, texts=None,
         device="auto", batch_size=64, n=20, rank=80, low=None, high=None, download_root=None, seed=0,
-        num_workers=0):
-    """Load CLIP and the probe set (the test split of `dataset`), compute the roles, return roles.json's path.
-    out_dir None: beside the checkpoint cache, at default_roles_path(...)."""
+        num_workers=0, split="test"):
+    """Load CLIP and the probe set, compute the roles, return roles.json's path.
+
+    split: "test" (the default: ImageNet val, as TextSpan) or "train" (all training images of a training
+    dataset, never its few-shot subset; what dear.py uses when no ImageNet is present, so that the roles never
+    come from the test images the model is evaluated on). out_dir None: beside the checkpoint cache, at
+    default_roles_path(...), a folder named by everything that changes the roles."""
     check_thresholds(low, high)
+    if split not in SPLITS:
+        raise EntropyError(f"unknown probe split {split!r}; use one of {', '.join(SPLITS)}")
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = toyworld.load_clip(backbone, device=device, download_root=download_root)  # "toy" too
     layers = parse_layers(layers, model.visual.layers)
     if dataset == "toyworld":
         toyworld.ensure_dataset(root)
-    probe_set = data.build_dataset(dataset, root)
+    items = getattr(data.build_dataset(dataset, root), split)  # shots=-1: every image of the split
+    if not items:
+        raise EntropyError(f"the {split} split of {dataset} has no images; choose another --split or dataset")
     pool_texts, labels, pool_name = load_pool(model, pool, texts)
+    key = dict(layers=layers, pool=pool, texts=texts, n=n, rank=rank, low=low, high=high, max_images=max_images,
+               seed=seed)
+    inputs = roles_inputs(model, dataset=dataset, split=split, **key)
     if out_dir is None:
-        out_dir = os.path.dirname(default_roles_path(getattr(model, "name", backbone), layers,
-                                                     clip.cache_dir(download_root)))
-    print(f"Concept Entropy of {backbone}, blocks {layers_tag(layers)}: probe {dataset} test "
-          f"({len(probe_set.test)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts)",
+        out_dir = os.path.dirname(default_roles_path(model, cache_dir=clip.cache_dir(download_root),
+                                                     dataset=dataset, split=split, **key))
+    print(f"Concept Entropy of {backbone}, blocks {layers_tag(layers)}: probe {dataset} {split} "
+          f"({len(items)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts)",
           file=sys.stderr)
-    return compute_roles(model, probe_set.test, pool_texts, labels, layers, out_dir, batch_size=batch_size,
+    return compute_roles(model, items, pool_texts, labels, layers, out_dir, batch_size=batch_size,
                          max_images=max_images, n=n, rank=rank, low=low, high=high,
-                         probe={"dataset": dataset, "split": "test"}, pool_name=pool_name, seed=seed,
-                         num_workers=num_workers)
+                         probe={"dataset": inputs["dataset"], "split": split}, pool_name=pool_name, seed=seed,
+                         num_workers=num_workers, inputs=inputs)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan, label the "
-                    "descriptions with concepts, and sort heads into attribute / generalization / mixed / other "
-                    "specialist roles by the entropy of their concepts. Writes roles.json, roles.md, roles.png.")
+        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan (each head's "
+                    "direct contribution as TextSpan's PRS logger computes it; texts picked inside the top singular "
+                    "directions of the uncentred contributions), label the descriptions with concepts, and sort "
+                    "heads into attribute / generalization / mixed / other specialist roles by the entropy of their "
+                    "concepts. Writes roles.json, roles.md, roles.png.")
     p.add_argument("--backbone", default="ViT-B/16", help="CLIP model name or checkpoint path (default ViT-B/16)")
-    p.add_argument("--dataset", required=True, help="probe dataset (a data.py name or folder:PATH); its test split")
+    p.add_argument("--dataset", required=True, help="probe dataset (a data.py name or folder:PATH)")
+    p.add_argument("--split", default="test", choices=SPLITS,
+                   help="probe split: test (default; ImageNet val, as TextSpan) or train (all training images "
+                        "of a training dataset)")
     p.add_argument("--root", default="data", help="datasets root folder (default: data)")
     p.add_argument("--max-images", type=int, default=10000, help="probe images, a seeded sample (default 10000)")
     p.add_argument("--layers", default=None, help="1-based blocks, e.g. 9-12 (default: the last four)")
-    p.add_argument("--out", default=None, help="output folder (default: <clip cache>/roles/<model>_L<blocks>)")
+    p.add_argument("--out", default=None, help="output folder (default: <clip cache>/roles/<model>_L<blocks>_"
+                                               "<probe>-<split>_<hash of all inputs>)")
     p.add_argument("--pool", default=None, choices=("default", "toy"),
                    help="built-in text pool: default (concepts.tsv) or toy (the toy world's words); "
                         "default: toy for the toy backbone, else default")
@@ -628,7 +731,7 @@ def main(argv=None):
         path = run(args.backbone, args.dataset, args.root, layers=args.layers, out_dir=args.out,
                    max_images=args.max_images, pool=args.pool, texts=args.texts, device=args.device,
                    batch_size=args.batch_size, n=args.n, rank=args.rank, low=args.low, high=args.high,
-                   download_root=args.download_root, seed=args.seed, num_workers=args.workers)
+                   download_root=args.download_root, seed=args.seed, num_workers=args.workers, split=args.split)
     except errors as e:
         print(f"entropy.py: error: {e}", file=sys.stderr)
         return 2

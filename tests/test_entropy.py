@@ -4,6 +4,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -47,8 +48,123 @@ def test_head_contributions_are_in_units_of_the_normalised_embedding(tiny_model)
     images = torch.randn(4, 3, 32, 32)
     parts = entropy.decompose(tiny_model, images, [1, 2, 3, 4])
     scaled = entropy.head_contributions(tiny_model, images, [1, 2, 3, 4])
-    norm = entropy.sum_parts(parts).norm(dim=-1)  # [B]
+    with torch.no_grad():
+        norm = tiny_model.encode_image(images).norm(dim=-1)  # [B]
     torch.testing.assert_close(scaled * norm.view(-1, 1, 1, 1), parts["heads"], atol=1e-6, rtol=1e-5)
+
+
+def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
+    """Block 3 (1-based), head 1 of a tiny CLIP, computed by hand from the description of TextSpan's PRS logger:
+    the head's attention at CLS through its out_proj columns, plus out_proj.bias / H; minus mean(r) / ((2L+1) H)
+    with L = 4, all blocks of the model (only blocks 2-3 are analysed); times ln_post.weight / std(r); plus
+    ln_post.bias / ((2L+1) H); @ proj; divided by the norm of the image embedding. And that block's MLP: the same
+    with a share 1 / (2L+1)."""
+    model = perturb_ln_post(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    visual = model.visual
+    blocks = visual.transformer.resblocks
+    with torch.no_grad():
+        for block in blocks:  # biases the random init leaves at zero
+            block.attn.out_proj.bias.copy_(0.5 * torch.randn(64, generator=g))
+            block.attn.in_proj_bias.copy_(0.2 * torch.randn(192, generator=g))
+    images = torch.randn(3, 3, 32, 32, generator=g)
+    L, H, D, hs, b, h = 4, 4, 64, 16, 2, 1  # b: 0-based index of block 3
+    with torch.no_grad():
+        x = visual.embed(images)
+        for block in blocks[:b]:
+            x = block(x)
+        block = blocks[b]
+        y = block.ln_1(x)
+        W, c = block.attn.in_proj_weight, block.attn.in_proj_bias
+        cols = slice(h * hs, (h + 1) * hs)  # head h's rows of W_q, W_k, W_v and columns of W_O
+        q, k, v = (y @ W[i * D:(i + 1) * D][cols].T + c[i * D:(i + 1) * D][cols] for i in range(3))  # [B, T, hs]
+        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)  # CLS row [B, T]
+        head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[:, cols].T + block.attn.out_proj.bias / H
+        mlp = block.mlp(block.ln_2(x + block.attn(y)))[:, 0]  # [B, D]
+        r = x
+        for blk in blocks[b:]:
+            r = blk(r)
+        r = r[:, 0]  # [B, D]
+        mean = r.mean(-1, keepdim=True)
+        std = (((r - mean) ** 2).mean(-1, keepdim=True) + visual.ln_post.eps).sqrt()
+        n = 2 * L + 1
+        w, beta, proj = visual.ln_post.weight, visual.ln_post.bias, visual.proj
+        norm = model.encode_image(images).norm(dim=-1, keepdim=True)
+        want_head = ((head - mean / (n * H)) * w / std + beta / (n * H)) @ proj / norm
+        want_mlp = ((mlp - mean / n) * w / std + beta / n) @ proj
+    got = entropy.head_contributions(model, images, [2, 3])  # block 3 is the second analysed block
+    torch.testing.assert_close(got[:, 1, h], want_head, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(entropy.decompose(model, images, [2, 3])["mlp"][:, 1], want_mlp, atol=1e-5, rtol=1e-4)
+
+
+def plant_heads(model, layers=(3, 4), seed=0):
+    """Make every head of `layers` (1-based) write along two known directions of the embedding space and nothing
+    else write anything: the MLPs and the other blocks' attention outputs are zeroed, biases are zero, ln_post is
+    the identity and proj's columns have mean 0 (so the heads' writes have mean 0 and r's mean stays 0).
+    Returns the 2 * H * len(layers) orthonormal directions [K, E]: head (layers[i], h) writes along rows
+    2 (i H + h) and 2 (i H + h) + 1."""
+    g = torch.Generator().manual_seed(seed)
+    visual = model.visual
+    D, H, E = visual.width, visual.heads, visual.output_dim
+    hs = D // H
+    with torch.no_grad():
+        visual.ln_post.weight.fill_(1.0)
+        visual.ln_post.bias.zero_()
+        visual.proj.copy_(torch.randn(D, E, generator=g))
+        visual.proj.sub_(visual.proj.mean(0))
+        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[:2 * H * len(layers)]  # [K, E]
+        writes = directions @ torch.linalg.pinv(visual.proj)  # [K, D]: writes @ proj = directions
+        for b, block in enumerate(visual.transformer.resblocks):
+            block.mlp.c_proj.weight.zero_()
+            block.mlp.c_proj.bias.zero_()
+            block.attn.out_proj.bias.zero_()
+            block.attn.out_proj.weight.zero_()
+            if b + 1 not in layers:
+                continue
+            i = list(layers).index(b + 1)
+            for h in range(H):
+                k = 2 * (i * H + h)
+                mix = torch.randn(2, hs, generator=g)  # what the head reads out of its 16 value dimensions
+                block.attn.out_proj.weight[:, h * hs:(h + 1) * hs] = writes[k:k + 2].T @ mix
+    return directions
+
+
+def test_planted_heads_are_credited_to_their_block_and_head(tiny_model):
+    directions = plant_heads(tiny_model, layers=(3, 4))
+    got = entropy.head_contributions(tiny_model, torch.randn(24, 3, 32, 32), [3, 4])  # [N, 2, 4, E]
+    for i in range(2):
+        for h in range(4):
+            c = got[:, i, h] - got[:, i, h].mean(0)  # the head's variation across images
+            own = directions[2 * (4 * i + h):2 * (4 * i + h) + 2]  # [2, E]
+            assert (c @ own.T).pow(2).sum() > 0.999 * c.pow(2).sum(), (i, h)  # all of it along its own directions
+            assert c.pow(2).sum() > 1e-6
+
+
+def test_roles_json_labels_planted_heads_at_their_block_and_head(tiny_model, tmp_path, monkeypatch):
+    """Each of the 8 heads of blocks 3-4 writes along two texts of its own concept (8 concepts, in order); the
+    roles file must name that concept at that block and head."""
+    directions = plant_heads(tiny_model, layers=(3, 4))
+    concepts = CONCEPTS[:8]
+    texts = [f"{c} text {j}" for c in concepts for j in range(2)]  # texts[k] is directions[k]
+    labels = [c for c in concepts for _ in range(2)]
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: directions[[texts.index(t) for t in batch]])
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(12):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()).save(path)
+        items.append((str(path), 0, "x"))
+    path = entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5,
+                                 n=2, rank=2, low=0.5, high=1.0)
+    heads = {(e["layer"], e["head"]): e for e in json.loads(open(path).read())["heads"]}
+    roles = entropy.load_roles(path)
+    for i, layer in enumerate((3, 4)):
+        for h in range(4):
+            concept = concepts[4 * i + h]
+            assert sorted(heads[(layer, h)]["texts"]) == [f"{concept} text 0", f"{concept} text 1"], (layer, h)
+            want = ("attribute", concept) if concept in entropy.ATTRIBUTES else ("specialist", None)
+            assert (roles[layer][h]["role"], roles[layer][h]["attribute"]) == want, (layer, h)
+            assert roles[layer][h].get("concept", concept) == concept
 
 
 # ---------------------------------------------------------------------------------------------- TextSpan
@@ -76,6 +192,77 @@ def test_textspan_never_picks_a_text_twice_and_starts_with_the_planted_ones():
     assert picks[:4] == [17, 123, 250, 5]
 
 
+def textspan_by_hand(data, texts, n, rank, centre_first=False, deflate=True):
+    """TextSpan's `replace_with_iterative_removal`, restated in numpy from its description: SVD of the raw
+    contributions, texts projected onto the top-`rank` right singular vectors, then the contributions centred;
+    n times: pick the text whose projection has the largest std across images, remove its direction from the
+    contributions and from every text. centre_first / deflate=False: two plausible departures from it."""
+    data, texts = np.asarray(data, dtype=np.float64), np.asarray(texts, dtype=np.float64)
+    if centre_first:
+        data = data - data.mean(0)
+    _, _, vh = np.linalg.svd(data, full_matrices=False)
+    vh = vh[:rank]  # [r, E], orthonormal rows
+    texts = texts @ vh.T @ vh
+    data = data - data.mean(0)
+    picks = []
+    for _ in range(n):
+        scores = (data @ texts.T).std(0)
+        if not deflate:
+            scores[picks] = -1  # without deflation only the picked texts themselves are left out
+        j = int(np.argmax(scores))
+        picks.append(j)
+        if deflate:
+            t = texts[j]
+            data = data - np.outer(data @ t / (t @ t), t)
+            texts = texts - np.outer(texts @ t / (t @ t), t)
+    return picks
+
+
+def skewed(seed, N=60, E=12, T=40):
+    """Contributions with a sizeable mean (as real CLIP heads have) and unequal variances; random unit texts in
+    few dimensions, so they are far from orthogonal (|cos| ~ 0.25)."""
+    g = np.random.default_rng(seed)
+    contributions = g.normal(size=(N, E)) @ np.diag(np.linspace(3, 0.2, E)) @ np.linalg.qr(g.normal(size=(E, E)))[0]
+    contributions += 4 * g.normal(size=E)  # the head's mean
+    texts = g.normal(size=(T, E))
+    return contributions, texts / np.linalg.norm(texts, axis=1, keepdims=True)
+
+
+def test_textspan_matches_a_restatement_of_textspans_iterative_removal():
+    differs = {"centre_first": 0, "no_deflation": 0}
+    for seed in range(6):
+        contributions, texts = skewed(seed)
+        want = textspan_by_hand(contributions, texts, n=5, rank=6)
+        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=5, rank=6) == want, seed
+        differs["centre_first"] += textspan_by_hand(contributions, texts, 5, 6, centre_first=True) != want
+        differs["no_deflation"] += textspan_by_hand(contributions, texts, 5, 6, deflate=False) != want
+    assert min(differs.values()) >= 3, differs  # the data tell both departures apart from TextSpan
+
+
+def test_textspan_takes_the_span_of_the_uncentred_contributions():
+    """By hand: the head has a large constant mean along e0 and variances 9, 4, 0.25 along e1, e2, e3. The top-2
+    span of the raw contributions is {e0, e1}, where text A = e2 has no component: TextSpan picks B =
+    (0.5 e1 + e3) / |.| (variance 9 * 0.25 / 1.25 = 1.8). Centring first would give the span {e1, e2} and A
+    (variance 4)."""
+    hadamard = torch.tensor([[1., 1, 1, 1, 1, 1, 1, 1], [1, -1, 1, -1, 1, -1, 1, -1], [1, 1, -1, -1, 1, 1, -1, -1],
+                             [1, -1, -1, 1, 1, -1, -1, 1]]).T  # [8, 4], orthogonal columns; 1..3 have mean 0
+    contributions = hadamard * torch.tensor([10.0, 3.0, 2.0, 0.5])  # [8 images, E = 4]: e0 constant 10
+    A, B = torch.tensor([0.0, 0, 1, 0]), torch.nn.functional.normalize(torch.tensor([0.0, 0.5, 0, 1]), dim=0)
+    assert entropy.textspan(contributions, torch.stack([A, B]), n=1, rank=2) == [1]
+    assert textspan_by_hand(contributions, torch.stack([A, B]), n=1, rank=2, centre_first=True) == [0]
+
+
+def test_textspan_removes_each_pick_from_the_other_texts():
+    """By hand: variances 9 along e1 and 4 along e2; texts A = e1, B = (e1 + 0.2 e2) / |.|, C = e2. First pick A
+    (9 against 8.81 and 4). Removing e1 leaves B = 0.196 e2 (variance 0.15) against C (4): C is second. Without
+    the removal B (8.81) would come second."""
+    hadamard = torch.tensor([[1., 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]]).T  # [4, 3]
+    contributions = hadamard * torch.tensor([1.0, 3.0, 2.0])  # E = 3: e0 constant, e1 and e2 vary
+    texts = torch.nn.functional.normalize(torch.tensor([[0.0, 1, 0], [0, 1, 0.2], [0, 0, 1]]), dim=-1)
+    assert entropy.textspan(contributions, texts, n=2, rank=3) == [0, 2]
+    assert textspan_by_hand(contributions, texts, n=2, rank=3, deflate=False) == [0, 1]
+
+
 def test_textspan_stops_clearly_with_too_few_images():
     contributions, texts = planted(N=10)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images"):
@@ -98,7 +285,7 @@ def test_concept_entropy_of_known_distributions():
 def test_concept_distribution_counts_shares_of_a_heads_texts():
     P = entropy.concept_distribution(["color"] * 15 + ["shape"] * 5)
     assert list(P) == list(CONCEPTS)
-    assert P["color"] == 0.75 and P["shape"] == 0.25 and sum(P.values()) == pytest.approx(1.0)
+    assert P == {**{c: 0.0 for c in CONCEPTS}, "color": 0.75, "shape": 0.25}
     assert entropy.concept_entropy(P) == pytest.approx(-(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
 
 
@@ -208,6 +395,12 @@ def corrupt(doc, what):
         del doc["heads"][5]
     elif what == "head-twice":
         doc["heads"][5] = dict(doc["heads"][4])
+    elif what == "heads-not-objects":
+        doc["heads"][3] = "block 3 head 3: mixed"
+    elif what == "heads-not-a-list":
+        doc["heads"] = {"3": doc["heads"][:4], "4": doc["heads"][4:]}
+    elif what == "layer-not-a-number":
+        doc["heads"][2]["layer"] = [3]
     return doc
 
 
@@ -222,6 +415,9 @@ def corrupt(doc, what):
     ("attribute-on-mixed", {}, "a mixed head must have attribute null"),
     ("head-missing", {}, "lacks 1 heads, e.g. block 4 head 1"),
     ("head-twice", {}, "listed twice"),
+    ("heads-not-objects", {}, "'heads' must be a list of objects .* found \"block 3 head 3: mixed\""),
+    ("heads-not-a-list", {}, "'heads' must be a list of objects"),
+    ("layer-not-a-number", {}, "entry \\[3\\]/2: block/head outside the file's blocks"),
 ])
 def test_load_roles_refuses_bad_files_clearly(tmp_path, what, kwargs, message):
     path = tmp_path / "roles.json"
@@ -250,14 +446,48 @@ def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
         assert img.getpixel(corner) == entropy.ROLE_COLORS[entry["role"]]
 
 
-def test_default_roles_path_and_layer_parsing(tmp_path):
-    path = entropy.default_roles_path("ViT-B/16", [9, 10, 11, 12], str(tmp_path))
-    assert path == os.path.join(str(tmp_path), "roles", "ViT-B-16_L9-12", "roles.json")
+def test_layer_parsing(tmp_path):
     assert entropy.parse_layers(None, 12) == [9, 10, 11, 12]
     assert entropy.parse_layers(None, 2) == [1, 2]
     assert entropy.parse_layers("9-10,12", 12) == [9, 10, 12]
+    assert entropy.layers_tag([12, 9, 10, 11]) == "9-12" and entropy.layers_tag([9, 11]) == "9_11"
     with pytest.raises(EntropyError, match="has 4 blocks"):
         entropy.parse_layers("3-6", 4)
+    # blocks J..L with J beyond the depth: an empty list, one clear message (not an IndexError)
+    with pytest.raises(EntropyError, match=r"no blocks in \[\]: the backbone has 12 blocks .* at most 12"):
+        entropy.parse_layers(list(range(13, 13)), 12)
+    with pytest.raises(EntropyError, match="no blocks to analyse"):
+        entropy.layers_tag([])
+    with pytest.raises(EntropyError, match="has 12 blocks"):
+        entropy.layers_tag([12, 13], num_layers=12)
+
+
+def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_model, tmp_path):
+    tiny_model.name, tiny_model.sha256 = "ViT-B/16", "ab" * 32
+    (tmp_path / "mine.txt").write_text("a red thing\n")
+    (tmp_path / "other" / "pets").mkdir(parents=True)
+    base = dict(layers=[3, 4], cache_dir=str(tmp_path), dataset="imagenet")
+    path = entropy.default_roles_path(tiny_model, **base)
+    folder = os.path.basename(os.path.dirname(path))
+    assert os.path.dirname(os.path.dirname(path)) == os.path.join(str(tmp_path), "roles")
+    assert re.fullmatch(r"ViT-B-16_L3-4_imagenet-test_[0-9a-f]{12}", folder), folder
+    assert entropy.default_roles_path(tiny_model, **base) == path  # the same inputs, the same folder
+    changes = [dict(layers=[4]), dict(dataset="eurosat"), dict(split="train"), dict(pool="toy"),
+               dict(texts=str(tmp_path / "mine.txt")), dict(n=10), dict(rank=40), dict(low=0.5), dict(high=2.0),
+               dict(max_images=500), dict(seed=1), dict(dataset=f"folder:{tmp_path / 'pets'}"),
+               dict(dataset=f"folder:{tmp_path / 'other' / 'pets'}")]
+    paths = {entropy.default_roles_path(tiny_model, **{**base, **change}) for change in changes}
+    tiny_model.sha256 = "cd" * 32  # another checkpoint under the same name
+    paths.add(entropy.default_roles_path(tiny_model, **base))
+    tiny_model.sha256, tiny_model.name = "ab" * 32, "ViT-B-16"
+    paths.add(entropy.default_roles_path(tiny_model, **base))
+    assert len(paths | {path}) == len(changes) + 3
+    (tmp_path / "mine.txt").write_text("a blue thing\n")  # the same file name, other texts
+    assert entropy.default_roles_path(tiny_model, **{**base, "texts": str(tmp_path / "mine.txt")}) not in paths
+    with pytest.raises(EntropyError, match="unknown probe split 'val'"):
+        entropy.default_roles_path(tiny_model, **{**base, "split": "val"})
+    with pytest.raises(EntropyError, match="has 4 blocks"):
+        entropy.default_roles_path(tiny_model, **{**base, "layers": [4, 5]})
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -291,7 +521,7 @@ def test_cli_writes_roles_json_md_and_png(fake_world, capsys):
     doc = json.loads((out / "roles.json").read_text())
     assert doc["model"] == "tiny" and doc["checkpoint_sha256"] == "ab" * 32
     assert doc["layers"] == [1, 2, 3, 4] and doc["num_heads"] == 4 and len(doc["heads"]) == 16
-    assert doc["probe"]["images"] == 10 and doc["probe"]["split"] == "test"
+    assert doc["probe"]["images"] == 10 and doc["probe"]["split"] == "test" and doc["probe"]["max_images"] == 10
     low, high = doc["thresholds"]["low"], doc["thresholds"]["high"]
     toy_texts, toy_labels = entropy.toy_pool()
     concept_of = dict(zip(toy_texts, toy_labels))
@@ -331,4 +561,28 @@ def test_cli_without_images_exits_2(fake_world, capsys):
     root, _ = fake_world
     (root / "empty").mkdir()
     rc = entropy.main(["--dataset", f"folder:{root / 'empty'}", "--root", str(root), "--device", "cpu"])
-    assert rc == 2 and "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("error") == 1 and "entropy.py: error: " in err and "has no class sub-folders" in err
+
+
+def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, capsys):
+    """--split train: every training image of the dataset (20 here; its test split has 12), recorded in roles.json;
+    without --out the roles land in the CLIP cache at default_roles_path, which records all inputs."""
+    root, dataset = fake_world
+    args = ["--backbone", "tiny", "--dataset", dataset, "--root", str(root), "--pool", "toy", "--n", "3",
+            "--rank", "8", "--max-images", "30", "--device", "cpu", "--download-root", str(root / "cache")]
+    assert entropy.main(args + ["--split", "train"]) == 0, capsys.readouterr().err
+    model = entropy.toyworld.load_clip("tiny")[0]
+    path = entropy.default_roles_path(model, [1, 2, 3, 4], str(root / "cache"), dataset, split="train", pool="toy",
+                                      n=3, rank=8, max_images=30)
+    doc = json.loads(open(path).read())
+    assert doc["probe"] == {"dataset": "folder:" + os.path.realpath(dataset[7:]), "split": "train", "images": 20,
+                            "max_images": 30, "seed": 0}
+    assert doc["inputs"] == entropy.roles_inputs(model, [1, 2, 3, 4], dataset, split="train", pool="toy", n=3,
+                                                 rank=8, max_images=30)
+    assert doc["inputs"]["checkpoint_sha256"] == "ab" * 32 and doc["inputs"]["low"] is None
+    assert entropy.main(args) == 0  # the test split: another folder beside it
+    assert len(list((root / "cache" / "roles").iterdir())) == 2
+    test_doc = json.loads(open(entropy.default_roles_path(model, [1, 2, 3, 4], str(root / "cache"), dataset,
+                                                          pool="toy", n=3, rank=8, max_images=30)).read())
+    assert test_doc["probe"]["split"] == "test" and test_doc["probe"]["images"] == 12
