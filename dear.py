@@ -18,6 +18,7 @@ the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
 "Where this reproduction had to choose".
 """
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ import clip
 import data
 import runs
 import toyworld
-from train import RunError, atomic_save, evaluate, pick_device, seed_everything, train
+from train import PRECISIONS, RunError, atomic_save, evaluate, pick_device, resolve_precision, seed_everything, train
 from util import read_json, write_atomic
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
@@ -61,14 +62,23 @@ DATASET_DEFAULTS = {
     "food101":        (0.1, 1.0),
 }
 XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source model (cross-dataset / domain generalisation)
+# MMRL++'s test-time beta of each target of cross-dataset / domain generalisation (research/anchors.md §3, task
+# CD): the ImageNet model is evaluated on each target with this beta. --target-beta source uses the source's.
+XD_TARGET_BETA = {
+    "imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
+    "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6, "caltech101": 0.6,
+    "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3,
+}
 
 # (epochs, batch size, warm-up epochs) per protocol, MMRL's configs (research/anchors.md §2.4), and per
-# (protocol, dataset) where it differs. The toy world's tiny CLIP needs more steps to fit 16 shots.
+# (protocol, dataset) where it differs (MMRL's few-shot script gives ImageNet its vit_b16_imagenet config).
+# The toy world's tiny CLIP needs more steps to fit 16 shots.
 SCHEDULES = {
     "b2n":                  (10, 4, 1),
     ("b2n", "imagenet"):    (5, 32, 1),
     ("b2n", "toyworld"):    (30, 4, 1),
     "fewshot":              (50, 32, 1),
+    ("fewshot", "imagenet"): (5, 32, 1),
     "xd":                   (1, 32, 0),
 }
 # Smallest area of RandomResizedCrop: MMRL's 0.5; the toy world's objects sit in a corner that a crop would cut.
@@ -99,6 +109,7 @@ class Config:
     mask: str = "role"                # role | generalization-only | none
     attr_tokens: bool = True          # False: no tokens at all (ablation); the model is then frozen CLIP
     novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
+    target_beta: str = "table"        # xd targets: table (XD_TARGET_BETA, MMRL++) | source (the source's beta)
     roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
     # optimisation
     epochs: int = None                # None = SCHEDULES
@@ -111,6 +122,8 @@ class Config:
     eval_batch_size: int = 100
     workers: int = None               # data-loading processes; None = min(4, the CPUs this process may use)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
+    precision: str = "amp"            # amp (fp16 + GradScaler on CUDA, fp32 on CPU) | fp16 | bf16 | fp32;
+                                      # run() records the one used (fp16, bf16 or fp32)
     # bookkeeping
     eval_only: bool = False
     load: str = None
@@ -148,6 +161,8 @@ def resolve(cfg: Config) -> Config:
               (c.mask in ("role", "generalization-only", "none"),
                f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
               (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
+              (c.target_beta in ("table", "source"), f"unknown --target-beta {c.target_beta!r}; choose table or source"),
+              (c.precision in PRECISIONS, f"unknown --precision {c.precision!r}; choose " + ", ".join(PRECISIONS)),
               (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
               (c.workers >= 0, f"--workers must be >= 0, got {c.workers}"),
               (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
@@ -171,7 +186,8 @@ def variant_name(c: Config) -> str:
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
-                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale")
+                           "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr", "crop_scale",
+                           "precision")
              and getattr(c, f.name) != getattr(base, f.name)]
     if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
         name = os.path.splitext(os.path.basename(c.backbone))[0]
@@ -180,6 +196,14 @@ def variant_name(c: Config) -> str:
     if c.roles:
         parts.append("roles-" + runs.short(runs.roles_sha256(c.roles)))
     return "_".join(parts) or "default"
+
+
+def eval_beta(c: Config, dataset: str) -> float:
+    """The beta an evaluation on `dataset` uses: the run's beta, except for the targets of xd, which get MMRL++'s
+    test-time beta (XD_TARGET_BETA) unless --target-beta source; a target not in the table keeps the run's."""
+    if c.protocol != "xd" or dataset == c.dataset or c.target_beta == "source":
+        return c.beta
+    return XD_TARGET_BETA.get(dataset, c.beta)
 
 
 def default_J(num_layers: int) -> int:
@@ -209,13 +233,16 @@ def dataset_tag(name: str) -> str:
 class AttributeTokens(nn.Module):
     """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in J..L,
     a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W.
-    Vision and text tokens are projections of the same R, which couples the two modalities."""
+    Vision and text tokens are projections of the same R, which couples the two modalities.
+    As in MMRL, one aligner of each kind is initialised and copied to every block: all F_v^l start identical,
+    and so do all F_t^l (they are trained apart)."""
 
     def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
         super().__init__()
         self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
-        self.F_v = nn.ModuleList([nn.Linear(rep_dim, vision_width) for _ in range(n_blocks)])
-        self.F_t = nn.ModuleList([nn.Linear(rep_dim, text_width) for _ in range(n_blocks)])
+        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)  # nn.Linear's default init
+        self.F_v = nn.ModuleList([copy.deepcopy(F_v) for _ in range(n_blocks)])
+        self.F_t = nn.ModuleList([copy.deepcopy(F_t) for _ in range(n_blocks)])
 
     def vision(self, i: int) -> torch.Tensor:
         return self.F_v[i](self.R)  # [K, D]: the tokens fed to the i-th block after insertion
@@ -323,6 +350,13 @@ class DeAR(nn.Module):
     def alpha(self) -> torch.Tensor:
         return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...
 
+    def set_beta(self, beta: float):
+        """The token mixing beta of the next forward passes (an evaluation may use another beta than training:
+        the xd targets); nothing is rebuilt, encode_images / encode_classes read self.beta."""
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must lie in [0, 1], got {beta}")
+        self.beta = float(beta)
+
     # --- text side -------------------------------------------------------------------------------
     @torch.no_grad()
     def set_classes(self, classnames, template):
@@ -373,17 +407,35 @@ class DeAR(nn.Module):
         return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0
 
     def forward(self, images, t=None, with_frozen=False):
-        """Six logit sets [B, 1+K, C] (class first, then the K attribute tokens) and the fused logits [B, C]."""
+        """Six logit sets [B, 1+K, C] (class first, then the K attribute tokens) and the fused logits [B, C].
+        The towers may run under autocast; the head (cosine logits, alpha fusion) is always fp32 (fp32_head)."""
         t = self.encode_classes() if t is None else t
         f_cls, f_attr, f0 = self.encode_images(images, with_frozen)
-        scale = self.clip.logit_scale.exp()
-        if f_attr is None:  # no tokens (zero-shot CLIP, or the ablation): the class logits alone
-            logits = scale * f_cls.unsqueeze(1) @ t.t().to(f_cls.dtype)  # [B, 1, C]
-            return {"logits": logits, "fused": logits[:, 0], "f_cls": f_cls, "f0": f0, "t": t}
-        feats = torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)          # [B, 1+K, E]
-        logits = scale * feats @ t.t().to(feats.dtype)                  # [B, 1+K, C]
-        fused = torch.einsum("k,bkc->bc", self.alpha().to(logits.dtype), logits)  # sum_k alpha_k logits_k
-        return {"logits": logits, "fused": fused, "f_cls": f_cls, "f0": f0, "t": t}
+        feats = f_cls.unsqueeze(1) if f_attr is None else torch.cat([f_cls.unsqueeze(1).float(), f_attr.float()], 1)
+        logits, fused, feats, t = fp32_head(feats, t, self.clip.logit_scale, None if f_attr is None else self.w)
+        f0 = None if f0 is None else f0.float()
+        out = {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f0": f0, "t": t}
+        if f_attr is not None:
+            out["f_attr"] = feats[:, 1:]
+        return out
+
+
+def fp32_head(feats, t, logit_scale, w=None):
+    """The final head in fp32, outside autocast, in training and evaluation alike.
+
+    feats [B, S, E] (S = 1 + K: f_cls then f_attr, or S = 1: f_cls alone), t [C, E]: features that may come out
+    of autocast in half precision; they are cast to fp32 and normalised again. logits = s * cos(f, t) [B, S, C]
+    with s = exp(logit_scale); fused = sum_k alpha_k logits_k with alpha = softmax(w) ([B, C]; w None: the class
+    logits alone). CLIP's logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03):
+    computed in half precision, close classes would tie or swap. Returns logits, fused and the fp32 features."""
+    with torch.autocast(feats.device.type, enabled=False):
+        feats = F.normalize(feats.float(), dim=-1)                # [B, S, E]
+        t = F.normalize(t.float(), dim=-1)                        # [C, E]
+        logits = logit_scale.float().exp() * feats @ t.t()        # [B, S, C]
+        if w is None:
+            return logits, logits[:, 0], feats, t
+        fused = torch.einsum("k,bkc->bc", w.float().softmax(0), logits)  # sum_k alpha_k logits_k
+    return logits, fused, feats, t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,14 +443,17 @@ class DeAR(nn.Module):
 
 
 def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
-    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion * -log alpha_cls.
-    Returns the total and its parts (floats) for the log."""
-    ce = F.cross_entropy(out["fused"].float(), labels)
-    reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
-    reg_txt = 1 - F.cosine_similarity(out["t"].float(), t0.float(), dim=-1).mean()
-    fusion = -alpha[0].log()
-    total = ce + lambda_reg * (reg_img + reg_txt) + lambda_fusion * fusion
-    return total, {"ce": ce.item(), "reg_img": reg_img.item(), "reg_txt": reg_txt.item(), "fusion": fusion.item()}
+    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion * -log alpha_cls,
+    in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the device: reading them waits
+    for it, which the training loop does only at log lines)."""
+    with torch.autocast(labels.device.type, enabled=False):
+        ce = F.cross_entropy(out["fused"].float(), labels)
+        reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
+        reg_txt = 1 - F.cosine_similarity(out["t"].float(), t0.float(), dim=-1).mean()
+        fusion = -alpha[0].float().log()
+        total = ce + lambda_reg * (reg_img + reg_txt) + lambda_fusion * fusion
+    parts = {"ce": ce, "reg_img": reg_img, "reg_txt": reg_txt, "fusion": fusion}
+    return total, {k: v.detach() for k, v in parts.items()}
 
 
 def harmonic_mean(base: float, novel: float) -> float:
@@ -548,6 +603,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         print(f"done already: {results_path} (pass --force to redo)")
         return read_json(results_path)
     device = pick_device(cfg.device)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # amp -> fp16 / fp32
     train_ds, evals = build_eval_sets(cfg)  # every dataset checked before anything is written
     try:
         os.makedirs(rdir, exist_ok=True)
@@ -606,7 +662,7 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
                          attr_tokens=use_tokens, alpha_cls=cfg.alpha_cls).to(device)
         except ValueError as e:
             raise RunError(str(e)) from e
-        config = dict(config, resolved={"J": cfg.J}, roles_used=roles_used)
+        config = dict(config, resolved={"J": cfg.J, "precision": cfg.precision}, roles_used=roles_used)
         atomic_save(config, os.path.join(rdir, "config.json"), as_json=True)
         t0 = time.time()
         if cfg.eval_only:
@@ -631,10 +687,12 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
         results["warnings"] = list(dict.fromkeys(w for ds in [train_ds] + [e[0] for e in evals] if ds is not None
                                                  for w in ds.warnings))  # data.py's warnings, each once
         for ds, split, rule in evals:
+            beta = eval_beta(cfg, ds.name)  # xd targets: MMRL++'s test-time beta
+            model.set_beta(beta)
             r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
                          name=f"{ds.name}/{split}")
-            results["evals"].append({"dataset": ds.name, "split": split, **r})
-            log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits)")
+            results["evals"].append({"dataset": ds.name, "split": split, "beta": beta, **r})
+            log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits, beta {beta})")
         if cfg.protocol == "b2n":
             results["hm"] = harmonic_mean(results["evals"][0]["accuracy"], results["evals"][1]["accuracy"])
             log(f"HM {results['hm']:.2f}")
@@ -696,11 +754,14 @@ def parse_args(argv=None) -> Config:
                    help="ablation: no attribute tokens at all (the model is then frozen CLIP)")
     g.add_argument("--novel-logits", default=d.novel_logits, choices=["fused", "cls"],
                    help="logits on novel classes and target datasets; cls is MMRL's class-only rule (default: %(default)s)")
+    g.add_argument("--target-beta", default=d.target_beta, choices=["table", "source"],
+                   help="xd: beta of each target dataset; table: MMRL++'s test-time beta per target (ImageNet-V2 "
+                        "0.9 ... Food101 0.3), source: the source's beta for every target (default: %(default)s)")
     g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=None,
-                   help="default: 10 (b2n), 5 (b2n ImageNet), 30 (b2n toyworld), 50 (fewshot), 1 (xd)")
-    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (b2n ImageNet, fewshot, xd)")
+                   help="default: 10 (b2n), 30 (b2n toyworld), 50 (fewshot), 5 (ImageNet b2n and fewshot), 1 (xd)")
+    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
     g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
     g.add_argument("--crop-scale", type=float, default=None,
                    help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
@@ -709,6 +770,11 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--workers", type=int, default=None,
                    help="data-loading processes (default: 4, or fewer on a machine with fewer CPUs)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--precision", default=d.precision, choices=list(PRECISIONS),
+                   help="amp: MMRL's PREC amp, autocast fp16 + GradScaler on CUDA, fp32 on CPU; fp16: the same, "
+                        "CUDA only; bf16: autocast bf16 (CUDA, or CPU autocast); fp32: no autocast. Parameters "
+                        "stay fp32 and the logits, fusion and loss are fp32 in every mode; config.json records the "
+                        "precision used (default: %(default)s)")
     g = p.add_argument_group("runs")
     g.add_argument("--eval-only", action="store_true", help="evaluate the model of --load on --dataset / --protocol")
     g.add_argument("--load", default=None, help="a finished run folder (holding model.pt and config.json)")

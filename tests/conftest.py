@@ -46,6 +46,10 @@ def tiny_clip(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8,
     return build_model(sd)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where there is none (select: -m cuda)")
+
+
 @pytest.fixture
 def tiny_model():
     """The default tiny CLIP: ViT 4 blocks x 4 heads, width 64, 32x32 images, patch 8; text 2 blocks."""

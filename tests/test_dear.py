@@ -322,6 +322,96 @@ def test_fusion_weights_and_loss_terms():
     assert total.item() == pytest.approx(ce + 2.0 * (reg_img + reg_txt) - 0.5 * math.log(0.7), rel=1e-5)
 
 
+def test_head_is_fp32_under_bf16_autocast(monkeypatch):
+    """DeAR.forward under CPU bf16 autocast, fed bf16 features (as the towers give them): the logits and the
+    fused logits equal an fp64 computation by hand from the same features, and every top-1 matches it, on 100
+    close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64) tie or swap about 13% of them."""
+    g = torch.Generator().manual_seed(0)
+    B, C, E = 128, 100, 64
+    t = F.normalize(torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1)  # close classes
+    center = t.mean(0, keepdim=True)
+    f_cls = F.normalize(center + 0.5 * torch.randn(B, E, generator=g), dim=-1).bfloat16()
+    f_attr = F.normalize(center + 0.5 * torch.randn(B, K, E, generator=g), dim=-1).bfloat16()
+    model = DeAR(tiny_clip(text_layers=3), roles_all("mixed"), J=3)
+    with torch.no_grad():
+        model.clip.logit_scale.fill_(math.log(100.0))  # CLIP's trained scale
+        model.w.copy_(torch.randn(1 + K, generator=g))
+    monkeypatch.setattr(model, "encode_images", lambda images, with_frozen=False: (f_cls, f_attr, None))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.zeros(B, 3, 32, 32), t=t.bfloat16())
+    # by hand, in fp64: 100 * cos of each feature set with each class, fused with alpha = softmax(w)
+    feats = torch.cat([f_cls.double()[:, None], f_attr.double()], 1)                       # [B, 1+K, E]
+    feats, tt = feats / feats.norm(dim=-1, keepdim=True), t.bfloat16().double()
+    tt = tt / tt.norm(dim=-1, keepdim=True)
+    logits = 100.0 * torch.einsum("bke,ce->bkc", feats, tt)
+    w = model.w.detach().double()
+    fused = (w.exp() / w.exp().sum())[None, :, None].mul(logits).sum(1)
+    assert out["logits"].dtype == out["fused"].dtype == torch.float32
+    assert (out["logits"].double() - logits).abs().max() < 1e-4
+    assert (out["fused"].double() - fused).abs().max() < 1e-4
+    top2 = fused.topk(2, -1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # the reference top-1 is unambiguous in fp32
+    assert torch.equal(out["fused"].argmax(-1), fused.argmax(-1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the case is sensitive: a bf16 head gets many wrong
+        half = torch.einsum("k,bkc->bc", model.alpha().detach(), 100.0 * feats.float() @ tt.float().t())
+    assert (half.argmax(-1) != fused.argmax(-1)).sum() >= 5
+
+
+def test_aligners_start_identical_and_R_init_unchanged():
+    """As MMRL: one aligner of each kind initialised and copied to every block; R is still N(0, 0.02), drawn first."""
+    torch.manual_seed(7)
+    tokens = dear.AttributeTokens(4, 16, 24, 20)
+    torch.manual_seed(7)
+    assert torch.equal(tokens.R, torch.randn(K, 16) * 0.02)
+    for aligners in (tokens.F_v, tokens.F_t):
+        for a in aligners[1:]:
+            assert torch.equal(a.weight, aligners[0].weight) and torch.equal(a.bias, aligners[0].bias)
+            assert a.weight.data_ptr() != aligners[0].weight.data_ptr()  # copies, trained apart
+    assert not torch.equal(tokens.F_v[0].weight[:20], tokens.F_t[0].weight)  # vision and text: separate draws
+    bound = 1 / math.sqrt(16)  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in))
+    assert tokens.F_v[0].weight.abs().max() <= bound and tokens.F_v[0].weight.std() > bound / 3
+
+
+def test_set_beta_equals_a_model_built_with_that_beta():
+    clip_model = tiny_clip(text_layers=3)
+    torch.manual_seed(0)
+    a = DeAR(clip_model, roles_all("mixed"), J=2, beta=0.9)
+    b = DeAR(clip_model, roles_all("mixed"), J=2, beta=0.3)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m.set_classes(["cat", "dog"], "a photo of a {}.")
+    images = torch.randn(2, 3, 32, 32)
+    before = a(images)["fused"]
+    a.set_beta(0.3)
+    assert torch.allclose(a(images)["fused"], b(images)["fused"], atol=1e-5)
+    assert not torch.allclose(before, b(images)["fused"], atol=1e-3)  # beta matters here
+    with pytest.raises(ValueError, match="beta"):
+        a.set_beta(1.5)
+
+
+def test_xd_targets_get_mmrl_pp_test_time_beta():
+    """SPEC §3 (MMRL++ config.py, task CD), restated by hand with the paper's dataset names."""
+    published = {"ImageNet-V2": 0.9, "ImageNet-R": 0.9, "ImageNet-A": 0.8, "ImageNet-Sketch": 0.7,
+                 "FGVCAircraft": 0.9, "UCF101": 0.9, "SUN397": 0.7, "OxfordPets": 0.6, "Caltech101": 0.6,
+                 "DTD": 0.5, "OxfordFlowers": 0.4, "StanfordCars": 0.3, "EuroSAT": 0.3, "Food101": 0.3}
+    ours = {"ImageNet-V2": "imagenetv2", "ImageNet-R": "imagenet_r", "ImageNet-A": "imagenet_a",
+            "ImageNet-Sketch": "imagenet_sketch", "FGVCAircraft": "fgvc_aircraft", "UCF101": "ucf101",
+            "SUN397": "sun397", "OxfordPets": "oxford_pets", "Caltech101": "caltech101", "DTD": "dtd",
+            "OxfordFlowers": "oxford_flowers", "StanfordCars": "stanford_cars", "EuroSAT": "eurosat",
+            "Food101": "food101"}
+    xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
+    assert set(ours.values()) == set(dear.data.DG_TARGETS + dear.data.B2N_DATASETS) - {"imagenet"}
+    for name, beta in published.items():
+        assert dear.eval_beta(xd, ours[name]) == beta, name
+    assert dear.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
+    assert dear.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
+    source = dear.resolve(dear.Config(dataset="imagenet", protocol="xd", beta=0.6, target_beta="source"))
+    assert all(dear.eval_beta(source, n) == 0.6 for n in ours.values())
+    b2n = dear.resolve(dear.Config(dataset="dtd"))
+    assert dear.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
+    assert dear.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
+
+
 def test_schedule_values():
     cfg = dear.resolve(dear.Config(dataset="dtd", protocol="b2n"))
     assert (cfg.epochs, cfg.batch_size, cfg.beta, cfg.lambda_reg) == (10, 4, 0.9, 7.0)
@@ -334,6 +424,12 @@ def test_schedule_values():
     assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
     assert train.lr_at(0, xd) == pytest.approx(1e-3)
     assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
+    # few-shot: ImageNet 5 epochs / batch 32 (MMRL's few-shot script: vit_b16_imagenet), the others 50 / 32
+    imagenet_fs = dear.resolve(dear.Config(dataset="imagenet", protocol="fewshot"))
+    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs) == (5, 32, 1)
+    for name in ("dtd", "eurosat", "food101"):
+        fs = dear.resolve(dear.Config(dataset=name, protocol="fewshot"))
+        assert (fs.epochs, fs.batch_size, fs.warmup_epochs) == (50, 32, 1)
 
 
 def test_bad_values_are_refused():
@@ -510,3 +606,39 @@ def test_bad_roles_file_and_device_stop_with_a_message(world, tmp_path, capsys):
     with pytest.raises(SystemExit):
         dear.main(cli(world, tmp_path / "r", "--backbone", str(corrupt), "--force"))
     assert "cannot load the CLIP backbone" in capsys.readouterr().err
+
+
+def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatch, capsys):
+    """xd: the source is evaluated with its own beta and a target with MMRL++'s test-time beta (here a folder
+    target given a table entry); results.json says which; --target-beta source evaluates it with the source's.
+    config.json records the precision used (fp32 on a CPU by default, bf16 when asked; fp16 is refused)."""
+    import json
+    import shutil
+    root = world[0]
+    target = tmp_path / "target"
+    shutil.copytree(root / "colors", target)
+    monkeypatch.setitem(dear.XD_TARGET_BETA, f"folder:{target}", 0.3)
+    roles = tmp_path / "roles.json"
+    roles.write_text(json.dumps(fake_roles_doc(model_name=world[1])))
+    seen = []
+    real_evaluate = dear.evaluate
+
+    def evaluate(model, *args, **kw):  # the beta the model really has during each evaluation
+        seen.append(model.beta)
+        return real_evaluate(model, *args, **kw)
+    monkeypatch.setattr(dear, "evaluate", evaluate)
+    args = cli(world, tmp_path / "runs", "--protocol", "xd", "--targets", f"folder:{target}", "--roles", str(roles),
+               "--device", "cpu")
+    dear.main(args)
+    (rdir,) = (tmp_path / "runs" / "xd").glob("*/dear-*")
+    results = json.loads((rdir / "results.json").read_text())
+    assert [(e["dataset"], e["beta"]) for e in results["evals"]] == [(world[2], 0.9), (f"folder:{target}", 0.3)]
+    assert seen == [0.9, 0.3]
+    assert json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"  # amp on a CPU
+    dear.main(args + ["--eval-only", "--load", str(rdir), "--target-beta", "source", "--precision", "bf16"])
+    (again,) = (rdir / "eval").rglob("results.json")
+    assert [e["beta"] for e in json.loads(again.read_text())["evals"]] == [0.9, 0.9] and seen[2:] == [0.9, 0.9]
+    assert json.loads((again.parent / "config.json").read_text())["precision"] == "bf16"
+    with pytest.raises(SystemExit) as stop:
+        dear.main(args + ["--precision", "fp16", "--force"])
+    assert stop.value.code == 2 and "fp16 needs a CUDA device" in capsys.readouterr().err
