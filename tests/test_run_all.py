@@ -448,19 +448,56 @@ def test_bad_options_stop_with_one_clear_message(fake, tmp_path):
     assert "Usage:" in run_all(["--help"], env, tmp_path).stdout
 
 
+def assert_points_onwards(err, check=True):
+    """The next steps every failed check ends with: the full list, the download command, the offline demo."""
+    assert ("run_all.sh --check --root " in err) == check            # --check itself does not point at --check
+    assert "data.py download NAME --root " in err
+    assert "run_all.sh --smoke" in err
+
+
+def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
+    """No data at all (the default ./data does not exist): say so once, and where to go next; start nothing."""
+    env, calls_file = fake
+    p = run_all(["--out", str(tmp_path / "out")], env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")
+    assert out.count("not found") == 1                                # once, not once per dataset
+    assert f"data root not found: {tmp_path / 'data'}, so the 15 datasets the stages need are all missing" in out
+    assert "MISSING" not in out and len(out.strip().splitlines()) <= 10
+    assert_points_onwards(p.stderr)
+
+    p = run_all(["--check"], env, tmp_path)                          # --check on the missing root: once too
+    assert p.returncode == 2 and (p.stdout + p.stderr).count("not found") == 1
+    for name in tables.B2N_DATASETS + tables.DG_TARGETS:             # ... with where each dataset goes
+        assert sum(line.split()[:1] == [name] for line in p.stderr.splitlines()) == 1, name
+    assert "  imagenet_a       DATA/imagenet-adversarial/imagenet-a/" in p.stderr
+    assert_points_onwards(p.stderr, check=False)
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "data.py")), reason="data.py is not written yet")
-def test_check_reports_every_missing_dataset_before_running(fake, tmp_path):
+def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tmp_path):
     env, calls_file = fake
     (tmp_path / "empty").mkdir()
-    p = run_all(["--root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")], env, tmp_path)
+    p = run_all(["--root", "empty", "--out", str(tmp_path / "out")], env, tmp_path)
     assert p.returncode == 2
-    for name in tables.B2N_DATASETS + tables.DG_TARGETS:
-        assert f"MISSING  {name}" in p.stdout
-    assert "15 dataset(s) missing" in p.stderr
     assert calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")   # nothing started
+    names = tables.B2N_DATASETS + tables.DG_TARGETS
+    assert "15 of 15 datasets missing under --root empty: " + ", ".join(names) in p.stderr
+    assert "The first, imagenet:\n    ImageNet folder not found: " in p.stderr      # the first one's fix, only
+    assert p.stderr.count("folder not found") == 1 and "MISSING" not in p.stdout
+    assert len((p.stdout + p.stderr).strip().splitlines()) <= 12
+    assert_points_onwards(p.stderr)
 
-    p = run_all(["--check", "--stages", "roles,ablations", "--root", str(tmp_path / "empty")], env, tmp_path)
-    assert p.returncode == 2 and "4 dataset(s) missing" in p.stderr   # 3 ablation datasets + the roles probe
+    p = run_all(["--check", "--root", "empty"], env, tmp_path)       # the full list, each with its fix
+    assert p.returncode == 2
+    for name in names:
+        assert f"MISSING  {name}" in p.stdout
+    assert "15 of 15 datasets missing under --root empty:" in p.stderr and p.stderr.count("folder not found") == 15
+    assert_points_onwards(p.stderr, check=False)
+
+    p = run_all(["--check", "--stages", "roles,ablations", "--root", "empty"], env, tmp_path)
+    assert p.returncode == 2 and "4 of 4 datasets missing" in p.stderr   # 3 ablation datasets + the roles probe
+
 
 # ----------------------------------------------------------------------------------------------
 # The whole pipeline on the toy world (real dear.py, entropy.py, data.py, toyworld.py)
