@@ -108,12 +108,13 @@ PUBLISHED = [
     Ref(PAPER_DEAR, "dg", "imagenet_a", "acc", "51.80", "summary"),
     Ref(PAPER_DEAR, "dg", "imagenet_r", "acc", "78.83", "summary"),
     Ref(PAPER_DEAR, "xd", AVG, "acc", "67.60", "summary"),
-    # MMRL, cross-dataset average: VaMP's 67.74 less the "+0.49 over MMRL" of a summary of VaMP.
+    # MMRL, cross-dataset average: "about 67.25" (paper.md §5.2), from a summary of VaMP.
     Ref(MMRL_PUB, "xd", AVG, "acc", "67.25", "derived",
-        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less the \"+0.49 over MMRL\" that a summary of "
-        "the VaMP paper gives."),
+        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a summary of "
+        "the VaMP paper gives them."),
 ]
-# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> "base / novel / hm", source.
+# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> "base / novel / hm"; each number is
+# recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in an issue).
 _B2N_REFERENCE = {
     CLIP_PUB: {
         "imagenet": "72.43 / 68.14 / 70.22", "caltech101": "96.84 / 94.00 / 95.40",
