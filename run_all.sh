@@ -35,7 +35,8 @@ Options:
   --seeds "1 2 3"   seeds (default: $SEEDS or "1 2 3")
   --backbone NAME   CLIP backbone (default: ViT-B/16)
   --list            print the job list, one full command line per line, and exit
-  --check           only check that the datasets the stages need are present, and exit
+  --check           only check the datasets the stages need: list each one, with the fix for each
+                    missing one, and exit (a run checks first too, and stops with a summary)
   --no-check        do not check the datasets before starting
   --smoke           the same stages on the toy world (backbone "toy", 1 seed, tiny epochs, CPU)
   -h, --help        this help
@@ -265,19 +266,43 @@ fi
 
 CHECK_PY='
 import os, sys
+full, root, names = sys.argv[2] == "full", sys.argv[3], sys.argv[4:]
+where = os.path.abspath(os.path.expanduser(root))
+count = lambda n: f"{n} dataset" + "s" * (n != 1)
+if not os.path.isdir(where) and not any(n == "toyworld" or n.startswith("folder:") for n in names):
+    # no root at all: say so once, not once per dataset (and before the slow import of data.py)
+    print(f"data root not found: {where}, so the {count(len(names))} the stages need are all missing", file=sys.stderr)
+    if full:
+        sys.path.insert(0, sys.argv[1])
+        import data
+        print("where each one goes under --root DATA:", file=sys.stderr)
+        for n in names:
+            print(f"  {n:<16} DATA/{data.DATASETS[n].layout()}", file=sys.stderr)
+    print("Pass --root DATA, the folder that holds the datasets in the layout of CoOp\x27s DATASETS.md.", file=sys.stderr)
+    sys.exit(3)
 sys.path.insert(0, sys.argv[1])
 import data
 missing = []
-for name in sys.argv[3:]:
+for name in names:
     try:
-        data.build_dataset(name, sys.argv[2])
-        print(f"  ok       {name}", flush=True)
+        data.build_dataset(name, root)
+        if full:
+            print(f"  ok       {name}", flush=True)
     except data.DataError as e:
-        print(f"  MISSING  {name}", flush=True)
-        missing.append(f"{name}:\n    " + str(e).replace("\n", "\n    "))
-if missing:
-    print(f"\n{len(missing)} dataset(s) missing under --root {sys.argv[2]}:\n\n" + "\n\n".join(missing), file=sys.stderr)
-    sys.exit(1)
+        if full:
+            print(f"  MISSING  {name}", flush=True)
+        missing.append((name, "    " + str(e).replace("\n", "\n    ")))
+if not missing:
+    sys.exit(0)
+summary = f"{len(missing)} of {count(len(names))} missing under --root {root}"
+if full:   # every missing dataset with its fix
+    print(f"\n{summary}:\n\n"
+          + "\n\n".join(f"{n}:\n{fix}" for n, fix in missing), file=sys.stderr)
+else:      # a summary: which ones, and the fix of the first
+    listed = ", ".join(n for n, _ in missing)
+    print(f"{summary}: {listed}\n"
+          f"The first, {missing[0][0]}:\n" + missing[0][1], file=sys.stderr)
+sys.exit(3)   # 3: datasets missing (any other failure is the check itself)
 '
 needed_datasets() {
     local names=()
@@ -287,22 +312,31 @@ needed_datasets() {
     if want roles; then names+=("${B2N_DATASETS[0]}"); fi
     [[ ${#names[@]} -eq 0 ]] || printf '%s\n' "${names[@]}" | awk '!seen[$0]++'
 }
+# check_data full|brief: "full" (--check) lists every dataset and every fix; "brief" (before a run) one summary.
+# Either way it ends with where to go next: the full list, the download command, the offline demo.
 check_data() {
-    local names
+    local names me here rc=0
     mapfile -t names < <(needed_datasets)
     [[ ${#names[@]} -gt 0 ]] || return 0
     echo "checking ${#names[@]} dataset(s) under $ROOT"
-    if "$PYTHON" -c "$CHECK_PY" "$HERE" "$ROOT" "${names[@]}"; then
-        return 0
-    fi
-    echo "Fix the paths above (or pass --root), or leave stages out with --skip; python data.py --help shows the layout." >&2
+    "$PYTHON" -c "$CHECK_PY" "$HERE" "$1" "$ROOT" "${names[@]}" || rc=$?
+    [[ $rc != 0 ]] || return 0
+    [[ $rc == 3 ]] || { echo "run_all.sh: the dataset check itself failed (see above); --no-check skips it" >&2; return 1; }
+    me="$(dirname "$0")"; here="${me%/}/"; [[ $me != . ]] || here=""   # the commands as the user would type them
+    {
+        echo
+        [[ $1 == full ]] || echo "  every dataset with its fix:  bash ${here}run_all.sh --check $(quote --root "$ROOT")"
+        echo "  get a dataset:               $(quote "$PYTHON" "${here}data.py" download) NAME $(quote --root "$ROOT")   ($(quote "$PYTHON" "${here}data.py") --help lists the names)"
+        echo "  try it offline first:        bash ${here}run_all.sh --smoke --out smoke   (the toy world on the CPU, no download)"
+        echo "  or leave stages out with --skip (e.g. --skip xd,fewshot)"
+    } >&2
     return 1
 }
 
 if [[ $MODE == check ]]; then
-    check_data && exit 0 || exit 2
+    check_data full && exit 0 || exit 2
 fi
-if [[ $CHECK == 1 ]]; then check_data || exit 2; fi
+if [[ $CHECK == 1 ]]; then check_data brief || exit 2; fi
 
 # ------------------------------------------------------------------------------------------------
 # Running: one job per GPU slot (GPUS="0 1 ..."), or one after another (GPUS unset).

@@ -1,13 +1,19 @@
-"""Every results.json under an output root -> the paper's tables, in Markdown and CSV.
+"""Every results.json under an output root -> the paper's tables, in Markdown and CSV, beside the
+reference numbers of zero-shot CLIP, MMRL and DeAR, each marked with where it comes from.
 
     python tables.py --out runs          # writes runs/tables/tables.md and runs/tables/table*.csv
+
+Run by run_all.sh's last stage (and by hand after runs launched some other way); it reads the
+results.json files that dear.py writes and the roles.md files that entropy.py writes.
 
 Each cell computed here is the mean over seeds, with the standard deviation over seeds (np.std,
 ddof=0, as CoOp's parse_test_res.py) and the number of seeds. Base-to-novel HM follows CoOp:
 HM = 2BN/(B+N) of the seed-averaged B and N, and the "Average" row is the HM of the averaged base
 and novel accuracies (not the mean of the per-dataset HMs). A cell with no run behind it is "–":
-nothing is ever filled in. Published numbers sit in one table, PUBLISHED, with their sources; they
-are printed only for the ViT-B/16 backbone, the one they were measured on.
+nothing is ever filled in. Reference numbers sit in one list, PUBLISHED: each keeps the text its
+source prints (so its precision) and a source from SOURCES (paper table, summary, reprinted,
+recalled, derived), printed as a letter after it; they are shown only for the ViT-B/16 backbone,
+the one they were measured on.
 """
 import argparse
 import csv
@@ -17,6 +23,7 @@ import math
 import os
 import re
 import sys
+from typing import NamedTuple
 
 from util import write_atomic
 
@@ -42,97 +49,143 @@ OURS_DEAR = "DeAR (this code)"
 PAPER_DEAR = "DeAR (paper)"
 
 # ----------------------------------------------------------------------------------------------
-# Published numbers (ViT-B/16, 16 shots, mean of 3 seeds). One row per number:
-#   (row label, protocol, dataset, metric, value, note)
-# protocol: "b2n" (metric base/novel/hm) or "dg"/"xd" (metric "acc"); dataset AVG = the paper's
-# average. note: "" = printed as published; "derived" = not printed anywhere, computed from
-# printed numbers (explained in NOTES); "recalled"/"approx" = see NOTES.
-# Sources: ../research/paper.md §5 (DeAR: the paper's benchmark page and the seed documents of
-# this reproduction) and ../research/anchors.md §5.6 (CLIP, MMRL: their own papers).
+# Reference numbers (ViT-B/16, 16 shots, mean of 3 seeds), each with where it comes from. The
+# number is kept as the text its source prints, so its digits are its precision ("83.9" stays
+# "83.9"). Where each one was checked: ../research/paper.md §5 and ../research/anchors.md §5.6;
+# the DeAR numbers are those of SPEC.md §5.
 
-PUBLISHED = [
-    # DeAR, base-to-novel: average base and two per-dataset bases (paper's benchmark page),
-    # average HM (seed documents); average novel derived from "+1.83 novel over MMRL" (77.16).
-    (PAPER_DEAR, "b2n", AVG, "base", 85.94, ""),
-    (PAPER_DEAR, "b2n", AVG, "novel", 78.99, "derived"),
-    (PAPER_DEAR, "b2n", AVG, "hm", 82.72, ""),
-    (PAPER_DEAR, "b2n", "dtd", "base", 83.9, ""),
-    (PAPER_DEAR, "b2n", "imagenet", "base", 78.12, ""),
-    # DeAR, domain generalisation and cross-dataset (seed documents).
-    (PAPER_DEAR, "dg", "imagenet_a", "acc", 51.80, ""),
-    (PAPER_DEAR, "dg", "imagenet_r", "acc", 78.83, ""),
-    (PAPER_DEAR, "xd", AVG, "acc", 67.60, ""),
-]
-# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> (base, novel, hm).
-_B2N_REFERENCE = {
-    "CLIP (published)": {
-        "imagenet": (72.43, 68.14, 70.22), "caltech101": (96.84, 94.00, 95.40),
-        "oxford_pets": (91.17, 97.26, 94.12), "stanford_cars": (63.37, 74.89, 68.65),
-        "oxford_flowers": (72.08, 77.80, 74.83), "food101": (90.10, 91.22, 90.66),
-        "fgvc_aircraft": (27.19, 36.29, 31.09), "sun397": (69.36, 75.35, 72.23),
-        "dtd": (53.24, 59.90, 56.37), "eurosat": (56.48, 64.05, 60.03),
-        "ucf101": (70.53, 77.50, 73.85), AVG: (69.34, 74.22, 71.70)},
-    "MMRL (published)": {
-        "imagenet": (77.90, 71.30, 74.45), "caltech101": (98.97, 94.50, 96.68),
-        "oxford_pets": (95.90, 97.60, 96.74), "stanford_cars": (81.30, 75.07, 78.06),
-        "oxford_flowers": (98.97, 77.27, 86.78), "food101": (90.57, 91.50, 91.03),
-        "fgvc_aircraft": (46.30, 37.03, 41.15), "sun397": (83.20, 79.30, 81.20),
-        "dtd": (85.67, 65.00, 73.82), "eurosat": (95.60, 80.17, 87.21),
-        "ucf101": (88.10, 80.07, 83.89), AVG: (85.68, 77.16, 81.20)},
+# source key -> (letter printed after the number, short name for the header, what it means)
+SOURCES = {
+    "paper_table": ("p", "DeAR's paper table",
+                    "DeAR's own results table, as extracted on wizwand.com's page for the paper "
+                    "(the paper's tables themselves could not be read)"),
+    "summary": ("s", "a summary of the DeAR paper",
+                "public summaries of the DeAR paper; not confirmed against its tables, which could not be read"),
+    "readme": ("m", "a published average, reprinted",
+               "published average, reprinted in the MaPLe and PromptSRC READMEs"),
+    "issue": ("i", "a published row, reprinted", "MMRL's published EuroSAT row, as quoted in yunncheng/MMRL issue #14"),
+    "listing": ("l", "recalled, confirmed by a listing", "recalled from the CoCoOp/MaPLe papers and confirmed by a "
+                "benchmark listing"),
+    "checked": ("c", "recalled, checked against summaries",
+                "recalled from the MMRL paper and checked against public summaries (of the DeAR and VaMP papers)"),
+    "recalled": ("r", "recalled", "recalled from the CoCoOp, MaPLe and MMRL papers, not re-read; in base-to-novel, "
+                 "each row's 11 datasets average to its published base and novel averages"),
+    "derived": ("d", "derived here", "derived here from other reference numbers, printed nowhere (how: below)"),
 }
+
+
+class Ref(NamedTuple):
+    """One reference number: where it sits in the tables, its text as its source prints it, its source."""
+    row: str          # row label (CLIP_PUB, MMRL_PUB, PAPER_DEAR)
+    protocol: str     # "b2n" (metric base/novel/hm) or "dg"/"xd" (metric "acc")
+    dataset: str      # a dataset name, or AVG for the published average
+    metric: str
+    text: str         # e.g. "83.9": the value, with the source's precision
+    source: str       # a key of SOURCES
+    remark: str = ""  # printed under the table (how a derived number was made, a known inconsistency)
+
+    @property
+    def value(self):
+        return float(self.text)
+
+    @property
+    def decimals(self):
+        return len(self.text.partition(".")[2])
+
+
+CLIP_PUB, MMRL_PUB = "CLIP (published)", "MMRL (published)"
+PUBLISHED = [
+    # DeAR, base-to-novel: average base and two per-dataset bases (the paper's table on wizwand.com),
+    # average HM (summaries); average novel derived from the summaries' "+1.83 novel over MMRL".
+    Ref(PAPER_DEAR, "b2n", AVG, "base", "85.94", "paper_table"),
+    Ref(PAPER_DEAR, "b2n", AVG, "novel", "78.99", "derived",
+        "DeAR's average novel 78.99 = MMRL's 77.16 + the \"+1.83 novel over MMRL\" of the summaries. "
+        "HM(85.94, 78.99) = 82.32, not the 82.72 the summaries give: one of them is off; both are printed as given."),
+    Ref(PAPER_DEAR, "b2n", AVG, "hm", "82.72", "summary"),
+    Ref(PAPER_DEAR, "b2n", "dtd", "base", "83.9", "paper_table"),
+    Ref(PAPER_DEAR, "b2n", "imagenet", "base", "78.12", "paper_table"),
+    # DeAR, domain generalisation and cross-dataset (summaries).
+    Ref(PAPER_DEAR, "dg", "imagenet_a", "acc", "51.80", "summary"),
+    Ref(PAPER_DEAR, "dg", "imagenet_r", "acc", "78.83", "summary"),
+    Ref(PAPER_DEAR, "xd", AVG, "acc", "67.60", "summary"),
+    # MMRL, cross-dataset average: "about 67.25" (paper.md §5.2), from a summary of VaMP.
+    Ref(MMRL_PUB, "xd", AVG, "acc", "67.25", "derived",
+        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a summary of "
+        "the VaMP paper gives them."),
+]
+# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> "base / novel / hm"; each number is
+# recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in an issue).
+_B2N_REFERENCE = {
+    CLIP_PUB: {
+        "imagenet": "72.43 / 68.14 / 70.22", "caltech101": "96.84 / 94.00 / 95.40",
+        "oxford_pets": "91.17 / 97.26 / 94.12", "stanford_cars": "63.37 / 74.89 / 68.65",
+        "oxford_flowers": "72.08 / 77.80 / 74.83", "food101": "90.10 / 91.22 / 90.66",
+        "fgvc_aircraft": "27.19 / 36.29 / 31.09", "sun397": "69.36 / 75.35 / 72.23",
+        "dtd": "53.24 / 59.90 / 56.37", "eurosat": "56.48 / 64.05 / 60.03",
+        "ucf101": "70.53 / 77.50 / 73.85", AVG: "69.34 / 74.22 / 71.70"},
+    MMRL_PUB: {
+        "imagenet": "77.90 / 71.30 / 74.45", "caltech101": "98.97 / 94.50 / 96.68",
+        "oxford_pets": "95.90 / 97.60 / 96.74", "stanford_cars": "81.30 / 75.07 / 78.06",
+        "oxford_flowers": "98.97 / 77.27 / 86.78", "food101": "90.57 / 91.50 / 91.03",
+        "fgvc_aircraft": "46.30 / 37.03 / 41.15", "sun397": "83.20 / 79.30 / 81.20",
+        "dtd": "85.67 / 65.00 / 73.8", "eurosat": "95.60 / 80.17 / 87.21",
+        "ucf101": "88.10 / 80.07 / 83.89", AVG: "85.68 / 77.16 / 81.20"},
+}
+_B2N_SOURCE = {(CLIP_PUB, AVG): "readme", (MMRL_PUB, AVG): "checked", (MMRL_PUB, "eurosat"): "issue"}
+_REMARKS = {(MMRL_PUB, "dtd", "hm"): "MMRL's DTD HM is recalled only as 73.8x; 2BN/(B+N) of its base 85.67 and "
+                                    "novel 65.00 is 73.92, so one of the three is off."}
 for _row, _table in _B2N_REFERENCE.items():
     for _ds, _bnh in _table.items():
-        for _metric, _value in zip(("base", "novel", "hm"), _bnh):
-            PUBLISHED.append((_row, "b2n", _ds, _metric, _value, "recalled" if _row.startswith("CLIP") else ""))
-# Domain generalisation, all classes (anchors §5.6 for CLIP, research/paper.md §5.2 for MMRL).
-for _ds, _clip, _mmrl in zip(("imagenet",) + DG_TARGETS, (66.7, 60.8, 46.2, 47.8, 74.0),
-                             (72.03, 64.47, 49.17, 51.20, 77.53)):
-    PUBLISHED.append(("CLIP (published)", "dg", _ds, "acc", _clip, "recalled"))
-    PUBLISHED.append(("MMRL (published)", "dg", _ds, "acc", _mmrl, ""))
-PUBLISHED.append(("MMRL (published)", "xd", AVG, "acc", 67.25, "approx"))
-
-NOTES = {
-    "derived": "derived, not printed by the paper: MMRL's average novel 77.16 + the paper's "
-               "\"+1.83 novel over MMRL\" = 78.99. The seed documents are not fully consistent: "
-               "HM(85.94, 78.99) = 82.32, while the average HM they give is 82.72; both are printed as given.",
-    "recalled": "recalled from the CoOp/CoCoOp/MaPLe papers (research/anchors.md §5.6); the "
-                "base-to-novel rows reproduce their published averages.",
-    "approx": "approximate (\"about 67.25\", research/paper.md §5.2).",
-    "mmrl_dtd": "MMRL DTD HM 73.82 as recalled; 2BN/(B+N) of its base/novel gives 73.92.",
-    "avg_of_published": "average of the published per-target numbers, computed here.",
-}
+        for _metric, _text in zip(("base", "novel", "hm"), _bnh.split(" / ")):
+            PUBLISHED.append(Ref(_row, "b2n", _ds, _metric, _text, _B2N_SOURCE.get((_row, _ds), "recalled"),
+                                 _REMARKS.get((_row, _ds, _metric), "")))
+# Domain generalisation, all classes: CLIP (anchors §5.6, ImageNet-A confirmed by a listing), MMRL (paper.md §5.2).
+for _ds, _clip, _mmrl in zip(("imagenet",) + DG_TARGETS, ("66.73", "60.83", "46.15", "47.77", "73.96"),
+                             ("72.03", "64.47", "49.17", "51.20", "77.53")):
+    PUBLISHED.append(Ref(CLIP_PUB, "dg", _ds, "acc", _clip, "listing" if _ds == "imagenet_a" else "recalled"))
+    PUBLISHED.append(Ref(MMRL_PUB, "dg", _ds, "acc", _mmrl, "checked"))
 
 
 def published(row, protocol, dataset, metric):
-    """(value, note) of a published number, or None."""
-    for r, p, d, m, v, note in PUBLISHED:
-        if (r, p, d, m) == (row, protocol, dataset, metric):
-            return v, note
+    """The Ref of a reference number, or None."""
+    for ref in PUBLISHED:
+        if (ref.row, ref.protocol, ref.dataset, ref.metric) == (row, protocol, dataset, metric):
+            return ref
     return None
 
 
 def published_rows(protocol):
     """Row labels that have published numbers for a protocol, DeAR last."""
     rows = []
-    for r, p, *_ in PUBLISHED:
-        if p == protocol and r not in rows:
-            rows.append(r)
+    for ref in PUBLISHED:
+        if ref.protocol == protocol and ref.row not in rows:
+            rows.append(ref.row)
     return sorted(rows, key=lambda r: r == PAPER_DEAR)
+
+
+def reference_notes(rows):
+    """Notes for the reference cells in `rows`: what each source letter used means, then the remarks."""
+    refs = [c.ref for row in rows for c in row if isinstance(c, Cell) and c.ref is not None]
+    used = {r.source for r in refs}
+    notes = [f"[{letter}] {long}" for key, (letter, _, long) in SOURCES.items() if key in used]
+    for remark in dict.fromkeys(r.remark for r in refs if r.remark):   # once each, in table order
+        notes.append(remark)
+    return notes
 
 # ----------------------------------------------------------------------------------------------
 # Statistics
 
 
 class Cell:
-    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a published value."""
+    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a reference number
+    (ref: its Ref), printed as its source prints it, with the source's letter."""
 
-    def __init__(self, mean, std=None, n=None, note=""):
-        self.mean, self.std, self.n, self.note = mean, std, n, note
+    def __init__(self, mean, std=None, n=None, ref=None):
+        self.mean, self.std, self.n, self.ref = mean, std, n, ref
 
     def text(self):
-        mark = {"derived": "†", "approx": "≈", "avg": "*"}.get(self.note, "")
-        if self.n is None:                                   # a published number
-            return f"{mark}{self.mean:.2f}" if mark == "≈" else f"{self.mean:.2f}{mark}"
+        if self.ref is not None:                             # e.g. "83.9 [p]"
+            return f"{self.ref.text} [{SOURCES[self.ref.source][0]}]"
         return f"{self.mean:.2f} ± {self.std:.2f} (n={self.n})"
 
 
@@ -260,12 +313,15 @@ def datasets_listed(paper_list, found, always=False):
 
 
 def _published_cell(row, protocol, dataset, metric):
-    p = published(row, protocol, dataset, metric)
-    return None if p is None else Cell(p[0], note=p[1])
+    ref = published(row, protocol, dataset, metric)
+    return None if ref is None else Cell(ref.value, ref=ref)
 
 
 def _delta(ours, paper):
-    return None if ours is None or paper is None else f"{ours.mean - paper.mean:+.2f}"
+    """ours − reference, to the reference's precision (83.9 is known to 0.1, not to 0.01)."""
+    if ours is None or paper is None:
+        return None
+    return f"{ours.mean - paper.mean:+.{2 if paper.ref is None else paper.ref.decimals}f}"
 
 
 def table_b2n(runs, backbone):
@@ -296,13 +352,13 @@ def table_b2n(runs, backbone):
         if show_paper:
             for label in published_rows("b2n"):
                 paper[label] = [_published_cell(label, "b2n", ds, m) for m in ("base", "novel", "hm")]
-            clip_pub = paper.get("CLIP (published)")
+            clip_pub = paper.get(CLIP_PUB)
             if clip_pub and any(clip_pub):
-                rows.append(["", "CLIP (published)", *clip_pub])
+                rows.append(["", CLIP_PUB, *clip_pub])
                 rows.append(["", "Δ CLIP: this code − published",
                              *[_delta(o, p) for o, p in zip(ours[OURS_CLIP], clip_pub)]])
-            if any(paper.get("MMRL (published)", [])):
-                rows.append(["", "MMRL (published)", *paper["MMRL (published)"]])
+            if any(paper.get(MMRL_PUB, [])):
+                rows.append(["", MMRL_PUB, *paper[MMRL_PUB]])
         rows.append(["", OURS_DEAR, *ours[OURS_DEAR]])
         if show_paper and any(paper.get(PAPER_DEAR, [])):
             rows.append(["", PAPER_DEAR, *paper[PAPER_DEAR]])
@@ -310,8 +366,7 @@ def table_b2n(runs, backbone):
                          *[_delta(o, p) for o, p in zip(ours[OURS_DEAR], paper[PAPER_DEAR])]])
     notes = [f"Average = HM of the base and novel accuracies averaged over the {len(names)} datasets; "
              "shown only when every dataset has a result."]
-    if show_paper:
-        notes += ["† " + NOTES["derived"], "CLIP (published): " + NOTES["recalled"], NOTES["mmrl_dtd"]]
+    notes += reference_notes(rows)
     return ("Table 1. Base-to-novel generalisation (16 shots): base / novel / HM",
             ["Dataset", "Method", "Base", "Novel", "HM"], rows, notes)
 
@@ -338,11 +393,11 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
     clip_ours, dear_ours = ours(zs), ours(de)
     rows = [[OURS_CLIP, *clip_ours]]
     if show_paper:
-        clip_pub = _published_row("CLIP (published)", protocol, sources, cols)
+        clip_pub = _published_row(CLIP_PUB, protocol, sources, cols)
         if any(clip_pub):
-            rows += [["CLIP (published)", *clip_pub],
+            rows += [[CLIP_PUB, *clip_pub],
                      ["Δ CLIP: this code − published", *[_delta(o, p) for o, p in zip(clip_ours, clip_pub)]]]
-        rows.append(["MMRL (published)", *_published_row("MMRL (published)", protocol, sources, cols)])
+        rows.append([MMRL_PUB, *_published_row(MMRL_PUB, protocol, sources, cols)])
     rows.append([OURS_DEAR, *dear_ours])
     if show_paper:
         pub = _published_row(PAPER_DEAR, protocol, sources, cols)
@@ -352,10 +407,7 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
     notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
              "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
              "on every target without further training."]
-    if show_paper and protocol == "dg":
-        notes += ["CLIP (published): " + NOTES["recalled"], "* " + NOTES["avg_of_published"]]
-    elif show_paper:
-        notes += ["≈ " + NOTES["approx"]]
+    notes += reference_notes(rows)
     return title, header, rows, notes
 
 
@@ -364,8 +416,11 @@ def _published_row(label, protocol, sources, cols):
     cells = [_published_cell(label, protocol, s, "acc") for s in sources]
     tgt = [_published_cell(label, protocol, d, "acc") for d in cols]
     avg = _published_cell(label, protocol, AVG, "acc")
-    if avg is None and tgt and all(tgt):
-        avg = Cell(sum(c.mean for c in tgt) / len(tgt), note="avg")
+    if avg is None and tgt and all(tgt):   # the mean of the published targets, to their precision
+        mean, decimals = sum(c.mean for c in tgt) / len(tgt), max(c.ref.decimals for c in tgt)
+        ref = Ref(label, protocol, AVG, "acc", f"{mean:.{decimals}f}", "derived",
+                  "Average of a published row: the mean of its published targets, computed here.")
+        avg = Cell(mean, ref=ref)
     return cells + tgt + [avg]
 
 
@@ -460,7 +515,7 @@ def csv_text(title, header, rows, backbone):
     """Long format: one line per cell, with mean, std and number of seeds in separate columns."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["backbone", "row", "group", "column", "mean", "std", "n_seeds", "note"])
+    w.writerow(["backbone", "row", "group", "column", "mean", "std", "n_seeds", "note", "source"])
     group = ""
     for row in rows:
         label_cols = 2 if header[:2] == ["Dataset", "Method"] else 1
@@ -468,13 +523,13 @@ def csv_text(title, header, rows, backbone):
             group = row[0] or group
         for col, c in zip(header[label_cols:], row[label_cols:]):
             if c is None:
-                w.writerow([backbone, row[label_cols - 1], group, col, "", "", "", "missing"])
+                w.writerow([backbone, row[label_cols - 1], group, col, "", "", "", "missing", ""])
             elif isinstance(c, str):
-                w.writerow([backbone, row[label_cols - 1], group, col, c, "", "", "difference"])
+                w.writerow([backbone, row[label_cols - 1], group, col, c, "", "", "difference", ""])
+            elif c.ref is not None:   # a reference number: as its source prints it, and that source
+                w.writerow([backbone, row[label_cols - 1], group, col, c.ref.text, "", "", "reference", c.ref.source])
             else:
-                w.writerow([backbone, row[label_cols - 1], group, col, f"{c.mean:.4f}",
-                            "" if c.std is None else f"{c.std:.4f}", "" if c.n is None else c.n,
-                            c.note or ("published" if c.n is None else "")])
+                w.writerow([backbone, row[label_cols - 1], group, col, f"{c.mean:.4f}", f"{c.std:.4f}", c.n, "", ""])
     return buf.getvalue()
 
 
@@ -498,6 +553,13 @@ def roles_section(out, tables_dir):
     return "\n".join(lines)
 
 
+REFERENCE_HEADER = (
+    f"Beside ours, for {PAPER_BACKBONE} only: reference numbers of zero-shot CLIP, MMRL and DeAR. Not all of them "
+    "could be read in a published table: each is printed with the precision of its source and a letter saying "
+    "where it comes from (" + "; ".join(f"[{letter}] {short}" for letter, short, _ in SOURCES.values())
+    + "); the notes under each table say more.")
+
+
 def build(out, baseline="default"):
     """Writes <out>/tables/tables.md and one CSV per table; returns the Markdown text."""
     runs = load_runs(out, baseline)
@@ -506,7 +568,7 @@ def build(out, baseline="default"):
     backbones = sorted({r.get("backbone", "?") for r in runs}) or [PAPER_BACKBONE]
     parts = ["# DeAR reproduction: results", "",
              f"{len(runs)} runs under `{out}`. Cells: mean ± std over seeds (n = number of seeds); "
-             "– = no result. Published numbers are printed as published.", ""]
+             "– = no result.", "", REFERENCE_HEADER, ""]
     schedules = sorted({p for r in runs for p in r["_schedule"]})
     if baseline != "default" or schedules:
         parts += [f"Non-default settings in these runs: baseline flags `{baseline}`"

@@ -89,10 +89,136 @@ def test_missing_cells_stay_missing(tmp_path):
     assert rows[("DTD", tables.OURS_CLIP)] == [None, None, None]         # no zero-shot run: no zero-shot cell
     paper_dtd = rows[("DTD", tables.PAPER_DEAR)]
     assert paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None   # novel/HM unknown
-    assert rows[("DTD", "Δ DeAR: this code − paper")] == ["-3.90", None, None]
+    assert rows[("DTD", "Δ DeAR: this code − paper")] == ["-3.9", None, None]     # 83.9 is known to 0.1
     text = tables.build(str(tmp_path))
     assert "| DTD | CLIP (zero-shot, this code) | – | – | – |" in text
-    assert "82.72" in text and "78.99†" in text     # both inconsistent seed numbers, as given, one marked derived
+    assert "82.72 [s]" in text and "78.99 [d]" in text   # both inconsistent numbers, as given, one marked derived
+
+
+# The reference numbers, restated by hand from the research notes (paper.md §5, anchors.md §5.6, SPEC.md §5):
+# "row protocol dataset metric number source", the number as its source prints it. Base-to-novel rows of
+# CLIP and MMRL as "base / novel / HM" lines, in anchors.md's layout.
+REFERENCE = """
+    DeAR|b2n|average|base|85.94|paper_table
+    DeAR|b2n|average|novel|78.99|derived
+    DeAR|b2n|average|hm|82.72|summary
+    DeAR|b2n|dtd|base|83.9|paper_table
+    DeAR|b2n|imagenet|base|78.12|paper_table
+    DeAR|dg|imagenet_a|acc|51.80|summary
+    DeAR|dg|imagenet_r|acc|78.83|summary
+    DeAR|xd|average|acc|67.60|summary
+    MMRL|xd|average|acc|67.25|derived
+    CLIP|dg|imagenet|acc|66.73|recalled
+    CLIP|dg|imagenetv2|acc|60.83|recalled
+    CLIP|dg|imagenet_sketch|acc|46.15|recalled
+    CLIP|dg|imagenet_a|acc|47.77|listing
+    CLIP|dg|imagenet_r|acc|73.96|recalled
+    MMRL|dg|imagenet|acc|72.03|checked
+    MMRL|dg|imagenetv2|acc|64.47|checked
+    MMRL|dg|imagenet_sketch|acc|49.17|checked
+    MMRL|dg|imagenet_a|acc|51.20|checked
+    MMRL|dg|imagenet_r|acc|77.53|checked
+"""
+B2N_REFERENCE = """
+    dataset        | CLIP                  | MMRL
+    imagenet       | 72.43 / 68.14 / 70.22 | 77.90 / 71.30 / 74.45
+    caltech101     | 96.84 / 94.00 / 95.40 | 98.97 / 94.50 / 96.68
+    oxford_pets    | 91.17 / 97.26 / 94.12 | 95.90 / 97.60 / 96.74
+    stanford_cars  | 63.37 / 74.89 / 68.65 | 81.30 / 75.07 / 78.06
+    oxford_flowers | 72.08 / 77.80 / 74.83 | 98.97 / 77.27 / 86.78
+    food101        | 90.10 / 91.22 / 90.66 | 90.57 / 91.50 / 91.03
+    fgvc_aircraft  | 27.19 / 36.29 / 31.09 | 46.30 / 37.03 / 41.15
+    sun397         | 69.36 / 75.35 / 72.23 | 83.20 / 79.30 / 81.20
+    dtd            | 53.24 / 59.90 / 56.37 | 85.67 / 65.00 / 73.8
+    eurosat        | 56.48 / 64.05 / 60.03 | 95.60 / 80.17 / 87.21
+    ucf101         | 70.53 / 77.50 / 73.85 | 88.10 / 80.07 / 83.89
+    average        | 69.34 / 74.22 / 71.70 | 85.68 / 77.16 / 81.20
+"""
+# anchors.md: the per-dataset rows are recalled; CLIP's average is printed in the MaPLe/PromptSRC READMEs; MMRL's
+# EuroSAT row is quoted in MMRL issue #14; MMRL's average is recalled and checked against summaries (paper.md §5.2).
+B2N_SOURCE = {("CLIP", "average"): "readme", ("MMRL", "eurosat"): "issue", ("MMRL", "average"): "checked"}
+
+
+def expected_references():
+    """{(row label, protocol, dataset, metric): (number text, source key)} from the restatement above."""
+    label = {"DeAR": tables.PAPER_DEAR, "CLIP": "CLIP (published)", "MMRL": "MMRL (published)"}
+    out = {}
+    for line in REFERENCE.split():
+        row, protocol, ds, metric, text, source = line.split("|")
+        out[(label[row], protocol, tables.AVG if ds == "average" else ds, metric)] = (text, source)
+    for line in B2N_REFERENCE.strip().splitlines()[1:]:
+        ds, *rows = [part.strip() for part in line.split("|")]
+        for row, bnh in zip(("CLIP", "MMRL"), rows):
+            for metric, text in zip(("base", "novel", "hm"), bnh.split(" / ")):
+                key = (label[row], "b2n", tables.AVG if ds == "average" else ds, metric)
+                out[key] = (text, B2N_SOURCE.get((row, ds), "recalled"))
+    return out
+
+
+def reference_cells():
+    """Every reference cell the ViT-B/16 tables print with no run at all: {(row, protocol, column): (Cell, notes)}."""
+    found = {}
+    for protocol, make in (("b2n", tables.table_b2n), ("dg", tables.table_dg), ("xd", tables.table_xd)):
+        _, header, rows, notes = make([], "ViT-B/16")
+        group = None
+        for row in rows:
+            if protocol == "b2n":
+                group = row[0] or group
+                label, cells, columns = row[1], row[2:], [(group, m) for m in header[2:]]
+            else:
+                label, cells, columns = row[0], row[1:], header[1:]
+            for col, c in zip(columns, cells):
+                if isinstance(c, tables.Cell):
+                    found[(label, protocol, col)] = (c, notes)
+    return found
+
+
+def test_every_reference_number_has_its_source_and_precision():
+    expected = expected_references()
+    letters = [letter for letter, _, _ in tables.SOURCES.values()]
+    assert len(set(letters)) == len(letters)                         # one letter per source
+    for key, words in (("paper_table", "table"), ("summary", "summar"), ("recalled", "recalled"),
+                       ("derived", "derived")):
+        assert words in tables.SOURCES[key][2]                       # the letters mean what they say
+    # the data: every entry has a source, and is the number its source prints, digit for digit
+    stored = {(r.row, r.protocol, r.dataset, r.metric): (r.text, r.source) for r in tables.PUBLISHED}
+    assert len(stored) == len(tables.PUBLISHED) == len(expected)
+    for key, (text, source) in expected.items():
+        assert stored.get(key) == (text, source), key
+    # the printout: each reference cell shows that text and its source's letter, and its table explains the letter
+    cells = reference_cells()
+    pretty = {v: k for k, v in tables.PRETTY.items()}
+    n_printed = 0
+    for (label, protocol, col), (cell, notes) in cells.items():
+        if protocol == "b2n":
+            key = (label, "b2n", pretty[col[0]], {"Base": "base", "Novel": "novel", "HM": "hm"}[col[1]])
+        else:
+            key = (label, protocol, pretty[col.replace(" (source)", "")], "acc")
+        if key not in expected:                                      # the average of a published row: derived
+            assert col == "Average" and cell.ref.source == "derived", key
+            continue
+        text, source = expected[key]
+        letter = tables.SOURCES[source][0]
+        assert cell.text() == f"{text} [{letter}]", key              # "83.9 [p]", never "83.90"
+        assert any(note.startswith(f"[{letter}] ") for note in notes), (key, letter)
+        n_printed += 1
+    assert n_printed == len(expected)                               # every reference number is printed somewhere
+    # the two averages of published DG rows, by hand: (60.83 + 46.15 + 47.77 + 73.96) / 4 = 57.1775, MMRL 60.5925
+    assert cells[("CLIP (published)", "dg", "Average")][0].text() == "57.18 [d]"
+    assert cells[("MMRL (published)", "dg", "Average")][0].text() == "60.59 [d]"
+
+
+def test_header_says_how_reference_numbers_are_printed(tmp_path):
+    b2n_run(str(tmp_path), "dtd", 80.0, 60.0)
+    text = tables.build(str(tmp_path))
+    assert "printed as published" not in text
+    for letter, short, _ in tables.SOURCES.values():
+        assert f"[{letter}] {short}" in text.split("## Table 1.")[0]    # every letter explained in the header
+    assert "|  | DeAR (paper) | 83.9 [p] | – | – |" in text                # DTD's base, as printed
+    assert "|  | Δ DeAR: this code − paper | -3.9 | – | – |" in text      # to the reference's precision
+    csv_lines = open(tmp_path / "tables" / "table1_b2n.csv").read().splitlines()
+    assert "ViT-B/16,DeAR (paper),DTD,Base,83.9,,,reference,paper_table" in csv_lines
+    assert "ViT-B/16,MMRL (published),DTD,HM,73.8,,,reference,recalled" in csv_lines
 
 
 def test_published_numbers_only_next_to_the_paper_backbone(tmp_path):
@@ -154,8 +280,8 @@ def test_tables_are_written_as_markdown_and_csv(tmp_path):
     assert "## Table 1." in md and "90.00 ± 0.00 (n=1)" in md
     lines = open(tmp_path / "tables" / "table1_b2n.csv").read().splitlines()
     assert lines[0].startswith("backbone,row,group,column,mean,std,n_seeds")
-    assert "ViT-B/16,DeAR (this code),EuroSAT,Base,90.0000,0.0000,1," in lines
-    assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]   # atomic writes
+    assert "ViT-B/16,DeAR (this code),EuroSAT,Base,90.0000,0.0000,1,," in lines
+    assert not [f for f in os.listdir(tmp_path / "tables") if f.startswith(".tmp")]   # atomic writes
 
 # ----------------------------------------------------------------------------------------------
 # run_all.sh with a stand-in dear.py
@@ -322,19 +448,56 @@ def test_bad_options_stop_with_one_clear_message(fake, tmp_path):
     assert "Usage:" in run_all(["--help"], env, tmp_path).stdout
 
 
+def assert_points_onwards(err, check=True):
+    """The next steps every failed check ends with: the full list, the download command, the offline demo."""
+    assert ("run_all.sh --check --root " in err) == check            # --check itself does not point at --check
+    assert "data.py download NAME --root " in err
+    assert "run_all.sh --smoke" in err
+
+
+def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
+    """No data at all (the default ./data does not exist): say so once, and where to go next; start nothing."""
+    env, calls_file = fake
+    p = run_all(["--out", str(tmp_path / "out")], env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")
+    assert out.count("not found") == 1                                # once, not once per dataset
+    assert f"data root not found: {tmp_path / 'data'}, so the 15 datasets the stages need are all missing" in out
+    assert "MISSING" not in out and len(out.strip().splitlines()) <= 10
+    assert_points_onwards(p.stderr)
+
+    p = run_all(["--check"], env, tmp_path)                          # --check on the missing root: once too
+    assert p.returncode == 2 and (p.stdout + p.stderr).count("not found") == 1
+    for name in tables.B2N_DATASETS + tables.DG_TARGETS:             # ... with where each dataset goes
+        assert sum(line.split()[:1] == [name] for line in p.stderr.splitlines()) == 1, name
+    assert "  imagenet_a       DATA/imagenet-adversarial/imagenet-a/" in p.stderr
+    assert_points_onwards(p.stderr, check=False)
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "data.py")), reason="data.py is not written yet")
-def test_check_reports_every_missing_dataset_before_running(fake, tmp_path):
+def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tmp_path):
     env, calls_file = fake
     (tmp_path / "empty").mkdir()
-    p = run_all(["--root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")], env, tmp_path)
+    p = run_all(["--root", "empty", "--out", str(tmp_path / "out")], env, tmp_path)
     assert p.returncode == 2
-    for name in tables.B2N_DATASETS + tables.DG_TARGETS:
-        assert f"MISSING  {name}" in p.stdout
-    assert "15 dataset(s) missing" in p.stderr
     assert calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")   # nothing started
+    names = tables.B2N_DATASETS + tables.DG_TARGETS
+    assert "15 of 15 datasets missing under --root empty: " + ", ".join(names) in p.stderr
+    assert "The first, imagenet:\n    ImageNet folder not found: " in p.stderr      # the first one's fix, only
+    assert p.stderr.count("folder not found") == 1 and "MISSING" not in p.stdout
+    assert len((p.stdout + p.stderr).strip().splitlines()) <= 12
+    assert_points_onwards(p.stderr)
 
-    p = run_all(["--check", "--stages", "roles,ablations", "--root", str(tmp_path / "empty")], env, tmp_path)
-    assert p.returncode == 2 and "4 dataset(s) missing" in p.stderr   # 3 ablation datasets + the roles probe
+    p = run_all(["--check", "--root", "empty"], env, tmp_path)       # the full list, each with its fix
+    assert p.returncode == 2
+    for name in names:
+        assert f"MISSING  {name}" in p.stdout
+    assert "15 of 15 datasets missing under --root empty:" in p.stderr and p.stderr.count("folder not found") == 15
+    assert_points_onwards(p.stderr, check=False)
+
+    p = run_all(["--check", "--stages", "roles,ablations", "--root", "empty"], env, tmp_path)
+    assert p.returncode == 2 and "4 of 4 datasets missing" in p.stderr   # 3 ablation datasets + the roles probe
+
 
 # ----------------------------------------------------------------------------------------------
 # The whole pipeline on the toy world (real dear.py, entropy.py, data.py, toyworld.py)
