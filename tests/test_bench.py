@@ -16,7 +16,7 @@ def table_rows(text):
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and re.match(r"^[a-e]\.", cells[0]):
+        if line.startswith("| ") and re.match(r"^[a-f]\.", cells[0]):
             rows[cells[0]] = cells
     return rows
 
