@@ -724,6 +724,9 @@ def parse_args(argv=None):
     return args
 
 
+KEEP = "## Before and after"
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -731,8 +734,13 @@ def main(argv=None):
     except ValueError as e:  # e.g. a J that does not fit the towers
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_atomic(args.out, markdown(res, args))
-    print(markdown(res, args))
+    text = markdown(res, args)
+    if os.path.exists(args.out):  # a hand-written "## Before and after" section at the end is kept
+        old = open(args.out).read()
+        if KEEP in old:
+            text += "\n" + old[old.index(KEEP):]
+    write_atomic(args.out, text)
+    print(text)
     print(f"wrote {args.out}")
 
 
