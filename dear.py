@@ -350,7 +350,7 @@ class DeAR(nn.Module):
                      for x in parts]                                     # causal over [shared, x]
             if not last:
                 shared = self.clip.run_text_blocks(shared, b, b + 1)
-        t = torch.cat([self.clip.text_head(x, torch.zeros(len(x), dtype=torch.long)) for x in parts])  # [C, E]
+        t = torch.cat([self.clip.text_head(x, self.text_order.new_zeros(len(x))) for x in parts])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
     # --- image side ------------------------------------------------------------------------------
