@@ -41,10 +41,15 @@ VIT_B16 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_wid
 TINY = dict(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=64, vision_patch_size=8,
             context_length=77, vocab_size=49408, transformer_width=64, transformer_heads=4, transformer_layers=2,
             vision_heads=4)
+# A narrower model with ViT-B/16's depth and token counts (224px / patch 16, 77-token context): the
+# 1000-class x 32-image setting in reach of a CPU
+NARROW = dict(VIT_B16, embed_dim=256, vision_width=384, vision_heads=6, transformer_width=256, transformer_heads=4)
+# Targets of the DeAR step / frozen forward ratio (classes, batch)
+TRAIN_TARGETS = {(10, 4): "<= 1.45", (1000, 32): "<= 1.15"}
 # classes, batches (the training settings), eval_batch (images per batch in a. and d.), prompts (a.)
-DEFAULTS = {"cuda": dict(classes=[10, 1000], batches=[4, 32], eval_batch=100, prompts=1000),
-            "cpu": dict(classes=[10, 50], batches=[4, 2], eval_batch=4, prompts=10),  # a full run in ~10 min
-            "tiny": dict(classes=[10, 100], batches=[4, 8], eval_batch=16, prompts=100)}
+DEFAULTS = {"cuda": dict(classes=[10, 100, 1000], batches=[4, 4, 32], eval_batch=100, prompts=1000, narrow=[]),
+            "cpu": dict(classes=[10, 100], batches=[4, 4], eval_batch=4, prompts=10, narrow=[(1000, 32)]),
+            "tiny": dict(classes=[10, 100], batches=[4, 8], eval_batch=16, prompts=100, narrow=[])}
 TEMPLATE = "a photo of a {}."
 # made-up class names of two to four words, so prompts are about as long as real ones
 WORDS = (("red", "green", "blue", "yellow", "black", "white", "brown", "grey", "orange", "purple"),
@@ -251,29 +256,45 @@ def fmt_time(s: float) -> str:
     return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
 
 
+def count_flops(fn):
+    """Matrix-multiply FLOPs (2 per multiply-add) of one call of fn, read from the shape of every matmul it runs,
+    backward included (torch's FlopCounterMode); attention goes through the math kernel, whose matmuls it sees."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method: str):
-    """Time every function of fns (name -> callable), interleaved. The first call of each is a warm-up that
-    also measures peak memory; then warmup - 1 more warm-up rounds; then `repeats` timed rounds.
-    Returns name -> {"s": median seconds, "times": [...], "mem": bytes, "out": the last result}."""
-    res = {name: {"times": [], "mem": None, "out": None} for name in fns}
+    """Time every function of fns (name -> callable), interleaved (A B A B ...). The first call of each measures
+    peak memory, a second counts its FLOPs; then warmup - 1 more warm-up rounds; then `repeats` timed rounds,
+    each timed by the wall clock and by the process's CPU time (which does not grow while other programs
+    hold the cores). Returns name -> {"s": median seconds (CPU time on a CPU, wall time on a GPU),
+    "spread": (max - min) / median, "wall": [...], "cpu": [...], "mem": bytes, "flops": int, "out": last result}."""
+    res = {name: {"wall": [], "cpu": [], "mem": None, "out": None} for name in fns}
     start = time.perf_counter()
     for name, fn in fns.items():
         res[name]["mem"], res[name]["out"] = peak_memory(fn, device, mem_method)
+        res[name]["flops"] = count_flops(fn)
     for _ in range(max(0, warmup - 1)):
         for fn in fns.values():
             fn()
     for r in range(repeats):
         for name, fn in fns.items():
             sync(device)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             res[name]["out"] = fn()
             sync(device)
-            res[name]["times"].append(time.perf_counter() - t)
+            res[name]["wall"].append(time.perf_counter() - t)
+            res[name]["cpu"].append(time.process_time() - c)
         done = time.perf_counter() - start
         eta = done / (r + 1 + warmup) * (repeats - r - 1)
         print(f"  {label}: round {r + 1}/{repeats}, {fmt_time(done)} so far, eta {fmt_time(eta)}", flush=True)
     for r in res.values():
-        r["s"] = statistics.median(r["times"])
+        times = r["cpu" if device.type == "cpu" else "wall"]
+        r["s"] = statistics.median(times)
+        r["spread"] = (max(times) - min(times)) / max(r["s"], 1e-12)
     return res
 
 
@@ -369,8 +390,16 @@ class Bench:
     def go(self, fns, label):
         return measure(fns, self.device, self.args.warmup, self.args.repeats, label, self.mem_method)
 
-    def row(self, rid, what, first, second, ratio="", target=""):
-        self.rows.append((rid, what, first, second, ratio, target))
+    def row(self, rid, what, first, second, ratio="", target="", limit="", excess=""):
+        self.rows.append((rid, what, first, second, ratio, limit, excess, target))
+
+    def compare(self, rid, what, a, b, target=""):
+        """A timing row: a and b (measure results), their ratio, the ratio of their FLOPs (the limit) and
+        measured / limit (how far the code runs from what its FLOPs allow)."""
+        limit = a["flops"] / b["flops"] if a["flops"] and b["flops"] else None
+        t = a["s"] / b["s"]
+        self.row(rid, what, ms(a, self.device), ms(b, self.device), f"{t:.2f}", target,
+                 "" if limit is None else f"{limit:.2f}", "" if limit is None else f"{t / limit:.2f}")
 
     def no_grad(self, fn):
         def wrapped():
@@ -394,11 +423,10 @@ def bench_clip(b, model, ref, images, tokens):
             ("a.text", f"encode_text, {len(tokens)} prompts", model.encode_text, ref.encode_text)):
         x = images if rid == "a.image" else tokens
         r = b.go({"ours": b.no_grad(lambda: ours(x)), "ref": b.no_grad(lambda: theirs(x))}, rid)
-        b.row(rid, what + ": vendored vs nn.MultiheadAttention", ms(r["ours"]), ms(r["ref"]),
-              ratio(r["ours"], r["ref"]), "<= 1.0")
+        b.compare(rid, what + ": vendored vs nn.MultiheadAttention", r["ours"], r["ref"], "<= 1.0")
 
 
-def bench_train(b, net, opt, scaler, C, B):
+def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
     """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step; memory; breakdown."""
     device, model, tag = b.device, net.clip, f"C{C}xB{B}"
     names = classnames(C)
@@ -414,29 +442,31 @@ def bench_train(b, net, opt, scaler, C, B):
         return (scale * f @ t.t()).argmax(-1)
 
     fns = {"dear": lambda: dear_step(net, opt, scaler, imgs, labels, device), "frozen": b.no_grad(frozen)}
-    if not b.args.no_naive:
+    if naive and not b.args.no_naive:
         fns["naive"] = lambda: naive_step(net, opt, scaler, imgs, labels, tokens, device)
+    where = f"{C} classes, batch {B}" + ("" if model_name == "ViT-B/16" else f", {model_name}")
     try:
-        r = b.go(fns, f"b/c. {C} classes, batch {B}")
+        r = b.go(fns, f"b/c. {where}")
     except torch.OutOfMemoryError:  # the naive step keeps every activation of both towers: it may not fit
         fns.pop("naive")
         torch.cuda.empty_cache()
-        r = b.go(fns, f"b. {C} classes, batch {B} (the naive step ran out of memory)")
-        b.row(f"c.{tag}", f"naive DeAR step vs ours, {C} classes, batch {B}", "out of memory", ms(r["dear"]))
+        r = b.go(fns, f"b. {where} (the naive step ran out of memory)")
+        b.row(f"c.{tag}", f"naive DeAR step vs ours, {where}", "out of memory", ms(r["dear"], device))
         b.row(f"c.agree.{tag}", "naive vs ours: loss / grad R", "out of memory", "-")
-    b.row(f"b.{tag}", f"DeAR training step vs frozen CLIP forward (image + {C} prompts), {C} classes, batch {B}",
-          ms(r["dear"]), ms(r["frozen"]), ratio(r["dear"], r["frozen"]))
+    b.compare(f"b.{tag}", f"DeAR training step vs frozen CLIP forward (image + {C} prompts), {where}",
+              r["dear"], r["frozen"], TRAIN_TARGETS.get((C, B), ""))
+    b.row(f"f.{tag}", f"training throughput, images/s: DeAR step / frozen forward, {where}",
+          f"{B / r['dear']['s']:.1f}/s", f"{B / r['frozen']['s']:.1f}/s")
     if "naive" in r:
-        b.row(f"c.{tag}", f"naive DeAR step vs ours (speed-up), {C} classes, batch {B}",
-              ms(r["naive"]), ms(r["dear"]), ratio(r["naive"], r["dear"]), "> 1")
+        b.compare(f"c.{tag}", f"naive DeAR step vs ours (speed-up), {where}", r["naive"], r["dear"], ">= 3")
         (la, ga), (lb, gb) = r["dear"]["out"], r["naive"]["out"]
         rel = ((ga - gb).norm() / gb.norm().clamp_min(1e-12)).item()
         b.row(f"c.agree.{tag}", "naive vs ours: loss / relative difference of grad R",
               f"{la:.6f} / {lb:.6f}", f"{rel:.1e}", "", "equal")
     b.row(f"e.{tag}", f"peak memory ({b.mem_method}): DeAR step / frozen forward"
-          + (" / naive step" if "naive" in r else "") + f", {C} classes, batch {B}",
+          + (" / naive step" if "naive" in r else "") + f", {where}",
           mib(r["dear"]), mib(r["frozen"]), mib(r["naive"]) if "naive" in r else "")
-    if not b.args.no_breakdown:
+    if not b.args.no_breakdown and not b.breakdown:  # the first setting only: it costs four more timings
         b.breakdown.append((C, B, step_breakdown(b, net, imgs, labels, r["dear"]["s"], tag)))
 
 
@@ -450,33 +480,48 @@ def bench_eval(b, net, images, C):
               "zs": b.no_grad(lambda: (scale * F.normalize(net.clip.encode_image(images), dim=-1)
                                        @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation")
     n = len(images)
-    b.row("d.eval", f"evaluation, images/s ({C} classes, batches of {n}): DeAR vs zero-shot CLIP (ratio of times)",
-          f"{n / r['dear']['s']:.1f}/s", f"{n / r['zs']['s']:.1f}/s", ratio(r["dear"], r["zs"]), "<= 1.2")
+    b.compare("d.eval", f"evaluation of a batch of {n} images ({C} classes): DeAR vs zero-shot CLIP",
+              r["dear"], r["zs"], "<= 1.02")
+    b.row("f.eval", f"evaluation throughput, images/s: DeAR / zero-shot CLIP ({C} classes, batches of {n})",
+          f"{n / r['dear']['s']:.1f}/s", f"{n / r['zs']['s']:.1f}/s")
 
 
-def run(args):
-    b = Bench(args)
-    sizes, J = dict(TINY if args.tiny else VIT_B16), args.J or (3 if args.tiny else 9)
-    t_start = time.perf_counter()
-    print(f"building a random CLIP ({'tiny' if args.tiny else 'ViT-B/16 shapes'}) on {b.device} ...", flush=True)
+def build(b, sizes, J):
+    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the GradScaler."""
     torch.manual_seed(0)
     with torch.device(b.device):
         model = CLIP(**sizes).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    images = b.images(args.eval_batch, model.visual.input_resolution)
-    tokens = clip.tokenize([TEMPLATE.format(c) for c in classnames(args.prompts)]).to(b.device)
-    bench_clip(b, model, build_reference(model, sizes), images, tokens)
     net = dear.DeAR(model, bench_roles(J, model.visual.layers, model.visual.heads), J=J, beta=0.9).to(b.device)
     # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
     # see the same parameters and the naive and our losses can be compared
     opt = torch.optim.AdamW([p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4)
     scaler = torch.amp.GradScaler("cuda", enabled=train.autocast_dtype(b.device) == torch.float16)
+    return model, net, opt, scaler
+
+
+def run(args):
+    b = Bench(args)
+    sizes, J = dict(TINY if args.tiny else VIT_B16), args.J or (3 if args.tiny else 9)
+    name = "tiny" if args.tiny else "ViT-B/16"
+    t_start = time.perf_counter()
+    print(f"building a random CLIP ({name} shapes) on {b.device} ...", flush=True)
+    model, net, opt, scaler = build(b, sizes, J)
+    images = b.images(args.eval_batch, model.visual.input_resolution)
+    tokens = clip.tokenize([TEMPLATE.format(c) for c in classnames(args.prompts)]).to(b.device)
+    bench_clip(b, model, build_reference(model, sizes), images, tokens)
     settings = list(zip(args.classes, args.batches))
-    for C, B in settings:
-        bench_train(b, net, opt, scaler, C, B)
+    for C, B in settings:  # the naive step is slow: on a CPU it runs in the first setting only
+        bench_train(b, net, opt, scaler, C, B, name, naive=b.device.type == "cuda" or (C, B) == settings[0])
     bench_eval(b, net, images, settings[0][0])
     prof = profile_step(b, net, opt, scaler, settings[-1]) if args.profile else None
+    if args.narrow:
+        del model, net, opt, scaler
+        print("building a narrower random CLIP (same depth and token counts) ...", flush=True)
+        narrow = build(b, NARROW, J)
+        for C, B in args.narrow:
+            bench_train(b, *narrow[1:], C, B, "narrow model", naive=False)
     longest = int(clip.tokenize([TEMPLATE.format(c) for c in classnames(max(args.classes))]).argmax(-1).max()) + 1
     return dict(rows=b.rows, breakdown=b.breakdown, sizes=sizes, J=J, settings=settings, mem_method=b.mem_method,
                 elapsed=time.perf_counter() - t_start, profile=prof, text_len=longest)
@@ -497,7 +542,7 @@ def step_breakdown(b, net, imgs, labels, step_s, tag):
             return net.encode_classes().sum().item()  # with autograd on, as in the step
 
     r = b.go({"text": text, "prefix": b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first)),
-              "frozen": b.no_grad(lambda: visual.head(visual.run_blocks(x, net.first, net.L)[:, 0])),
+              "frozen": b.no_grad(lambda: visual.head(visual.run_blocks(x, net.first, net.L, rows=slice(0, 1))[:, 0])),
               "forward": forward}, f"breakdown {tag}")
     s = {k: v["s"] for k, v in r.items()}
     J, L = net.J, net.L
@@ -525,22 +570,21 @@ def profile_step(b, net, opt, scaler, setting):
     return f"one DeAR step, {C} classes, batch {B}\n" + p.key_averages().table(sort_by=key, row_limit=15)
 
 
-def ms(r) -> str:
-    return f"{1000 * r['s']:.1f} ms"
-
-
-def ratio(a, b) -> str:
-    return f"{a['s'] / b['s']:.2f}"
+def ms(r, device) -> str:
+    """The median time and its spread; on a CPU (where the median is CPU time) the median wall time too."""
+    text = f"{1000 * r['s']:.1f} ms ±{50 * r['spread']:.0f}%"
+    return text + (f" (wall {1000 * statistics.median(r['wall']):.0f})" if device.type == "cpu" else "")
 
 
 def mib(r) -> str:
     return "n/a" if r["mem"] is None else f"{r['mem'] / 2 ** 20:.0f} MiB"
 
 
-def row_ids(settings):
-    """The ids of the result rows a run with these settings writes (without --no-naive)."""
-    per = [f"{p}.C{C}xB{B}" for C, B in settings for p in ("b", "c", "c.agree", "e")]
-    return ["a.agree", "a.image", "a.text"] + per + ["d.eval"]
+def row_ids(settings, device="cpu"):
+    """The ids of the result rows a run with these settings writes (without --no-naive or --narrow)."""
+    per = [f"{p}.C{C}xB{B}" for i, (C, B) in enumerate(settings) for p in ("b", "f", "c", "c.agree", "e")
+           if p[0] != "c" or i == 0 or device == "cuda"]  # the naive step: first setting only on a CPU
+    return ["a.agree", "a.image", "a.text"] + per + ["d.eval", "f.eval"]
 
 
 def markdown(res, args) -> str:
@@ -563,13 +607,23 @@ def markdown(res, args) -> str:
              f"{s['image_resolution']}px / patch {s['vision_patch_size']}; text {s['transformer_layers']} blocks, "
              f"width {s['transformer_width']}; J = {res['J']} |",
              f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; evaluation "
-             f"batch {args.eval_batch}; prompts padded to 77 tokens, longest {res['text_len']} |",
-             f"| timing | {args.warmup} warm-up call(s) (the first also measures memory), median of {args.repeats} |",
+             f"batch {args.eval_batch}; prompts of up to {res['text_len']} tokens |",
+             f"| narrow model | " + (f"{', '.join(f'{C} x {B}' for C, B in args.narrow)}: vision width "
+             f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width {NARROW['transformer_width']} "
+             f"({NARROW['transformer_heads']} heads), depth and token counts as above |" if args.narrow else "none |"),
+             f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more counts FLOPs), "
+             f"contenders interleaved, median of {args.repeats} " + (
+                 "**process CPU times** (wall times in brackets); ± is half the range (max - min) / median |"
+                 if device.type == "cpu" else "wall times around `torch.cuda.synchronize`; ± is half the range |"),
              f"| peak memory | {MEM_NOTES[res['mem_method']]} |",
              f"| wall time of the bench | {fmt_time(res['elapsed'])} |", "",
              "## Results", "",
-             "Ratio = first column / second column (time); a ratio below 1 means the first is faster.", "",
-             "| id | measurement | first | second | ratio | target |", "|---|---|---|---|---|---|"]
+             "Ratio = first column / second column (time); a ratio below 1 means the first is faster. FLOP limit = "
+             "the same ratio of matrix-multiply FLOPs (forward and backward), counted from the shape of every matmul "
+             "each contender runs (torch's FlopCounterMode); ratio / limit is how far the measured ratio is from "
+             "what the FLOPs allow (target <= 1.10).", "",
+             "| id | measurement | first | second | ratio | FLOP limit | ratio / limit | target |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {' | '.join(row)} |" for row in res["rows"]]
     if res["breakdown"]:
         lines += ["", "## Where a DeAR training step spends its time", "",
@@ -590,14 +644,15 @@ def markdown(res, args) -> str:
               "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on the frozen "
               "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
               "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
-              "The agree row checks it computes the same loss and gradient as ours.",
+              "The agree row checks it computes the same loss and gradient as ours. On a CPU it is timed in the "
+              "first setting only (it is slow), and never on the narrow model.",
               "- d: per-batch cost only, as `train.evaluate` computes the class text features once.",
               "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
               "every block (the masks cost the same whatever the roles)."]
     if device.type == "cpu":
-        lines += ["- CPU timings are noisy: the machine may be shared with other programs; read the ratios, "
-                  "which were measured interleaved, rather than the absolute times.",
-                  "- GPU numbers were not measured in this file; run `python bench.py --device cuda` on a GPU "
+        lines += ["- Every number in this file is CPU. CPU timings on a shared machine are noisy: the ratios of "
+                  "process CPU times, measured interleaved, are what to read.",
+                  "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU "
                   "(the code path: autocast as in dear.py, `torch.cuda.synchronize` around every timed call, "
                   "`torch.cuda.max_memory_allocated` for memory)."]
     if res["profile"]:
@@ -615,6 +670,16 @@ def int_list(s: str):
     return values
 
 
+def settings_list(s: str):
+    try:
+        pairs = [tuple(int(v) for v in item.lower().split("x")) for item in s.split(",") if item.strip()]
+    except ValueError:
+        pairs = [()]
+    if any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected settings such as 1000x32 (classes x batch), got {s!r}")
+    return pairs
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Time a DeAR training step and evaluation against the frozen CLIP, on random weights.",
@@ -630,7 +695,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-batch", type=int, default=None, help="images per batch in a. and d.")
     p.add_argument("--prompts", type=int, default=None, help="prompts encoded in a.")
     p.add_argument("--J", type=int, default=None, help="tokens enter block J (default 9; tiny: 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--narrow", type=settings_list, default=None,
+                   help="settings CxB (e.g. 1000x32) run on a narrower model with the same depth and token counts "
+                        "(default: 1000x32 on a CPU, none on a GPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on a CPU, where "
+                   "one thread per process measures the work done rather than how many cores are free)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive step (c.)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timing of the DeAR step")
     p.add_argument("--profile", action="store_true", help="add torch.profiler's top operators of one DeAR step")
@@ -642,15 +711,20 @@ def parse_args(argv=None):
         p.error(f"--device {args.device} was asked for but CUDA is not available here; use --device cpu")
     kind = "tiny" if args.tiny else "cpu" if args.device == "cpu" else "cuda"
     for name, value in DEFAULTS[kind].items():
-        setattr(args, name, getattr(args, name) or value)
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     if len(args.classes) != len(args.batches):
         p.error(f"--classes has {len(args.classes)} entries but --batches has {len(args.batches)}; "
                 "give one batch size per class count")
     if min(args.repeats, args.warmup, args.eval_batch, args.prompts) < 1:
         p.error("--repeats, --warmup, --eval-batch and --prompts must be >= 1")
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
+
+
+KEEP = "## Before and after"
 
 
 def main(argv=None):
@@ -660,8 +734,13 @@ def main(argv=None):
     except ValueError as e:  # e.g. a J that does not fit the towers
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_atomic(args.out, markdown(res, args))
-    print(markdown(res, args))
+    text = markdown(res, args)
+    if os.path.exists(args.out):  # a hand-written "## Before and after" section at the end is kept
+        old = open(args.out).read()
+        if KEEP in old:
+            text += "\n" + old[old.index(KEEP):]
+    write_atomic(args.out, text)
+    print(text)
     print(f"wrote {args.out}")
 
 

@@ -36,6 +36,7 @@ import clip
 import data
 import runs
 import toyworld
+from clip.model import length_buckets
 from train import PRECISIONS, RunError, atomic_save, evaluate, pick_device, resolve_precision, seed_everything, train
 from util import read_json, write_atomic
 
@@ -361,47 +362,73 @@ class DeAR(nn.Module):
     @torch.no_grad()
     def set_classes(self, classnames, template):
         """Everything class-dependent that never changes: the text prefix (blocks 1..J-1 of every class
-        prompt) and the frozen CLIP text features t^0. Computed once per class list."""
+        prompt) and the frozen CLIP text features t^0. Computed once per class list.
+
+        The prefix is kept in the form encode_classes runs fastest, with the same result:
+        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT and
+          the template's first words). Under the causal mask their states are the same for every class, so
+          blocks J..L run them once, and every class attends to them.
+        - text_groups: the rest of each prompt, grouped by prompt length without padding: [(indices, [c, n, W])];
+          the last position of every group is EOT.
+        """
         prompts = [template.format(c.replace("_", " ")) for c in classnames]
         device = self.P_attr.device
         tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
-        self.eot = tokens.argmax(-1)                                    # [C] EOT has the largest id
-        tokens = tokens[:, : int(self.eot.max()) + 1]  # [C, T'] up to the longest prompt: the causal mask never
-        # lets the padding reach EOT, so dropping it changes nothing but the cost
-        x = self.clip.embed_text(tokens)                                # [C, T', W]
-        self.text_prefix = self.clip.run_text_blocks(x, 0, self.first_text)  # [C, T', W]
-        frozen = self.clip.run_text_blocks(self.text_prefix, self.first_text, self.Lt)
-        self.t0 = F.normalize(self.clip.text_head(frozen, self.eot), dim=-1)  # [C, E]
+        eot = tokens.argmax(-1)                                         # [C] EOT has the largest id
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while every prompt agrees
+        S = min(int(same.sum()), int(eot.min()))                        # keep at least EOT per class
+        groups, t0, order = [], [], []
+        for n, idx in length_buckets(eot):                              # EOT at position n in this group
+            x = self.clip.run_text_blocks(self.clip.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
+            frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=slice(n, n + 1))  # [c, 1, W]
+            t0.append(self.clip.text_head(frozen, torch.zeros_like(idx)))  # [c, E]
+            groups.append((idx, x[:, S:]))                              # [c, n + 1 - S, W]
+            order.append(idx)
+            self.text_shared = x[:1, :S]                                # [1, S, W], equal in every group
+        self.text_groups = groups
+        self.text_order = torch.cat(order).argsort()                    # group order -> class order
+        self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
         self.classnames = list(classnames)
 
     def encode_classes(self) -> torch.Tensor:
-        """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]"""
+        """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]
+        The shared start runs once per block and every class group attends to it (causal: the start never
+        sees the class name); the last block computes only EOT."""
         if not self.use_tokens:
             return self.t0
-        x = self.text_prefix                                             # [C, T', W]
+        shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
+        parts = [x for _, x in self.text_groups]                         # [c, n, W]: the rest, EOT last
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(x.dtype)                      # [K, W]
-            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [C, T' + K, W]: [SOT, t_1..t_K, words, EOT]
-            x = self.clip.run_text_blocks(x, b, b + 1)  # the causal mask of length T' + K: tokens see SOT and
-            # earlier tokens, words and EOT see the tokens
-        return F.normalize(self.clip.text_head(x, self.eot + K), dim=-1)  # EOT moved K places right
+            fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
+            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
+            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see the tokens
+            last = b == self.Lt - 1
+            parts = [self.clip.run_text_blocks(x, b, b + 1, rows=slice(-1, None) if last else None, past=shared)
+                     for x in parts]                                     # causal over [shared, x]
+            if not last:
+                shared = self.clip.run_text_blocks(shared, b, b + 1)
+        t = torch.cat([self.clip.text_head(x, self.text_order.new_zeros(len(x))) for x in parts])  # [C, E]
+        return F.normalize(t[self.text_order], dim=-1)
 
     # --- image side ------------------------------------------------------------------------------
     def encode_images(self, images, with_frozen=False):
         """f_cls [B, E] (frozen proj) and f_attr [B, K, E] (P_attr), normalised; with_frozen also returns the
-        frozen CLIP feature f^0 [B, E], which reuses the prefix (it is needed only for the loss)."""
+        frozen CLIP feature f^0 [B, E], which reuses the prefix (it is needed only for the loss).
+        The last block computes only the rows read afterwards: CLS for f^0, CLS and the K tokens otherwise."""
         visual = self.clip.visual
         with torch.no_grad():  # blocks 1..J-1 never change: no autograd
             x = visual.run_blocks(visual.embed(images), 0, self.first)  # [B, 1+P, D]
             f0 = None
             if with_frozen or not self.use_tokens:
-                f0 = F.normalize(visual.head(visual.run_blocks(x, self.first, self.L)[:, 0]), dim=-1)
+                cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
+                f0 = F.normalize(visual.head(cls), dim=-1)
         if not self.use_tokens:
             return f0, None, f0
         for i, b in enumerate(range(self.first, self.L)):
             fresh = self.tokens.vision(i).to(x.dtype)                    # [K, D]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]: [CLS, attr_1..attr_K, patches]
-            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"))  # the role mask of block b
+            rows = slice(0, 1 + K) if b == self.L - 1 else None          # last block: [B, 1+K, D]
+            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"), rows=rows)  # role mask of b
         f_cls = visual.head(x[:, 0])                                  # [B, E]
         f_attr = visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
         return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0

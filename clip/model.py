@@ -9,7 +9,10 @@ Differences from OpenAI's reference code, all numerically neutral:
 - attention is written by hand (`MultiheadAttention`) and takes an additive mask
   broadcastable to [batch, heads, L, L], so every head can get its own mask;
 - the towers expose seams (embed / run_blocks / head and embed_text / run_text_blocks /
-  text_head); `encode_image` and `encode_text` are these seams composed.
+  text_head); `encode_image` and `encode_text` are these seams composed;
+- exact savings: the last block computes only the rows that are read (`rows`: CLS, or EOT), and texts
+  run in groups of equal length without padding (`length_buckets`); a block can also attend to
+  `past` positions shared by a whole batch of texts (DeAR's common template start).
 
 Blocks are counted from 0 here; `run_blocks(x, start, end)` runs blocks start..end-1.
 """
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Mask = Optional[Union[torch.Tensor, List[Optional[torch.Tensor]]]]
+Rows = Optional[Union[slice, torch.Tensor]]  # positions whose output a block computes (None: all)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -61,32 +65,49 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
         nn.init.xavier_uniform_(self.in_proj_weight)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False):
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
+                rows: Rows = None, past: Optional[torch.Tensor] = None):
+        """x [B, L, D] -> [B, R, D]. rows: None (every position, R = L) or the positions whose output is wanted
+        (a slice or 1-D index): keys and values still come from all of x, queries only from those rows.
+        past [1 or B, P, D]: positions that precede x (already layer-normed); they give keys and values only,
+        and mask columns count them first (the mask is [.., R, P + L])."""
         B, L, D = x.shape
         H = self.n_head
         hs = D // H
-        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).split(D, dim=-1)  # 3 x [B, L, D]
-        q = q.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
-        k = k.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
-        v = v.view(B, L, H, hs).transpose(1, 2)  # [B, H, L, hs]
+        W, b = self.in_proj_weight, self.in_proj_bias
+        if rows is None and past is None:
+            q, k, v = F.linear(x, W, b).split(D, dim=-1)  # 3 x [B, L, D]
+        else:
+            k, v = F.linear(x, W[D:], b[D:]).split(D, dim=-1)  # 2 x [B, L, D]
+            q = F.linear(x if rows is None else x[:, rows], W[:D], b[:D])  # [B, R, D]: only the rows read later
+            if past is not None:  # the shared positions before x: their keys and values go first
+                kp, vp = F.linear(past, W[D:], b[D:]).split(D, dim=-1)  # 2 x [1 or B, P, D]
+                k = torch.cat([kp.expand(B, -1, -1), k], dim=1)  # [B, P + L, D]
+                v = torch.cat([vp.expand(B, -1, -1), v], dim=1)
+        R, S = q.shape[1], k.shape[1]
+        q = q.view(B, R, H, hs).transpose(1, 2)  # [B, H, R, hs]
+        k = k.view(B, S, H, hs).transpose(1, 2)  # [B, H, S, hs]
+        v = v.view(B, S, H, hs).transpose(1, 2)  # [B, H, S, hs]
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
                 raise TypeError("attn_mask must be an additive float mask (0 = allowed, -inf = blocked), "
                                 "not a bool mask")
             attn_mask = attn_mask.to(dtype=q.dtype, device=q.device)
-            if attn_mask.dim() == 3:  # per-head [H, L, L] -> [1, H, L, L]: the fused kernels take 2-D or 4-D masks
+            if rows is not None:
+                attn_mask = attn_mask[..., rows, :]  # only the query rows that are computed
+            if attn_mask.dim() == 3:  # per-head [H, R, S] -> [1, H, R, S]: the fused kernels take 2-D or 4-D masks
                 attn_mask = attn_mask.unsqueeze(0)
         if need_weights:
             # the plain path: softmax(Q K^T / sqrt(hs) + mask) V, keeping the weights
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # [B, H, L, L]
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # [B, H, R, S]
             if attn_mask is not None:
                 att = att + attn_mask
             att = att.softmax(dim=-1)
-            y = att @ v  # [B, H, L, hs]
+            y = att @ v  # [B, H, R, hs]
         else:
             # the same math through PyTorch's fused kernel
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, H, L, hs]
-        y = y.transpose(1, 2).reshape(B, L, D)  # heads side by side again: [B, L, D]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, H, R, hs]
+        y = y.transpose(1, 2).reshape(B, R, D)  # heads side by side again: [B, R, D]
         out = self.out_proj(y)
         return (out, att) if need_weights else out
 
@@ -105,8 +126,14 @@ class ResidualAttentionBlock(nn.Module):
         ]))
         self.ln_2 = LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Rows = None,
+                past: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, L, D] -> [B, R, D]. rows: compute only these output positions (the attention still reads
+        every position; the MLP runs on the rows alone). past [1 or B, P, D]: this block's input at P positions
+        that precede x, shared by the batch; x attends to them (see MultiheadAttention)."""
+        h = self.ln_1(x)
+        hp = None if past is None else self.ln_1(past)
+        x = (x if rows is None else x[:, rows]) + self.attn(h, attn_mask=attn_mask, rows=rows, past=hp)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -119,11 +146,13 @@ class Transformer(nn.Module):
         self.heads = heads
         self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
 
-    def forward(self, x: torch.Tensor, attn_mask: Mask = None, start: int = 0, end: Optional[int] = None):
+    def forward(self, x: torch.Tensor, attn_mask: Mask = None, start: int = 0, end: Optional[int] = None,
+                rows: Rows = None):
         """Run blocks start..end-1 (0-based) on x [B, L, D].
 
         attn_mask: None, one tensor used by every block, or a list with one entry (tensor or None)
-        per block that runs.
+        per block that runs. rows: the positions of the output that will be read (None: all); the last
+        block computes only those (its keys and values still need every position), giving [B, R, D].
         """
         end = self.layers if end is None else end
         if not 0 <= start <= end <= self.layers:
@@ -136,8 +165,10 @@ class Transformer(nn.Module):
             masks = list(attn_mask)
         else:
             masks = [attn_mask] * len(blocks)
-        for block, mask in zip(blocks, masks):
-            x = block(x, attn_mask=mask)
+        if rows is not None and not blocks:
+            x = x[:, rows]
+        for i, (block, mask) in enumerate(zip(blocks, masks)):
+            x = block(x, attn_mask=mask, rows=rows if i == len(blocks) - 1 else None)
         return x
 
 
@@ -175,16 +206,19 @@ class VisionTransformer(nn.Module):
         x = x + self.positional_embedding.to(x.dtype)
         return self.ln_pre(x)
 
-    def run_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None) -> torch.Tensor:
-        """Run blocks start..end-1 (0-based) on tokens [B, L, D]; L may exceed 1+P (extra tokens)."""
-        return self.transformer(x, attn_mask=attn_mask, start=start, end=end)
+    def run_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None,
+                   rows: Rows = None) -> torch.Tensor:
+        """Run blocks start..end-1 (0-based) on tokens [B, L, D]; L may exceed 1+P (extra tokens).
+        rows: the output positions that will be read, e.g. slice(0, 1) for CLS: the last block computes only
+        those, [B, R, D] (Transformer.forward)."""
+        return self.transformer(x, attn_mask=attn_mask, start=start, end=end, rows=rows)
 
     def head(self, tokens: torch.Tensor) -> torch.Tensor:
         """ln_post then the projection; tokens [..., D] -> [..., E] (e.g. the CLS token [B, D])."""
         return self.ln_post(tokens) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.run_blocks(self.embed(images), 0, self.layers)
+        x = self.run_blocks(self.embed(images), 0, self.layers, rows=slice(0, 1))  # [B, 1, D]: only CLS is read
         return self.head(x[:, 0])  # the CLS token -> [B, E]
 
 
@@ -226,10 +260,11 @@ class CLIP(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.visual.conv1.weight.dtype
 
-    def causal_mask(self, n: int) -> torch.Tensor:
-        """[n, n] additive mask: 0 on and below the diagonal, -inf above (a token sees only its past)."""
+    def causal_mask(self, n: int, past: int = 0) -> torch.Tensor:
+        """[n, past + n] additive mask: 0 where a key is not later than the query, -inf after it (a token sees
+        only its past). past: that many earlier positions come first among the keys (all of them visible)."""
         device = self.positional_embedding.device
-        return torch.full((n, n), float("-inf"), device=device).triu(1)
+        return torch.full((n, past + n), float("-inf"), device=device).triu(past + 1)
 
     def embed_text(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [C, T] (T <= context_length) -> [C, T, W]: token embedding + positions."""
@@ -239,11 +274,20 @@ class CLIP(nn.Module):
         x = self.token_embedding(tokens.long())  # [C, T, W]
         return x + self.positional_embedding[:T].to(x.dtype)
 
-    def run_text_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None) -> torch.Tensor:
-        """Run text blocks start..end-1 on x [C, T', W]; attn_mask None means causal over T'."""
+    def run_text_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None, rows: Rows = None,
+                        past: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run text blocks start..end-1 on x [C, T', W]; attn_mask None means causal over T'.
+        rows: output positions the last block computes (None: all), e.g. slice(T'-1, T') for an EOT at the end.
+        past [1, P, W]: block `start`'s input at P positions that come before x and are the same for every text
+        (a shared template start); x attends to them causally. One block only, as past changes with the block."""
+        if past is not None:
+            if end != start + 1:
+                raise ValueError(f"past states belong to one block; got blocks {start}..{end - 1}")
+            mask = self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask  # [T', P + T']
+            return self.transformer.resblocks[start](x, attn_mask=mask, rows=rows, past=past)
         if attn_mask is None:
             attn_mask = self.causal_mask(x.shape[1])
-        return self.transformer(x, attn_mask=attn_mask, start=start, end=end)
+        return self.transformer(x, attn_mask=attn_mask, start=start, end=end, rows=rows)
 
     def text_head(self, x: torch.Tensor, eot_index: torch.Tensor) -> torch.Tensor:
         """ln_final, take each text's feature at its EOT position, project: [C, T', W] -> [C, E]."""
@@ -255,17 +299,28 @@ class CLIP(nn.Module):
         return self.visual(images)
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [C, T] -> text features [C, E], read at each text's EOT.
+        Texts run in groups of equal length with their padding dropped (the causal mask never lets padding
+        reach EOT), and the last block computes only the EOT position: same features, far fewer FLOPs."""
         eot = tokens.argmax(dim=-1)  # EOT (49407) is the largest id, so argmax finds it; padding is 0
-        tokens = tokens[:, : int(eot.max()) + 1]  # drop the padding after the longest prompt: the causal mask
-        # never lets it reach EOT, so the features are unchanged and short prompts run several times faster
-        x = self.run_text_blocks(self.embed_text(tokens), 0, self.transformer.layers)
-        return self.text_head(x, eot)
+        feats, order = [], []
+        for n, idx in length_buckets(eot):  # every text of this group has its EOT at position n
+            x = self.embed_text(tokens[idx, : n + 1])  # [c, n + 1, W]
+            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=slice(n, n + 1))  # [c, 1, W]: EOT only
+            feats.append(self.text_head(x, torch.zeros_like(idx)))  # [c, E]
+            order.append(idx)
+        return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor):
         image_features = F.normalize(self.encode_image(images), dim=-1)
         text_features = F.normalize(self.encode_text(tokens), dim=-1)
         logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()  # [B, C]
         return logits_per_image, logits_per_image.t()
+
+
+def length_buckets(eot: torch.Tensor):
+    """Group texts by length: [(n, indices of the texts whose EOT sits at position n)], shortest first."""
+    return [(n, (eot == n).nonzero().squeeze(1)) for n in eot.unique().tolist()]
 
 
 # entries a checkpoint may carry besides the weights: OpenAI's TorchScript archives add the first

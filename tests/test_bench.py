@@ -16,7 +16,7 @@ def table_rows(text):
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and re.match(r"^[a-e]\.", cells[0]):
+        if line.startswith("| ") and re.match(r"^[a-f]\.", cells[0]):
             rows[cells[0]] = cells
     return rows
 
@@ -40,10 +40,14 @@ def test_tiny_bench_writes_every_row(tmp_path):
     # the vendored CLIP and the nn.MultiheadAttention reference compute the same features
     assert all(float(v) < 1e-5 for v in rows["a.agree"][2:4])
     # the naive step and ours compute the same loss and the same gradient of R
-    for C, B in settings:
+    for C, B in settings[:1]:  # on a CPU the naive step runs in the first setting only
         loss_ours, loss_naive = (float(v) for v in rows[f"c.agree.C{C}xB{B}"][2].split("/"))
         assert loss_ours == pytest.approx(loss_naive, rel=1e-5)
         assert float(rows[f"c.agree.C{C}xB{B}"][3]) < 1e-4
+    for rid in expected:  # every timing row has its FLOP limit and measured / limit
+        if rid[0] in "abcd" and "agree" not in rid:
+            assert float(rows[rid][5]) > 0 and float(rows[rid][6]) > 0, rows[rid]
+    assert float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3  # the naive step does far more work
     for header in ("| device |", "| torch |", "| date |", "| settings (classes x batch) |", "intra-op threads"):
         assert header in text
     assert "GPU numbers were not measured" in text  # CPU run: says so
@@ -68,3 +72,51 @@ def test_reference_has_openai_layout_and_loads_the_same_weights():
     assert isinstance(ref.transformer.resblocks[0].attn, torch.nn.MultiheadAttention)
     assert not ref.transformer.resblocks[0].attn.batch_first  # sequence-first, as OpenAI's original
     assert ref.visual.proj.data_ptr() == model.visual.proj.data_ptr()  # shared, not copied
+
+
+def block_flops(n, r, D):
+    """FLOPs (2 per multiply-add) of one pre-LN block on one sequence, written out by hand: keys and values of
+    all n positions, queries, attention, output projection and MLP (4x wide) of the r rows computed."""
+    return 2 * (n * D * 2 * D + r * D * D + 2 * r * n * D + r * D * D + r * D * 8 * D)
+
+
+def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
+    """bench.count_flops reads every matmul the code runs; on encode_image and on DeAR's image side it equals
+    the FLOPs counted by hand with the last block computing only the rows read (CLS; CLS + K tokens)."""
+    import torch
+    from conftest import tiny_clip
+    from dear import K, DeAR
+    m = tiny_clip()
+    B, D, E, N, P, patch = 3, 64, 32, 17, 16, 8
+    images = torch.randn(B, 3, 32, 32)
+    embed = 2 * P * (3 * patch * patch) * D  # the patch convolution, per image
+    with torch.no_grad():
+        counted = bench.count_flops(lambda: m.encode_image(images))
+    assert counted == B * (embed + 3 * block_flops(N, N, D) + block_flops(N, 1, D) + 2 * D * E)
+    net = DeAR(m, None, J=3, mask="none", rep_dim=16)  # tokens in blocks 3 and 4 (1-based)
+    with torch.no_grad():
+        counted = bench.count_flops(lambda: net.encode_images(images))
+    aligners = 2 * 2 * K * 16 * D  # F_v of blocks 3 and 4: [K, 16] -> [K, D]
+    by_hand = B * (embed + 2 * block_flops(N, N, D) + block_flops(N + K, N + K, D) + block_flops(N + K, 1 + K, D)
+                   + 2 * (1 + K) * D * E)  # proj for CLS, P_attr for the K tokens
+    assert counted == aligners + by_hand
+
+
+def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(monkeypatch, capsys):
+    """--device cuda without CUDA stops with one line; the autocast path that a GPU takes (bf16 around every
+    contender, the pruned last block and the shared text start in bf16) runs here through CPU autocast."""
+    import torch
+    import train
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--device", "cuda"])
+        assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+    monkeypatch.setattr(train, "autocast_dtype", lambda device: torch.bfloat16)
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--repeats", "1", "--classes", "10", "--batches", "2",
+                             "--no-breakdown"])
+    res = bench.run(args)
+    rows = {r[0]: r for r in res["rows"]}
+    assert sorted(rows) == sorted(bench.row_ids([(10, 2)]))
+    loss_ours, loss_naive = (float(v) for v in rows["c.agree.C10xB2"][2].split("/"))
+    assert loss_ours == pytest.approx(loss_naive, rel=2e-2)  # bf16: the same loss to bf16 precision
+    assert "autocast bf16" in bench.markdown(res, args)
