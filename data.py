@@ -12,6 +12,10 @@ CoOp's `subsample_classes`. A folder:PATH dataset is split once (`read_folder`);
 PATH/split_folder.json, or under `cache_dir()` when PATH is read-only, and a folder that changed since
 is refused. Transforms are Dassl's / CLIP's (16-bit images scaled to 8 bit). `python data.py --help`
 shows the CLI; `check` also opens every image.
+
+Used by dear.py, train.py, runs.py, entropy.py and toyworld.py (and run_all.sh's dataset check). It imports
+util.py, and download.py for `python data.py download`; it knows nothing of the toy world, which toyworld.py
+writes in the CoOp layout and data.py then reads like any other dataset.
 """
 import argparse
 import dataclasses

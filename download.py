@@ -7,6 +7,8 @@ folder, judged by name alone) into a temporary folder beside the archive, which 
 place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google Drive (links
 in CoOp's DATASETS.md); they are fetched with the standard library.
 All URLs can be replaced: --mirror for the archives, --gdrive-url (or $DEAR_GDRIVE_URL) for Drive.
+
+Used by data.py (`python data.py download NAME --root DATA`); imports clip (for `clip.stream`) only.
 """
 import dataclasses
 import hashlib

@@ -9,6 +9,10 @@ Checkpoints are OpenAI's published files, downloaded once into ~/.cache/clip (or
 or $CLIP_CACHE) and checked against the SHA256 that is part of their URL. Both the TorchScript
 archives that OpenAI publishes (only their state dict is read) and plain state dicts load.
 OpenAI CLIP (model architecture, vocabulary, checkpoints) is released under the MIT licence.
+
+Like OpenAI's package, clip/ imports nothing of the project around it. Its users: toyworld.py, entropy.py,
+dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives through `stream`,
+the project's one download loop.
 """
 import hashlib
 import http.client

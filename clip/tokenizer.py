@@ -6,6 +6,8 @@ SHA256 924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a.
 
 Vocabulary (49,408 ids): 256 byte symbols, the same 256 with the end-of-word marker "</w>",
 48,894 merges in file order, then <|startoftext|> = 49406 and <|endoftext|> = 49407.
+
+Used through `clip.tokenize` (by clip/model.py's users: toyworld.py, entropy.py, dear.py, bench.py).
 """
 import gzip
 import html
