@@ -666,7 +666,8 @@ def markdown(res, args) -> str:
         lines += ["- Every number in this file is CPU. CPU timings on a shared machine are noisy: the ratios of "
                   "process CPU times, measured interleaved, are what to read.",
                   "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU "
-                  "(the code path: autocast as in dear.py, `torch.cuda.synchronize` around every timed call, "
+                  "(the code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights stored "
+                  "in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
                   "`torch.cuda.max_memory_allocated` for memory)."]
     if res["profile"]:
         lines += ["", "## Top operators (torch.profiler)", "", "```", res["profile"].rstrip(), "```"]
