@@ -4,13 +4,18 @@ DeAR trains only tokens and two small maps, so a training step should cost littl
 forward pass. Measured in one process, on one device, with random weights of the real shapes (nothing is
 downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike; medians over repeats.
   a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights; outputs agree
-  b. one DeAR training step (as train.train) vs one frozen CLIP forward of the batch and of all class prompts
+  b. one DeAR training step (train.train_step, what train.train runs) vs one frozen CLIP forward of the batch
+     and of all class prompts
   c. the same DeAR step written the naive way vs ours      d. DeAR evaluation vs zero-shot CLIP
   e. peak memory of a training step
 
     python bench.py --tiny                      # the tiny test model: seconds
     python bench.py --device cuda --repeats 10  # ViT-B/16 shapes on a GPU
     python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1   # ViT-B/16 on a small CPU
+
+Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on CUDA and fp32
+on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype while the contenders run
+(train.frozen_weights_in), as in train.train and train.evaluate.
 """
 import argparse
 import ctypes
@@ -186,10 +191,9 @@ def sync(device):
         torch.cuda.synchronize(device)  # CUDA runs asynchronously: wait before reading the clock
 
 
-def amp(device):
-    """The autocast train.train / train.evaluate use: bf16 (or fp16) on CUDA, nothing on CPU."""
-    dtype = train.autocast_dtype(device)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+def amp(device, dtype):
+    """The autocast train.train / train.evaluate use for --precision's dtype (None: fp32, no autocast)."""
+    return train.autocast(device, dtype)
 
 
 def _status_kib(key: str) -> int:
@@ -302,18 +306,16 @@ def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method
 # The contenders
 
 
-def dear_step(model, opt, scaler, images, labels, device, lambda_reg=1.0, lambda_fusion=1.0):
-    """One DeAR training step exactly as train.train runs it. Returns the loss and a copy of R's gradient."""
-    model.train()
-    with amp(device):
-        out = model(images, with_frozen=True)
-        loss, _ = dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg, lambda_fusion)
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    grad_R = model.tokens.R.grad.detach().clone()
-    scaler.step(opt)
-    scaler.update()
-    return loss.item(), grad_R
+def dear_loss_fn(model, out, labels, lambda_reg=1.0, lambda_fusion=1.0):
+    """dear.py's loss_fn: the DeAR loss with the default weights."""
+    return dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg, lambda_fusion)
+
+
+def dear_step(model, opt, scaler, images, labels, dtype):
+    """One DeAR training step: train.train_step, the function train.train runs for every batch (autocast in
+    dtype, the loss in fp32, GradScaler, AdamW). Returns the loss and R's gradient (unscaled), on the device."""
+    loss, _, _ = train.train_step(model, images, labels, dear_loss_fn, opt, scaler, dtype)
+    return loss.detach(), model.tokens.R.grad
 
 
 def naive_forward(model, images, tokens):
@@ -351,27 +353,26 @@ def naive_forward(model, images, tokens):
     return {"logits": logits, "fused": fused, "f_cls": f_cls, "f0": f0, "t": t}, t0
 
 
-def naive_step(model, opt, scaler, images, labels, tokens, device, lambda_reg=1.0, lambda_fusion=1.0):
+def naive_step(model, opt, scaler, images, labels, tokens, dtype, lambda_reg=1.0, lambda_fusion=1.0):
     """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them out), so
-    autograd records all blocks and computes every weight gradient."""
-    model.train()
+    autograd records all blocks and computes every weight gradient. Otherwise as train.train_step."""
     frozen = list(model.clip.parameters())
     for p in frozen:
         p.requires_grad_(True)
     try:
-        with amp(device):
+        with amp(images.device, dtype):
             out, t0 = naive_forward(model, images, tokens)
-            loss, _ = dear.dear_loss(out, labels, t0, model.alpha(), lambda_reg, lambda_fusion)
+        loss, _ = dear.dear_loss(out, labels, t0, model.alpha(), lambda_reg, lambda_fusion)  # fp32
         model.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        grad_R = model.tokens.R.grad.detach().clone()
+        scaler.unscale_(opt)  # R.grad: the true gradient, comparable with ours
         scaler.step(opt)
         scaler.update()
     finally:
         for p in frozen:
             p.requires_grad_(False)
             p.grad = None
-    return loss.item(), grad_R
+    return loss.detach(), model.tokens.R.grad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,6 +384,7 @@ class Bench:
 
     def __init__(self, args):
         self.args, self.device = args, torch.device(args.device)
+        self.dtype = train.autocast_dtype(self.device, args.precision)  # None: fp32
         self.mem_method = "max_memory_allocated" if self.device.type == "cuda" else cpu_memory_method()
         self.rows, self.breakdown = [], []
         self.gen = torch.Generator().manual_seed(1)
@@ -403,7 +405,7 @@ class Bench:
 
     def no_grad(self, fn):
         def wrapped():
-            with torch.no_grad(), amp(self.device):
+            with torch.no_grad(), amp(self.device, self.dtype):
                 return fn()
         return wrapped
 
@@ -441,18 +443,22 @@ def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
         t = F.normalize(model.encode_text(tokens), dim=-1)
         return (scale * f @ t.t()).argmax(-1)
 
-    fns = {"dear": lambda: dear_step(net, opt, scaler, imgs, labels, device), "frozen": b.no_grad(frozen)}
+    fns = {"dear": lambda: dear_step(net, opt, scaler, imgs, labels, b.dtype), "frozen": b.no_grad(frozen)}
     if naive and not b.args.no_naive:
-        fns["naive"] = lambda: naive_step(net, opt, scaler, imgs, labels, tokens, device)
+        fns["naive"] = lambda: naive_step(net, opt, scaler, imgs, labels, tokens, b.dtype)
     where = f"{C} classes, batch {B}" + ("" if model_name == "ViT-B/16" else f", {model_name}")
-    try:
-        r = b.go(fns, f"b/c. {where}")
-    except torch.OutOfMemoryError:  # the naive step keeps every activation of both towers: it may not fit
-        fns.pop("naive")
-        torch.cuda.empty_cache()
-        r = b.go(fns, f"b. {where} (the naive step ran out of memory)")
-        b.row(f"c.{tag}", f"naive DeAR step vs ours, {where}", "out of memory", ms(r["dear"], device))
-        b.row(f"c.agree.{tag}", "naive vs ours: loss / grad R", "out of memory", "-")
+    net.train()
+    with train.frozen_weights_in(b.dtype, model):  # as in train.train: after set_classes, around every step
+        try:
+            r = b.go(fns, f"b/c. {where}")
+        except torch.OutOfMemoryError:  # the naive step keeps every activation of both towers: it may not fit
+            fns.pop("naive")
+            torch.cuda.empty_cache()
+            r = b.go(fns, f"b. {where} (the naive step ran out of memory)")
+            b.row(f"c.{tag}", f"naive DeAR step vs ours, {where}", "out of memory", ms(r["dear"], device))
+            b.row(f"c.agree.{tag}", "naive vs ours: loss / grad R", "out of memory", "-")
+        if not b.args.no_breakdown and not b.breakdown:  # the first setting only: it costs four more timings
+            b.breakdown.append((C, B, step_breakdown(b, net, imgs, labels, r["dear"]["s"], tag)))
     b.compare(f"b.{tag}", f"DeAR training step vs frozen CLIP forward (image + {C} prompts), {where}",
               r["dear"], r["frozen"], TRAIN_TARGETS.get((C, B), ""))
     b.row(f"f.{tag}", f"training throughput, images/s: DeAR step / frozen forward, {where}",
@@ -462,23 +468,22 @@ def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
         (la, ga), (lb, gb) = r["dear"]["out"], r["naive"]["out"]
         rel = ((ga - gb).norm() / gb.norm().clamp_min(1e-12)).item()
         b.row(f"c.agree.{tag}", "naive vs ours: loss / relative difference of grad R",
-              f"{la:.6f} / {lb:.6f}", f"{rel:.1e}", "", "equal")
+              f"{float(la):.6f} / {float(lb):.6f}", f"{rel:.1e}", "", "equal")
     b.row(f"e.{tag}", f"peak memory ({b.mem_method}): DeAR step / frozen forward"
           + (" / naive step" if "naive" in r else "") + f", {where}",
           mib(r["dear"]), mib(r["frozen"]), mib(r["naive"]) if "naive" in r else "")
-    if not b.args.no_breakdown and not b.breakdown:  # the first setting only: it costs four more timings
-        b.breakdown.append((C, B, step_breakdown(b, net, imgs, labels, r["dear"]["s"], tag)))
 
 
 def bench_eval(b, net, images, C):
     """d. evaluation: per-batch cost with the class text features computed once, as train.evaluate does."""
     net.set_classes(classnames(C), TEMPLATE)
     net.eval()
-    t = b.no_grad(net.encode_classes)()
     scale = net.clip.logit_scale.exp()
-    r = b.go({"dear": b.no_grad(lambda: net(images, t=t)["fused"].argmax(-1).cpu()),
-              "zs": b.no_grad(lambda: (scale * F.normalize(net.clip.encode_image(images), dim=-1)
-                                       @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation")
+    with train.frozen_weights_in(b.dtype, net.clip):  # as in train.evaluate
+        t = b.no_grad(net.encode_classes)()
+        r = b.go({"dear": b.no_grad(lambda: net(images, t=t)["fused"].argmax(-1).cpu()),
+                  "zs": b.no_grad(lambda: (scale * F.normalize(net.clip.encode_image(images), dim=-1)
+                                           @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation")
     n = len(images)
     b.compare("d.eval", f"evaluation of a batch of {n} images ({C} classes): DeAR vs zero-shot CLIP",
               r["dear"], r["zs"], "<= 1.02")
@@ -487,7 +492,8 @@ def bench_eval(b, net, images, C):
 
 
 def build(b, sizes, J):
-    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the GradScaler."""
+    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the GradScaler as
+    train.train makes them."""
     torch.manual_seed(0)
     with torch.device(b.device):
         model = CLIP(**sizes).eval()
@@ -496,8 +502,9 @@ def build(b, sizes, J):
     net = dear.DeAR(model, bench_roles(J, model.visual.layers, model.visual.heads), J=J, beta=0.9).to(b.device)
     # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
     # see the same parameters and the naive and our losses can be compared
-    opt = torch.optim.AdamW([p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4)
-    scaler = torch.amp.GradScaler("cuda", enabled=train.autocast_dtype(b.device) == torch.float16)
+    fused = {"fused": True} if b.device.type == "cuda" else {}  # as train.train
+    opt = torch.optim.AdamW([p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4, **fused)
+    scaler = torch.amp.GradScaler("cuda", enabled=b.dtype == torch.float16)
     return model, net, opt, scaler
 
 
@@ -533,12 +540,12 @@ def step_breakdown(b, net, imgs, labels, step_s, tag):
     x = b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first))()  # [B, 1+P, D]
 
     def forward():
-        with amp(b.device):
+        with amp(b.device, b.dtype):
             out = net(imgs, with_frozen=True)
-            return dear.dear_loss(out, labels, net.t0, net.alpha(), 1.0, 1.0)[0].item()
+        return dear_loss_fn(net, out, labels)[0].item()  # outside autocast, as train.train_step
 
     def text():
-        with amp(b.device):
+        with amp(b.device, b.dtype):
             return net.encode_classes().sum().item()  # with autograd on, as in the step
 
     r = b.go({"text": text, "prefix": b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first)),
@@ -561,11 +568,13 @@ def profile_step(b, net, opt, scaler, setting):
     C, B = setting
     net.set_classes(classnames(C), TEMPLATE)
     imgs, labels = b.images(B, net.clip.visual.input_resolution), (torch.arange(B) % C).to(b.device)
-    dear_step(net, opt, scaler, imgs, labels, b.device)
     cuda = b.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
-        dear_step(net, opt, scaler, imgs, labels, b.device)
-        sync(b.device)
+    net.train()
+    with train.frozen_weights_in(b.dtype, net.clip):
+        dear_step(net, opt, scaler, imgs, labels, b.dtype)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+            dear_step(net, opt, scaler, imgs, labels, b.dtype)
+            sync(b.device)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return f"one DeAR step, {C} classes, batch {B}\n" + p.key_averages().table(sort_by=key, row_limit=15)
 
@@ -590,8 +599,11 @@ def row_ids(settings, device="cpu"):
 def markdown(res, args) -> str:
     device = torch.device(args.device)
     s = res["sizes"]
-    prec = {None: "fp32", torch.bfloat16: "autocast bf16", torch.float16: "autocast fp16 + GradScaler"}[
-        train.autocast_dtype(device)]
+    prec = {None: "fp32 (no autocast)",
+            torch.bfloat16: "autocast bf16, frozen matmul weights stored in bf16 (train.frozen_weights_in)",
+            torch.float16: "autocast fp16 + GradScaler, frozen matmul weights stored in fp16 "
+                           "(train.frozen_weights_in)"}[train.autocast_dtype(device, args.precision)]
+    prec = f"--precision {args.precision}: {prec}; logits head and loss in fp32"
     lines = ["# DeAR speed bench", "",
              "Written by `bench.py`; every ratio compares two measurements made in the same process, "
              "interleaved, with the same inputs. Random weights with the real shapes (nothing downloaded).", "",
@@ -638,9 +650,10 @@ def markdown(res, args) -> str:
               "- a: `clip/model.py` (batch-first, hand-written attention through "
               "`scaled_dot_product_attention`) against a reference written in bench.py the plainest way: "
               "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight tensors.",
-              "- b: `dear_step` = `model(images, with_frozen=True)`, `dear.dear_loss`, backward, AdamW step "
-              "(lr 0, so every repeat sees the same parameters); frozen = `encode_image` of the batch + "
-              "`encode_text` of every class prompt + logits, under `no_grad`.",
+              "- b: the DeAR step is `train.train_step`, the function `train.train` runs for every batch "
+              "(`model(images, with_frozen=True)` under autocast, `dear.dear_loss` in fp32, backward through the "
+              "GradScaler, AdamW; lr 0, so every repeat sees the same parameters); frozen = `encode_image` of the "
+              "batch + `encode_text` of every class prompt + logits, under `no_grad`, in the same precision.",
               "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on the frozen "
               "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
               "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
@@ -653,7 +666,8 @@ def markdown(res, args) -> str:
         lines += ["- Every number in this file is CPU. CPU timings on a shared machine are noisy: the ratios of "
                   "process CPU times, measured interleaved, are what to read.",
                   "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU "
-                  "(the code path: autocast as in dear.py, `torch.cuda.synchronize` around every timed call, "
+                  "(the code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights stored "
+                  "in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
                   "`torch.cuda.max_memory_allocated` for memory)."]
     if res["profile"]:
         lines += ["", "## Top operators (torch.profiler)", "", "```", res["profile"].rstrip(), "```"]
@@ -688,6 +702,9 @@ def parse_args(argv=None):
             f"{k}: " + ", ".join(f"{n} {v}" for n, v in d.items()) for k, d in DEFAULTS.items()))
     p.add_argument("--tiny", action="store_true", help="the tiny CLIP of the tests instead of ViT-B/16 shapes")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--precision", default="amp", choices=train.PRECISIONS,
+                   help="as dear.py: amp = fp16 autocast + GradScaler on CUDA, fp32 on a CPU; bf16 also runs on a "
+                        "CPU (autocast); fp16 needs CUDA")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (>= 1; the first measures memory)")
     p.add_argument("--classes", type=int_list, default=None, help="class counts of the training settings")
@@ -709,6 +726,10 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for but CUDA is not available here; use --device cpu")
+    try:
+        train.resolve_precision(args.precision, torch.device(args.device))
+    except train.RunError as e:
+        p.error(str(e))
     kind = "tiny" if args.tiny else "cpu" if args.device == "cpu" else "cuda"
     for name, value in DEFAULTS[kind].items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))

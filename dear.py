@@ -368,8 +368,8 @@ class DeAR(nn.Module):
         - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT and
           the template's first words). Under the causal mask their states are the same for every class, so
           blocks J..L run them once, and every class attends to them.
-        - text_groups: the rest of each prompt, grouped by prompt length without padding: [(indices, [c, n, W])];
-          the last position of every group is EOT.
+        - text_groups: the rest of each prompt in groups padded to their longest (length_buckets; exact, causal):
+          [(indices, [c, n, W], rows [r]: the group's EOT positions in x, pick [c]: each prompt's row in rows)].
         """
         prompts = [template.format(c.replace("_", " ")) for c in classnames]
         device = self.P_attr.device
@@ -378,11 +378,11 @@ class DeAR(nn.Module):
         same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while every prompt agrees
         S = min(int(same.sum()), int(eot.min()))                        # keep at least EOT per class
         groups, t0, order = [], [], []
-        for n, idx in length_buckets(eot):                              # EOT at position n in this group
+        for n, idx, rows, pick in length_buckets(eot):                  # EOTs at rows [r] (<= n); pick [c]
             x = self.clip.run_text_blocks(self.clip.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
-            frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=slice(n, n + 1))  # [c, 1, W]
-            t0.append(self.clip.text_head(frozen, torch.zeros_like(idx)))  # [c, E]
-            groups.append((idx, x[:, S:]))                              # [c, n + 1 - S, W]
+            frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
+            t0.append(self.clip.text_head(frozen, pick))                # [c, E]
+            groups.append((idx, x[:, S:], rows - S, pick))              # [c, n + 1 - S, W], rows in x[:, S:]
             order.append(idx)
             self.text_shared = x[:1, :S]                                # [1, S, W], equal in every group
         self.text_groups = groups
@@ -397,17 +397,17 @@ class DeAR(nn.Module):
         if not self.use_tokens:
             return self.t0
         shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
-        parts = [x for _, x in self.text_groups]                         # [c, n, W]: the rest, EOT last
+        parts = [x for _, x, _, _ in self.text_groups]                   # [c, n, W]: the rest of each prompt
         for i, b in enumerate(range(self.first_text, self.Lt)):
             fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
             shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
             # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see the tokens
             last = b == self.Lt - 1
-            parts = [self.clip.run_text_blocks(x, b, b + 1, rows=slice(-1, None) if last else None, past=shared)
-                     for x in parts]                                     # causal over [shared, x]
+            parts = [self.clip.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
+                     for x, g in zip(parts, self.text_groups)]           # causal over [shared, x]
             if not last:
                 shared = self.clip.run_text_blocks(shared, b, b + 1)
-        t = torch.cat([self.clip.text_head(x, self.text_order.new_zeros(len(x))) for x in parts])  # [C, E]
+        t = torch.cat([self.clip.text_head(x, g[3]) for x, g in zip(parts, self.text_groups)])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
     # --- image side ------------------------------------------------------------------------------

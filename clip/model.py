@@ -11,8 +11,8 @@ Differences from OpenAI's reference code, all numerically neutral:
 - the towers expose seams (embed / run_blocks / head and embed_text / run_text_blocks /
   text_head); `encode_image` and `encode_text` are these seams composed;
 - exact savings: the last block computes only the rows that are read (`rows`: CLS, or EOT), and texts
-  run in groups of equal length without padding (`length_buckets`); a block can also attend to
-  `past` positions shared by a whole batch of texts (DeAR's common template start).
+  run in groups of similar length padded only to the group's longest (`length_buckets`); a block can
+  also attend to `past` positions shared by a whole batch of texts (DeAR's common template start).
 
 Blocks are counted from 0 here; `run_blocks(x, start, end)` runs blocks start..end-1.
 """
@@ -300,14 +300,15 @@ class CLIP(nn.Module):
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [C, T] -> text features [C, E], read at each text's EOT.
-        Texts run in groups of equal length with their padding dropped (the causal mask never lets padding
-        reach EOT), and the last block computes only the EOT position: same features, far fewer FLOPs."""
+        Texts run in groups of similar length, padded only to their group's longest (the causal mask never lets
+        padding reach EOT; length_buckets), and the last block computes only the EOT positions: same features,
+        far fewer FLOPs."""
         eot = tokens.argmax(dim=-1)  # EOT (49407) is the largest id, so argmax finds it; padding is 0
         feats, order = [], []
-        for n, idx in length_buckets(eot):  # every text of this group has its EOT at position n
+        for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows (<= n); text i reads row pick[i]
             x = self.embed_text(tokens[idx, : n + 1])  # [c, n + 1, W]
-            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=slice(n, n + 1))  # [c, 1, W]: EOT only
-            feats.append(self.text_head(x, torch.zeros_like(idx)))  # [c, E]
+            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=rows)  # [c, r, W]: EOT rows only
+            feats.append(self.text_head(x, pick))  # [c, E]
             order.append(idx)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`
 
@@ -318,9 +319,40 @@ class CLIP(nn.Module):
         return logits_per_image, logits_per_image.t()
 
 
-def length_buckets(eot: torch.Tensor):
-    """Group texts by length: [(n, indices of the texts whose EOT sits at position n)], shortest first."""
-    return [(n, (eot == n).nonzero().squeeze(1)) for n in eot.unique().tolist()]
+# What running one more group of texts costs, in padded token positions (see length_buckets). CPU: measured
+# at ViT-B/16's text width on one thread, one more group costs about as much as 35 more positions (every matmul
+# reads its weights once per group, worth 20-25 rows, plus the other ops), so a few short texts are cheaper
+# padded into their neighbours' group. CUDA: every group adds about 20 kernel launches per block, worth
+# thousands of positions on a GPU, so texts mostly run as one padded batch (an estimate, not measured).
+GROUP_COST = {"cpu": 40, "cuda": 4096}
+
+
+def length_buckets(eot: torch.Tensor, group_cost: Optional[int] = None):
+    """Group texts to run padded only to their group's longest: [(n, indices [c], rows [r], pick [c])] with
+    n = the group's largest EOT position, rows = its distinct EOT positions (the rows the last block computes)
+    and pick = the row of each text in rows; groups of ever longer texts.
+
+    Padding comes after a text's EOT, so under the causal mask it never reaches the EOT: exact. Which lengths
+    share a group is the cheapest split for cost = sum over groups of (texts x (n + 1) + group_cost): one group
+    per length when group_cost is 0, all texts padded to the longest when it is large. group_cost None:
+    GROUP_COST of the device. Dynamic programming over the sorted lengths (at most 77 of them)."""
+    if group_cost is None:
+        group_cost = GROUP_COST.get(eot.device.type, GROUP_COST["cuda"])
+    lengths, counts = eot.unique(return_counts=True)  # sorted EOT positions, texts at each
+    lengths, upto = lengths.tolist(), [0] + counts.cumsum(0).tolist()  # upto[j]: texts of lengths[:j]
+    best, start = [0], []  # best[j]: cheapest cost of the texts of lengths[:j]; start[j]: first length of
+    for j in range(len(lengths)):  # the group that ends with lengths[j]; it holds lengths[i..j]
+        cost = [best[i] + (upto[j + 1] - upto[i]) * (lengths[j] + 1) + group_cost for i in range(j + 1)]
+        start.append(min(range(j + 1), key=cost.__getitem__))
+        best.append(cost[start[-1]])
+    groups, j = [], len(lengths) - 1
+    while j >= 0:  # read the groups back from the longest
+        i = start[j]
+        idx = ((eot >= lengths[i]) & (eot <= lengths[j])).nonzero().squeeze(1)
+        rows, pick = eot[idx].unique(return_inverse=True)  # [r], [c]
+        groups.append((lengths[j], idx, rows, pick))
+        j = i - 1
+    return groups[::-1]
 
 
 # entries a checkpoint may carry besides the weights: OpenAI's TorchScript archives add the first

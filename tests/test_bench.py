@@ -103,20 +103,33 @@ def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
 
 
 def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(monkeypatch, capsys):
-    """--device cuda without CUDA stops with one line; the autocast path that a GPU takes (bf16 around every
-    contender, the pruned last block and the shared text start in bf16) runs here through CPU autocast."""
+    """--device cuda without CUDA, and --precision fp16 on a CPU, stop with one line; the autocast path that a GPU
+    takes (--precision bf16: autocast around every contender, the frozen weights stored in bf16 while they run,
+    the pruned last block and the shared text start in bf16) runs here through CPU autocast, and the step it
+    times is train.train_step itself."""
     import torch
     import train
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit) as e:
-            bench.parse_args(["--device", "cuda"])
-        assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
-    monkeypatch.setattr(train, "autocast_dtype", lambda device: torch.bfloat16)
-    args = bench.parse_args(["--tiny", "--device", "cpu", "--repeats", "1", "--classes", "10", "--batches", "2",
-                             "--no-breakdown"])
+        for argv in (["--device", "cuda"], ["--device", "cpu", "--precision", "fp16"]):
+            with pytest.raises(SystemExit) as e:
+                bench.parse_args(argv)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and ("CUDA is not available" in err or "needs a CUDA device" in err), err
+    steps, dtypes, real_step = [], set(), train.train_step  # the precision of every timed step, its weights' dtype
+
+    def spy(model, images, labels, loss_fn, opt, scaler, amp):
+        steps.append(amp)
+        dtypes.add(model.clip.visual.transformer.resblocks[0].mlp.c_fc.weight.dtype)
+        return real_step(model, images, labels, loss_fn, opt, scaler, amp)
+
+    monkeypatch.setattr(train, "train_step", spy)
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1", "--classes",
+                             "10", "--batches", "2", "--no-breakdown"])
     res = bench.run(args)
+    assert steps and set(steps) == {torch.bfloat16} and dtypes == {torch.bfloat16}  # frozen weights in bf16
     rows = {r[0]: r for r in res["rows"]}
     assert sorted(rows) == sorted(bench.row_ids([(10, 2)]))
     loss_ours, loss_naive = (float(v) for v in rows["c.agree.C10xB2"][2].split("/"))
     assert loss_ours == pytest.approx(loss_naive, rel=2e-2)  # bf16: the same loss to bf16 precision
+    assert float(rows["c.agree.C10xB2"][3]) < 0.1  # the same gradient of R to bf16 precision
     assert "autocast bf16" in bench.markdown(res, args)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import clip
+import clip.model
 from clip.model import MultiheadAttention, build_model, infer_config
 from clip.tokenizer import get_tokenizer
 from conftest import tiny_clip, tiny_state_dict
@@ -484,15 +485,35 @@ def test_past_equals_running_the_whole_sequence():
         m.run_text_blocks(suffix, 0, 2, past=past)
 
 
-def test_encode_text_groups_by_length_and_keeps_the_order():
-    """Prompts of several lengths (several groups) come back in their own order and equal the plain
-    reference computed on the padded tokens."""
+@pytest.mark.parametrize("group_cost", [0, 10 ** 6])
+def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatch):
+    """Prompts of several lengths come back in their own order and equal the plain reference computed on the
+    padded tokens: one group per length (group cost 0), and one group padded to the longest whose EOTs sit at
+    three positions (a large group cost; each text must be read at its own EOT)."""
+    monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     m = tiny_clip()
     sd = m.state_dict()
     texts = ["a photo of a big red fox standing.", "cat", "a photo of a dog.", "two", "a photo of a cow."]
     tokens = clip.tokenize(texts)
     assert len(set(tokens.argmax(-1).tolist())) == 3  # three lengths
+    assert len(clip.model.length_buckets(tokens.argmax(-1))) == (3 if group_cost == 0 else 1)
     with torch.no_grad():
         ours = m.encode_text(tokens)
         ref = ref_encode_text(sd, tokens, 2, 4)
     assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_length_buckets_pick_the_cheapest_split():
+    """Ten texts with EOT at 3, one at 4, ten at 20. Cost = texts x (longest EOT + 1) + group cost, by hand:
+    group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329 (cheapest);
+    {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group per length;
+    a huge one: a single group."""
+    eot = torch.tensor([3] * 10 + [4] + [20] * 10)[torch.randperm(21, generator=torch.Generator().manual_seed(0))]
+    split = lambda cost: [(n, sorted(eot[idx].tolist())) for n, idx, _, _ in clip.model.length_buckets(eot, cost)]
+    assert split(0) == [(3, [3] * 10), (4, [4]), (20, [20] * 10)]
+    assert split(32) == [(4, [3] * 10 + [4]), (20, [20] * 10)]
+    assert split(10 ** 6) == [(20, [3] * 10 + [4] + [20] * 10)]
+    groups = clip.model.length_buckets(eot, 32)
+    n, idx, rows, pick = groups[0]
+    assert rows.tolist() == [3, 4] and torch.equal(rows[pick], eot[idx])  # each text's own EOT row
+    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))  # every text once

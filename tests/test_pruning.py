@@ -2,10 +2,12 @@
 K tokens; CLS for f^0), the text start shared by every prompt runs once, and prompts run in groups of equal
 length without padding. The reference below is the plain computation written out by hand: every position,
 every block, prompts padded to 77 tokens, features read afterwards."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 import clip
+import clip.model
 from conftest import tiny_clip
 from dear import K, DeAR
 
@@ -88,9 +90,13 @@ def test_image_side_equals_the_plain_computation_with_per_head_masks():
         assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_text_side_equals_the_plain_computation():
-    """Class names of several lengths (several groups) that also share a first word (the shared start then
-    reaches into the class names), in an order that is not sorted by length."""
+@pytest.mark.parametrize("group_cost", [0, None])
+def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
+    """Class names of several lengths that also share a first word (the shared start then reaches into the
+    class names), in an order that is not sorted by length; one group per length (group cost 0) and all
+    prompts padded into one group whose EOTs sit at three positions (the CPU's group cost)."""
+    if group_cost is not None:
+        monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     torch.manual_seed(1)
     model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6)  # tokens in text blocks 3, 4
     with torch.no_grad():
@@ -99,8 +105,10 @@ def test_text_side_equals_the_plain_computation():
     for names in (["red fox of the hills", "red cat", "red sea lion", "red ox"], ["dog"]):
         prompts = [f"a photo of a {n}." for n in names]
         model.set_classes(names, "a photo of a {}.")
-        if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths make three groups
-            assert model.text_shared.shape[1] == 6 and len(model.text_groups) == 3
+        if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths
+            assert model.text_shared.shape[1] == 6
+            assert len(model.text_groups) == (3 if group_cost == 0 else 1)
+            assert sum(len(g[2]) for g in model.text_groups) == 3  # the last block: three EOT rows in all
         t, t0 = plain_classes(model, prompts)
         assert torch.allclose(model.t0, t0, atol=1e-6)
         ours = model.encode_classes()
