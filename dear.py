@@ -97,6 +97,7 @@ class Config:
     attr_tokens: bool = True          # False: no tokens at all (ablation); the model is then frozen CLIP
     novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
     roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
+    roles_control: str = "none"       # none | random | oracle: controls for Concept Entropy (control_roles)
     # optimisation
     epochs: int = None                # None = SCHEDULES
     batch_size: int = None
@@ -136,6 +137,8 @@ def resolve(cfg: Config) -> Config:
               (c.mask in ("role", "generalization-only", "none"),
                f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
               (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
+              (c.roles_control in ("none", "random", "oracle"),
+               f"unknown --roles-control {c.roles_control!r}; choose none, random or oracle"),
               (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
               (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
               (0.0 < c.alpha_cls < 1.0, f"--alpha-cls must lie in (0, 1), got {c.alpha_cls}"),
@@ -152,7 +155,8 @@ def variant_name(c: Config) -> str:
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
-                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale")
+                           "attr_tokens", "novel_logits", "epochs", "batch_size", "lr", "crop_scale",
+                           "roles_control")
              and getattr(c, f.name) != getattr(base, f.name)]
     if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
         parts[0] = "backbone-" + os.path.splitext(os.path.basename(c.backbone))[0]
@@ -248,6 +252,49 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
             a[orig, i] = True                        # the originals read attr_a
     mask = torch.zeros(H, L, L)
     return mask.masked_fill(~allowed, float("-inf"))
+
+
+def control_roles(roles, control: str, seed: int):
+    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles {block: [head dicts]}.
+
+    "none": the roles as given. "random": in every block, the heads' roles shuffled by a permutation seeded with
+    `seed` and the block number; each block keeps its number of heads of each role (and of each attribute), only
+    which head holds which role is chance. "oracle": roles from the ground truth instead of the texts: the heads
+    of all given blocks ranked by how much better their best-decoded factor is decoded than the runner-up (the
+    "skill" that entropy.probe_factors stores, the toy world only); the top ones become attribute heads of that
+    factor, the bottom ones generalization heads, the rest mixed, in the same numbers as the given roles."""
+    if control == "none":
+        return roles
+    if control == "random":
+        out = {}
+        for block, heads in roles.items():
+            g = torch.Generator().manual_seed(1000 * seed + block)
+            out[block] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
+        return out
+    if control != "oracle":
+        raise ValueError(f"unknown roles control {control!r}; choose none, random or oracle")
+    heads = [(block, h, entry) for block, entries in roles.items() for h, entry in enumerate(entries)]
+    if any(not entry.get("skill") for _, _, entry in heads):
+        raise ValueError("--roles-control oracle needs roles with ground-truth decoding skills; entropy.py writes "
+                         "them only for the toy world (--dataset toyworld)")
+
+    def margin(entry):  # (best factor, its skill minus the runner-up's)
+        ranked = sorted(entry["skill"].items(), key=lambda kv: -kv[1])
+        return ranked[0][0], ranked[0][1] - ranked[1][1]
+
+    n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
+    n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)  # both masked alike
+    order = sorted(heads, key=lambda t: -margin(t[2])[1])  # most specialised first
+    out = {block: [None] * len(entries) for block, entries in roles.items()}
+    for rank, (block, h, entry) in enumerate(order):
+        if rank < n_attr:
+            role = {"role": "attribute", "attribute": margin(entry)[0]}
+        elif rank >= len(order) - n_gen:
+            role = {"role": "generalization", "attribute": None}
+        else:
+            role = {"role": "mixed", "attribute": None}
+        out[block][h] = {**entry, **role}
+    return out
 
 
 def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
@@ -476,8 +523,9 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             raise RunError(f"--eval-only needs --load RUN_DIR holding model.pt (got {cfg.load!r})")
         with open(os.path.join(cfg.load, "config.json")) as f:
             saved = json.load(f)
-        method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method")
-        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in method_fields})
+        method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method",
+                         "roles_control")
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in method_fields if k in saved})
     try:
         cfg = resolve(cfg)
     except ValueError as e:
@@ -513,6 +561,14 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
             cfg = dataclasses.replace(cfg, J=default_J(clip_model.visual.transformer.layers))
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
         roles = load_roles(cfg, clip_model, device, log)[0] if use_tokens and cfg.mask != "none" else None
+        if roles is not None and cfg.roles_control != "none":
+            try:
+                roles = control_roles(roles, cfg.roles_control, cfg.seed)
+            except ValueError as e:
+                raise RunError(str(e)) from e
+            log(f"roles control {cfg.roles_control}: " + "; ".join(
+                f"block {b}: " + " ".join(h["role"][0].upper() + (":" + h["attribute"] if h["attribute"] else "")
+                                          for h in heads) for b, heads in sorted(roles.items())))
         seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
         try:
             model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
@@ -597,6 +653,10 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--novel-logits", default=d.novel_logits, choices=["fused", "cls"],
                    help="logits on novel classes and target datasets; cls is MMRL's class-only rule (default: %(default)s)")
     g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
+    g.add_argument("--roles-control", default=d.roles_control, choices=["none", "random", "oracle"],
+                   help="control for Concept Entropy: random = each block's roles shuffled among its heads (seeded by "
+                        "--seed; role counts kept); oracle = roles from the toy world's ground-truth probes "
+                        "(default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=None,
                    help="default: 10 (b2n), 5 (b2n ImageNet), 30 (b2n toyworld), 50 (fewshot), 1 (xd)")

@@ -290,6 +290,59 @@ def assign_role(entropy, P, low, high):
 
 
 # ----------------------------------------------------------------------------------------------
+# 4b. Ground truth: how well labelled factors can be decoded from each head (where the labels are known)
+
+
+def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
+    """Held-out accuracy of a linear probe that reads each labelled factor from each head's contribution.
+
+    contributions [N, nL, H, E] (as collect_contributions); factors {name: [N] class ids}, e.g. the colour,
+    shape, texture and location of every toy image. The probe is a ridge least-squares classifier (one-hot
+    targets, features centred on the training fold, ridge = `ridge` x the mean eigenvalue of the training
+    covariance: strong enough that a head of pure noise scores at chance, not below it, with a few hundred
+    images in 64 dimensions), fitted on all folds but one and scored on the one left out; every image is
+    scored once.
+    Returns {"accuracy": {name: [nL][H] floats}, "chance": {name: share of the commonest class},
+    "skill": {name: [nL][H]}}, skill = (accuracy - chance) / (1 - chance): 0 = chance, 1 = perfect, so factors
+    with different numbers of classes compare fairly."""
+    X = contributions.double()
+    N, nL, H, E = X.shape
+    X = X.reshape(N, nL * H, E).transpose(0, 1)  # [nL*H, N, E]: one probe per head, solved in one batch
+    fold = torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds  # [N] fold of each image
+    out = {"accuracy": {}, "chance": {}, "skill": {}}
+    for name, labels in factors.items():
+        y = torch.as_tensor(labels, dtype=torch.long)  # [N]
+        if y.shape != (N,):
+            raise EntropyError(f"factor {name!r} has {tuple(y.shape)} labels for {N} probe images")
+        C = int(y.max()) + 1
+        Y = F.one_hot(y, C).double()  # [N, C]
+        correct = torch.zeros(nL * H)
+        for k in range(folds):
+            tr, te = fold != k, fold == k
+            mu = X[:, tr].mean(1, keepdim=True)  # [nL*H, 1, E]
+            Xtr, Xte = X[:, tr] - mu, X[:, te] - mu
+            G = Xtr.transpose(1, 2) @ Xtr  # [nL*H, E, E]
+            lam = ridge * G.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)  # [nL*H]
+            y_mean = Y[tr].mean(0)  # [C]: the intercept, the class shares of the training fold
+            W = torch.linalg.solve(G + lam.view(-1, 1, 1) * torch.eye(E, dtype=G.dtype),
+                                   Xtr.transpose(1, 2) @ (Y[tr] - y_mean))  # [nL*H, E, C]
+            pred = (Xte @ W + y_mean).argmax(-1)  # [nL*H, n_te]
+            correct += (pred == y[te]).sum(1).float()
+        acc = (correct / N).view(nL, H)
+        chance = float(torch.bincount(y, minlength=C).max()) / N
+        out["accuracy"][name] = [[round(float(a), 4) for a in row] for row in acc]
+        out["chance"][name] = round(chance, 4)
+        out["skill"][name] = [[round((float(a) - chance) / (1 - chance), 4) for a in row] for row in acc]
+    return out
+
+
+def best_factor(skills):
+    """The factor with the highest skill and its margin over the runner-up: (name, margin); skills {name: s}."""
+    ranked = sorted(skills.items(), key=lambda kv: -kv[1])
+    return ranked[0][0], ranked[0][1] - (ranked[1][1] if len(ranked) > 1 else 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
 # 5. Outputs: roles.json, roles.md, roles.png; loading a roles file
 
 
@@ -318,12 +371,37 @@ def render_markdown(doc):
     for layer in doc["layers"]:
         cells = [f"{short_role(by_pos[(layer, h)])} {by_pos[(layer, h)]['entropy']:.2f}" for h in range(H)]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    if "decoding" in doc:
+        lines += decoding_markdown(doc)
     lines += ["", "## Heads", ""]
     for h in doc["heads"]:
         share = ", ".join(f"{c} {p:.2f}" for c, p in sorted(h["P"].items(), key=lambda kv: -kv[1]) if p > 0)
+        truth = ""
+        if "decoding" in h:
+            truth = " Decoded (held-out accuracy): " + ", ".join(f"{f} {100 * a:.0f}%" for f, a in h["decoding"].items())
         lines += [f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} bits "
-                  f"({share})", "", "; ".join(h["texts"]), ""]
+                  f"({share}).{truth}", "", "; ".join(h["texts"]), ""]
     return "\n".join(lines)
+
+
+def decoding_markdown(doc):
+    """The ground-truth table of roles.md: per head, the held-out probe accuracy of every known factor."""
+    H, chance = doc["num_heads"], doc["decoding"]["chance"]
+    by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
+    lines = ["", "## Ground truth: what each head's contribution encodes", "",
+             f"Held-out accuracy (%) of a linear probe ({doc['decoding']['probe']}) that reads each known factor "
+             "from the head's direct contribution; chance: " +
+             ", ".join(f"{f} {100 * c:.0f}%" for f, c in chance.items()) +
+             ". Best = the factor with the highest skill, (accuracy - chance) / (1 - chance), and its lead in "
+             "skill over the runner-up.", "",
+             "| block | head | role | " + " | ".join(chance) + " | best (lead) |", "|---" * (len(chance) + 4) + "|"]
+    for layer in doc["layers"]:
+        for h in range(H):
+            head = by_pos[(layer, h)]
+            best, lead = best_factor(head["skill"])
+            lines.append(f"| {layer} | {h} | {short_role(head)} | " +
+                         " | ".join(f"{100 * head['decoding'][f]:.0f}" for f in chance) + f" | {best} (+{lead:.2f}) |")
+    return lines
 
 
 ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
@@ -338,7 +416,8 @@ def cell_origin(row, col):
 
 def render_png(doc, path):
     """roles.png: analysed blocks (rows) x heads (columns); colour = role, letter = attribute,
-    the entropy in bits in every cell, a legend below (Pillow's default font)."""
+    the entropy in bits in every cell, a legend below (Pillow's default font). Where the file has ground truth
+    (toy world), each cell also shows its two best-decoded factors with their held-out accuracy, e.g. "C97%"."""
     from PIL import Image, ImageDraw, ImageFont
     H, layers = doc["num_heads"], doc["layers"]
     by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
@@ -358,7 +437,15 @@ def render_png(doc, path):
             # attribute heads: C S T O L; other specialists: their concept's first letters
             letter = head["attribute"][0].upper() if head["attribute"] else head.get("concept", "")[:3]
             draw.text((x0 + 5, y0 + 4), letter, fill="black", font=font)
-            draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
+            if "skill" not in head:
+                draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
+                continue
+            # ground truth: the best-decoded factor's initial and its held-out accuracy, and the runner-up's
+            ranked = sorted(head["skill"], key=lambda f: -head["skill"][f])
+            draw.text((x0 + 5, y0 + 16), f"{head['entropy']:.2f}", fill="black", font=font)
+            for k, f in enumerate(ranked[:2]):
+                draw.text((x0 + 5, y0 + 28 + 12 * k), f"{f[0].upper()}{100 * head['decoding'][f]:.0f}%",
+                          fill="black", font=font)
     y = TOP + len(layers) * CELL + 8
     for i, (role, color) in enumerate(ROLE_COLORS.items()):
         draw.rectangle([8 + i * 120, y, 20 + i * 120, y + 12], fill=color)
@@ -379,7 +466,8 @@ def write_outputs(doc, out_dir):
 
 def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=None):
     """Read and validate a roles file; returns {1-based block: [one dict per head, in head order]}, each dict
-    with "role", "attribute" (None unless an attribute head), "entropy" and, for specialists, "concept".
+    with "role", "attribute" (None unless an attribute head), "entropy", for specialists "concept", and where the
+    file has them (toy world) the ground-truth decoding "skill" per factor.
 
     model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
     caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do."""
@@ -425,6 +513,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
         roles[layer][head] = {"role": role, "attribute": attribute, "entropy": entry.get("entropy")}
         if role == "specialist":
             roles[layer][head]["concept"] = entry.get("concept")
+        if entry.get("skill"):  # ground-truth decoding skills (toy world): what --roles-control oracle reads
+            roles[layer][head]["skill"] = dict(entry["skill"])
     absent = [(l, h) for l in file_layers for h in range(H) if roles[l][h] is None]
     if absent:
         raise RolesError(f"roles file {path} lacks {len(absent)} heads, e.g. block {absent[0][0]} head "
@@ -518,13 +608,17 @@ def collect_contributions(model, loader, layers, total):
 
 
 def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=10000,
-                  n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0):
+                  n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0,
+                  factors=None):
     """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
 
     items: probe images as data.py lists them, (path, label, classname); if there are more than max_images,
     a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
-    quantiles over the analysed heads). The model runs on the device of its parameters."""
+    quantiles over the analysed heads). factors: None, or a function of the probe images' paths giving their
+    known factors (e.g. toyworld.factor_labels); each head then also gets the held-out accuracy with which each
+    factor can be decoded from it (probe_factors), the ground truth beside its role. The model runs on the
+    device of its parameters."""
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -558,6 +652,14 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     check_thresholds(low, high)
     for head in heads:
         head.update(assign_role(head["entropy"], head["P"], low, high))
+    decoding = None
+    if factors is not None:  # ground truth: decode the known factors from every head, held out
+        decoding = probe_factors(contributions.float(), factors([path for path, _, _ in items]), seed=seed)
+        for i, head in enumerate(heads):
+            li, h = divmod(i, visual.heads)
+            head["decoding"] = {f: decoding["accuracy"][f][li][h] for f in decoding["accuracy"]}
+            head["skill"] = {f: decoding["skill"][f][li][h] for f in decoding["skill"]}
+        decoding = {"probe": "ridge least-squares classifier, 2-fold cross-validation", "chance": decoding["chance"]}
     doc = {"format": FORMAT, "model": getattr(model, "name", None) or "unknown",
            "checkpoint_sha256": getattr(model, "sha256", None), "num_layers": visual.layers,
            "num_heads": visual.heads, "layers": layers,
@@ -565,6 +667,8 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
            "pool": {"name": pool_name, "texts": len(texts)}, "texts_per_head": n, "rank": rank,
            "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high},
            "heads": heads}
+    if decoding is not None:
+        doc["decoding"] = decoding
     return write_outputs(doc, out_dir)
 
 
@@ -591,7 +695,7 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
     return compute_roles(model, probe_set.test, pool_texts, labels, layers, out_dir, batch_size=batch_size,
                          max_images=max_images, n=n, rank=rank, low=low, high=high,
                          probe={"dataset": dataset, "split": "test"}, pool_name=pool_name, seed=seed,
-                         num_workers=num_workers)
+                         num_workers=num_workers, factors=toyworld.factor_labels if dataset == "toyworld" else None)
 
 
 def main(argv=None):

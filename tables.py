@@ -348,7 +348,8 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
         pub = _published_row(PAPER_DEAR, protocol, sources, cols)
         rows += [[PAPER_DEAR, *pub], ["Δ DeAR: this code − paper", *[_delta(o, p) for o, p in zip(dear_ours, pub)]]]
     header = ["Method"] + [f"{PRETTY.get(s, s)} {source_col}" for s in sources] \
-        + [PRETTY.get(d, d) for d in cols] + ["Average"]
+        + [PRETTY.get(d, "folder " + os.path.basename(os.path.normpath(d[7:])) if d.startswith("folder:") else d)
+           for d in cols] + ["Average"]  # folder:PATH datasets by their folder's name
     notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
              "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
              "on every target without further training."]
