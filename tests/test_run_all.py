@@ -145,6 +145,8 @@ def test_variant_names_parse_like_dear_writes_them():
     assert tables.variant_parts("mask-generalization-only") == ["mask-generalization-only"]
     assert tables.method_key("J-3_mask-none_epochs-1", baseline="J-3") == "mask-none"
     assert tables.method_key("J-3_epochs-1", baseline="J-3") == ""
+    assert tables.variant_parts("roles_control-random_epochs-10") == ["roles_control-random", "epochs-10"]
+    assert tables.method_key("roles_control-oracle_epochs-10") == "roles_control-oracle"
 
 
 def test_tables_are_written_as_markdown_and_csv(tmp_path):
