@@ -11,6 +11,8 @@ A reference reproduction in plain PyTorch. Read top to bottom:
 
 The training loop and the evaluation (AdamW, the MMRL schedule, autocast, checkpoints, resume) are MMRL's
 protocol with nothing DeAR-specific in them; they live in train.py, which `run` calls with the DeAR loss.
+What a run reads besides its flags (backbone, head roles, datasets) and what makes its folder its identity
+live in runs.py; the roles themselves come from entropy.py (Concept Entropy).
 
 The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the roles file.
 Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and `block_masks` reads
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 import clip
 import data
+import entropy
 import runs
 import toyworld
 from clip.model import length_buckets
@@ -112,6 +115,7 @@ class Config:
     novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
     target_beta: str = "table"        # xd targets: table (XD_TARGET_BETA, MMRL++) | source (the source's beta)
     roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
+    roles_control: str = "none"       # none | random | oracle: controls for Concept Entropy (control_roles)
     # optimisation
     epochs: int = None                # None = SCHEDULES
     batch_size: int = None
@@ -164,6 +168,8 @@ def resolve(cfg: Config) -> Config:
               (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
               (c.target_beta in ("table", "source"), f"unknown --target-beta {c.target_beta!r}; choose table or source"),
               (c.precision in PRECISIONS, f"unknown --precision {c.precision!r}; choose " + ", ".join(PRECISIONS)),
+              (c.roles_control in ("none", "random", "oracle"),
+               f"unknown --roles-control {c.roles_control!r}; choose none, random or oracle"),
               (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
               (c.workers >= 0, f"--workers must be >= 0, got {c.workers}"),
               (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
@@ -188,7 +194,7 @@ def variant_name(c: Config) -> str:
     parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
              if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                            "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr", "crop_scale",
-                           "precision")
+                           "precision", "roles_control")
              and getattr(c, f.name) != getattr(base, f.name)]
     if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
         name = os.path.splitext(os.path.basename(c.backbone))[0]
@@ -491,60 +497,15 @@ def harmonic_mean(base: float, novel: float) -> float:
 # 6. Protocols and the command line
 
 
-def load_clip(backbone, device):
-    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError."""
-    try:
-        return toyworld.load_clip(backbone, device=device)  # clip.load, plus "toy" (the toy world's tiny CLIP)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
-
-
-def load_roles(cfg, model, device, log):
-    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
-    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
-    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
-    import entropy
-    L = model.visual.transformer.layers
-    layers = list(range(cfg.J, L + 1))
-    path = cfg.roles
-    try:
-        if path is None:
-            probe, split = "imagenet", "test"
-            try:
-                data.build_dataset("imagenet", cfg.root)
-            except data.DataError:
-                probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
-            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
-            # the cache folder is named by everything that changes the roles; entropy.run writes there too
-            path = entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool)
-            if not os.path.exists(path):
-                log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the {split} images of {probe!r} -> {path}")
-                path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool=pool, split=split)
-        roles = read_roles(path, model, layers)
-    except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
-        raise RunError(f"head roles: {e}") from e
-    log(f"head roles: {path}")
-    return roles, path
-
-
-def read_roles(path, model, layers):
-    """A roles file, checked against the backbone (model name, depth, heads, blocks)."""
-    import entropy
-    return entropy.load_roles(path, model_name=model.name, num_layers=model.visual.transformer.layers,
-                              num_heads=model.visual.transformer.heads, layers=layers)
-
-
 def export_roles(cfg: Config) -> str:
     """--roles-only: compute (or find) the head roles dear.py would use and copy roles.json/.md/.png to
     <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
     cfg = resolve(cfg)
     device = pick_device(cfg.device)
-    model, _ = load_clip(cfg.backbone, device)
+    model, _ = runs.load_clip(cfg.backbone, device)
     dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
     cfg = dataclasses.replace(cfg, J=cfg.J or default_J(model.visual.transformer.layers))
-    _, path = load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
+    _, path = runs.load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
     for name in ("roles.json", "roles.md", "roles.png"):
         source = os.path.join(os.path.dirname(path), name)
         if os.path.exists(source):
@@ -552,48 +513,6 @@ def export_roles(cfg: Config) -> str:
                 write_atomic(os.path.join(dest, name), f.read())
     print(f"roles copied to {dest}")
     return dest
-
-
-def build_dataset(name, root, *args):
-    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
-    not there at all gets the command that downloads it and the offline quick start."""
-    if name == "toyworld":
-        toyworld.ensure_dataset(root)
-    try:
-        return data.build_dataset(name, root, *args)
-    except data.DataError as e:
-        if name in data.DATASETS and not os.path.isdir(runs.dataset_folder(name, root)):
-            raise RunError(f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
-                           "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)") from e
-        raise
-
-
-def xd_targets(cfg):
-    """xd: the target datasets, --targets or the 4 ImageNet variants and the other 10 datasets."""
-    if cfg.protocol != "xd":
-        return []
-    return [t for t in cfg.targets.split(",") if t] or \
-        [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
-
-
-def build_eval_sets(cfg):
-    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
-    dataset stops the run before any long work."""
-    if cfg.protocol == "b2n":
-        base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
-        novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
-        return base, [(base, "base", "fused"), (novel, "novel", cfg.novel_logits)]
-    source = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
-    evals = [(source, "all", "fused")]
-    missing = []
-    for name in xd_targets(cfg):
-        try:
-            evals.append((build_dataset(name, cfg.root), "all", cfg.novel_logits))
-        except (data.DataError, RunError) as e:
-            missing.append(f"  {name}: {str(e).splitlines()[0]}")
-    if missing:
-        raise RunError("target datasets missing (pass --targets to choose fewer):\n" + "\n".join(missing))
-    return source, evals
 
 
 class Interrupted(Exception):
@@ -606,7 +525,8 @@ def eval_only_config(cfg: Config):
     if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")) or saved is None:
         raise RunError(f"--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and config.json "
                        f"(got {cfg.load!r})")
-    method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method")
+    method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method",
+                     "roles_control")
     return dataclasses.replace(cfg, **{k: saved[k] for k in method_fields if k in saved})
 
 
@@ -620,7 +540,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
     try:
         cfg = resolve(cfg)
         variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
-        config = dict(dataclasses.asdict(cfg), inputs=runs.inputs(cfg, xd_targets(cfg)))
+        config = dict(dataclasses.asdict(cfg), inputs=runs.inputs(cfg, runs.xd_targets(cfg)))
     except ValueError as e:
         raise RunError(str(e)) from e
     rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{dataset_tag(cfg.dataset)}") if cfg.eval_only else run_dir(cfg)
@@ -631,7 +551,7 @@ def run(cfg: Config, log_to_stdout=True) -> dict:
         return read_json(results_path)
     device = pick_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # amp -> fp16 / fp32
-    train_ds, evals = build_eval_sets(cfg)  # every dataset checked before anything is written
+    train_ds, evals = runs.build_eval_sets(cfg)  # every dataset checked before anything is written
     try:
         os.makedirs(rdir, exist_ok=True)
         lock = runs.RunLock(rdir).__enter__()
@@ -668,7 +588,7 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
 
     try:
         log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
-        clip_model, _ = load_clip(cfg.backbone, device)
+        clip_model, _ = runs.load_clip(cfg.backbone, device)
         L = clip_model.visual.transformer.layers
         J = cfg.J or default_J(L)
         if not 1 <= J <= L:
@@ -678,11 +598,19 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
         roles, roles_used = None, None
         if use_tokens and cfg.mask != "none":
             if os.path.exists(pinned):  # resumed or evaluated: the run's own roles, whatever the cache holds now
-                roles, source = read_roles(pinned, clip_model, list(range(J, L + 1))), pinned
+                roles, source = runs.read_roles(pinned, clip_model, list(range(J, L + 1))), pinned
                 log(f"head roles: the run's own copy {pinned}")
             else:
-                roles, source = load_roles(cfg, clip_model, device, log)
+                roles, source = runs.load_roles(cfg, clip_model, device, log)
             roles_used = runs.pin_roles(source, rdir)
+        if roles is not None and cfg.roles_control != "none":
+            try:
+                roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
+            except ValueError as e:
+                raise RunError(str(e)) from e
+            log(f"roles control {cfg.roles_control}: " + "; ".join(
+                f"block {b}: " + " ".join(h["role"][0].upper() + (":" + h["attribute"] if h["attribute"] else "")
+                                          for h in heads) for b, heads in sorted(roles.items())))
         seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
         try:
             model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
@@ -785,6 +713,10 @@ def parse_args(argv=None) -> Config:
                    help="xd: beta of each target dataset; table: MMRL++'s test-time beta per target (ImageNet-V2 "
                         "0.9 ... Food101 0.3), source: the source's beta for every target (default: %(default)s)")
     g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
+    g.add_argument("--roles-control", default=d.roles_control, choices=["none", "random", "oracle"],
+                   help="control for Concept Entropy: random = each block's roles shuffled among its heads (seeded by "
+                        "--seed; role counts kept); oracle = roles from the toy world's ground-truth probes "
+                        "(default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=None,
                    help="default: 10 (b2n), 30 (b2n toyworld), 50 (fewshot), 5 (ImageNet b2n and fewshot), 1 (xd)")

@@ -308,82 +308,93 @@ def assign_role(entropy, P, low, high):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Outputs: roles.json, roles.md, roles.png; loading a roles file
+# 4b. Ground truth: how well labelled factors can be decoded from each head (where the labels are known)
 
 
-def short_role(head):
-    """Cell label of a head: 'A:color', 'S:animal', 'G', 'M'."""
-    if head["role"] == "attribute":
-        return "A:" + head["attribute"]
-    if head["role"] == "specialist":
-        return "S:" + head.get("concept", "?")
-    return head["role"][0].upper()
+def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
+    """Held-out accuracy of a linear probe that reads each labelled factor from each head's contribution.
+
+    contributions [N, nL, H, E] (as collect_contributions); factors {name: [N] class ids}, e.g. the colour,
+    shape, texture and location of every toy image. The probe is a ridge least-squares classifier (one-hot
+    targets, features centred on the training fold, ridge = `ridge` x the mean eigenvalue of the training
+    covariance: strong enough that a head of pure noise scores at chance, not below it, with a few hundred
+    images in 64 dimensions), fitted on all folds but one and scored on the one left out; every image is
+    scored once.
+    Returns {"accuracy": {name: [nL][H] floats}, "chance": {name: share of the commonest class},
+    "skill": {name: [nL][H]}}, skill = (accuracy - chance) / (1 - chance): 0 = chance, 1 = perfect, so factors
+    with different numbers of classes compare fairly."""
+    X = contributions.double()
+    N, nL, H, E = X.shape
+    X = X.reshape(N, nL * H, E).transpose(0, 1)  # [nL*H, N, E]: one probe per head, solved in one batch
+    fold = torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds  # [N] fold of each image
+    out = {"accuracy": {}, "chance": {}, "skill": {}}
+    for name, labels in factors.items():
+        y = torch.as_tensor(labels, dtype=torch.long)  # [N]
+        if y.shape != (N,):
+            raise EntropyError(f"factor {name!r} has {tuple(y.shape)} labels for {N} probe images")
+        C = int(y.max()) + 1
+        Y = F.one_hot(y, C).double()  # [N, C]
+        correct = torch.zeros(nL * H)
+        for k in range(folds):
+            tr, te = fold != k, fold == k
+            mu = X[:, tr].mean(1, keepdim=True)  # [nL*H, 1, E]
+            Xtr, Xte = X[:, tr] - mu, X[:, te] - mu
+            G = Xtr.transpose(1, 2) @ Xtr  # [nL*H, E, E]
+            lam = ridge * G.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)  # [nL*H]
+            y_mean = Y[tr].mean(0)  # [C]: the intercept, the class shares of the training fold
+            W = torch.linalg.solve(G + lam.view(-1, 1, 1) * torch.eye(E, dtype=G.dtype),
+                                   Xtr.transpose(1, 2) @ (Y[tr] - y_mean))  # [nL*H, E, C]
+            pred = (Xte @ W + y_mean).argmax(-1)  # [nL*H, n_te]
+            correct += (pred == y[te]).sum(1).float()
+        acc = (correct / N).view(nL, H)
+        chance = float(torch.bincount(y, minlength=C).max()) / N
+        out["accuracy"][name] = [[round(float(a), 4) for a in row] for row in acc]
+        out["chance"][name] = round(chance, 4)
+        out["skill"][name] = [[round((float(a) - chance) / (1 - chance), 4) for a in row] for row in acc]
+    return out
 
 
-def render_markdown(doc):
-    """roles.md: a layers x heads table of roles and entropies, then every head's P and texts."""
-    H = doc["num_heads"]
-    by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
-    probe = doc["probe"]
-    lines = [f"# Head roles of {doc['model']} (blocks {', '.join(map(str, doc['layers']))})", "",
-             f"Probe: {probe.get('dataset')} {probe.get('split')}, {probe.get('images')} images. "
-             f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. "
-             f"Thresholds: low {doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.", "",
-             "A = attribute head (its attribute), G = generalization, M = mixed, S = other specialist "
-             "(its concept); the number is the concept entropy in bits.", "",
-             "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |",
-             "|---" * (H + 1) + "|"]
-    for layer in doc["layers"]:
-        cells = [f"{short_role(by_pos[(layer, h)])} {by_pos[(layer, h)]['entropy']:.2f}" for h in range(H)]
-        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    lines += ["", "## Heads", ""]
-    for h in doc["heads"]:
-        share = ", ".join(f"{c} {p:.2f}" for c, p in sorted(h["P"].items(), key=lambda kv: -kv[1]) if p > 0)
-        lines += [f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} bits "
-                  f"({share})", "", "; ".join(h["texts"]), ""]
-    return "\n".join(lines)
+def control_roles(roles, control: str, seed: int):
+    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles {block: [head dicts]}.
+
+    "none": the roles as given. "random": in every block, the heads' roles shuffled by a permutation seeded with
+    `seed` and the block number; each block keeps its number of heads of each role (and of each attribute), only
+    which head holds which role is chance. "oracle": roles from the ground truth instead of the texts: the heads
+    of all given blocks ranked by how much better their best-decoded factor is decoded than the runner-up (the
+    "skill" that probe_factors stores, the toy world only); the top ones become attribute heads of that
+    factor, the bottom ones generalization heads, the rest mixed, in the same numbers as the given roles."""
+    if control == "none":
+        return roles
+    if control == "random":
+        out = {}
+        for block, heads in roles.items():
+            g = torch.Generator().manual_seed(1000 * seed + block)
+            out[block] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
+        return out
+    if control != "oracle":
+        raise ValueError(f"unknown roles control {control!r}; choose none, random or oracle")
+    heads = [(block, h, entry) for block, entries in roles.items() for h, entry in enumerate(entries)]
+    if any(not entry.get("skill") for _, _, entry in heads):
+        raise ValueError("--roles-control oracle needs roles with ground-truth decoding skills; entropy.py writes "
+                         "them only for the toy world (--dataset toyworld)")
+
+    n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
+    n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)  # both masked alike
+    order = sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])  # most specialised first
+    out = {block: [None] * len(entries) for block, entries in roles.items()}
+    for rank, (block, h, entry) in enumerate(order):
+        if rank < n_attr:
+            role = {"role": "attribute", "attribute": best_factor(entry["skill"])[0]}
+        elif rank >= len(order) - n_gen:
+            role = {"role": "generalization", "attribute": None}
+        else:
+            role = {"role": "mixed", "attribute": None}
+        out[block][h] = {**entry, **role}
+    return out
 
 
-ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
-               "mixed": (170, 170, 170), "specialist": (142, 103, 184)}
-CELL, LEFT, TOP, LEGEND = 56, 48, 24, 28  # PNG geometry in pixels
-
-
-def cell_origin(row, col):
-    """Top-left pixel of the cell of the row-th analysed block and head col in roles.png."""
-    return LEFT + col * CELL, TOP + row * CELL
-
-
-def render_png(doc, path):
-    """roles.png: analysed blocks (rows) x heads (columns); colour = role, letter = attribute,
-    the entropy in bits in every cell, a legend below (Pillow's default font)."""
-    from PIL import Image, ImageDraw, ImageFont
-    H, layers = doc["num_heads"], doc["layers"]
-    by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
-    width = max(LEFT + H * CELL, 4 * 120) + 8
-    height = TOP + len(layers) * CELL + LEGEND
-    img = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(img)
-    font = ImageFont.load_default()
-    for col in range(H):
-        draw.text((LEFT + col * CELL + 4, 6), f"h{col}", fill="black", font=font)
-    for row, layer in enumerate(layers):
-        draw.text((6, TOP + row * CELL + CELL // 2 - 6), f"L{layer}", fill="black", font=font)
-        for col in range(H):
-            head = by_pos[(layer, col)]
-            x0, y0 = cell_origin(row, col)
-            draw.rectangle([x0, y0, x0 + CELL - 2, y0 + CELL - 2], fill=ROLE_COLORS[head["role"]])
-            # attribute heads: C S T O L; other specialists: their concept's first letters
-            letter = head["attribute"][0].upper() if head["attribute"] else head.get("concept", "")[:3]
-            draw.text((x0 + 5, y0 + 4), letter, fill="black", font=font)
-            draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
-    y = TOP + len(layers) * CELL + 8
-    for i, (role, color) in enumerate(ROLE_COLORS.items()):
-        draw.rectangle([8 + i * 120, y, 20 + i * 120, y + 12], fill=color)
-        draw.text((24 + i * 120, y), role, fill="black", font=font)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    write_atomic(path, buf.getvalue())
+# ----------------------------------------------------------------------------------------------
+# 5. Outputs: roles.json (roles.md and roles.png are drawn by roles_report.py); loading a roles file
 
 
 def write_outputs(doc, out_dir):
@@ -397,7 +408,8 @@ def write_outputs(doc, out_dir):
 
 def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=None):
     """Read and validate a roles file; returns {1-based block: [one dict per head, in head order]}, each dict
-    with "role", "attribute" (None unless an attribute head), "entropy" and, for specialists, "concept".
+    with "role", "attribute" (None unless an attribute head), "entropy", for specialists "concept", and where the
+    file has them (toy world) the ground-truth decoding "skill" per factor.
 
     model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
     caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do."""
@@ -452,6 +464,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
         roles[layer][head] = {"role": role, "attribute": attribute, "entropy": entry.get("entropy")}
         if role == "specialist":
             roles[layer][head]["concept"] = entry.get("concept")
+        if entry.get("skill"):  # ground-truth decoding skills (toy world): what --roles-control oracle reads
+            roles[layer][head]["skill"] = dict(entry["skill"])
     absent = [(l, h) for l in file_layers for h in range(H) if roles[l][h] is None]
     if absent:
         raise RolesError(f"roles file {path} lacks {len(absent)} heads, e.g. block {absent[0][0]} head "
@@ -603,14 +617,17 @@ def collect_contributions(model, loader, layers, total):
 
 def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=10000,
                   n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0,
-                  inputs=None):
+                  inputs=None, factors=None):
     """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
 
     items: probe images as data.py lists them, (path, label, classname); if there are more than max_images,
     a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
     quantiles over the analysed heads). probe: what roles.json records of the probe set (dataset, split);
-    inputs: roles_inputs(...), recorded as is. The model runs on the device of its parameters."""
+    inputs: roles_inputs(...), recorded as is. factors: None, or a function of the probe images' paths giving
+    their known factors (e.g. toyworld.factor_labels); each head then also gets the held-out accuracy with which
+    each factor can be decoded from it (probe_factors), the ground truth beside its role. The model runs on the
+    device of its parameters."""
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -644,6 +661,14 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     check_thresholds(low, high)
     for head in heads:
         head.update(assign_role(head["entropy"], head["P"], low, high))
+    decoding = None
+    if factors is not None:  # ground truth: decode the known factors from every head, held out
+        decoding = probe_factors(contributions.float(), factors([path for path, _, _ in items]), seed=seed)
+        for i, head in enumerate(heads):
+            li, h = divmod(i, visual.heads)
+            head["decoding"] = {f: decoding["accuracy"][f][li][h] for f in decoding["accuracy"]}
+            head["skill"] = {f: decoding["skill"][f][li][h] for f in decoding["skill"]}
+        decoding = {"probe": "ridge least-squares classifier, 2-fold cross-validation", "chance": decoding["chance"]}
     doc = {"format": FORMAT, "model": getattr(model, "name", None) or "unknown",
            "checkpoint_sha256": getattr(model, "sha256", None), "num_layers": visual.layers,
            "num_heads": visual.heads, "layers": layers,
@@ -651,6 +676,8 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
            "pool": {"name": pool_name, "texts": len(texts)}, "texts_per_head": n, "rank": rank,
            "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high},
            "inputs": inputs, "heads": heads}
+    if decoding is not None:
+        doc["decoding"] = decoding
     return write_outputs(doc, out_dir)
 
 
@@ -688,7 +715,8 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
     return compute_roles(model, items, pool_texts, labels, layers, out_dir, batch_size=batch_size,
                          max_images=max_images, n=n, rank=rank, low=low, high=high,
                          probe={"dataset": inputs["dataset"], "split": split}, pool_name=pool_name, seed=seed,
-                         num_workers=num_workers, inputs=inputs)
+                         num_workers=num_workers, inputs=inputs,
+                         factors=toyworld.factor_labels if dataset == "toyworld" else None)
 
 
 def main(argv=None):

@@ -5,6 +5,7 @@
 #   GPUS="0 1 2 3" bash run_all.sh --root DATA  # the same, four jobs at a time, one per GPU
 #   bash run_all.sh --list --root DATA          # the job list only (for SLURM arrays / GNU parallel)
 #   bash run_all.sh --smoke --out smoke        # the whole pipeline on the toy world, on the CPU
+#   bash run_all.sh --toy --out toy            # every table in miniature on the toy world, 5 seeds, CPU
 #
 # Stages: roles -> b2n -> xd -> fewshot -> ablations -> tables (see --help). Every run is one call of
 # dear.py and gets its own folder under --out; a run whose results.json exists is skipped, an
@@ -24,7 +25,8 @@ Stages (in this order):
              the other 10 datasets (domain generalisation + cross-dataset); plus zero-shot CLIP
   fewshot    1/2/4/8/16 shots on 11 datasets x seeds; plus zero-shot CLIP per dataset
   ablations  base-to-novel on dtd, eurosat, oxford_flowers: --mask generalization-only|none,
-             --no-attr-tokens, --lambda-fusion 0, --J 7|11, --beta 0.5|0.7|0.9, --novel-logits cls
+             --no-attr-tokens, --lambda-fusion 0, --J 7|11, --beta 0.5|0.7|0.9, --novel-logits cls,
+             --roles-control random (Concept Entropy's roles shuffled among each block's heads)
   tables     python tables.py --out OUT  ->  OUT/tables/tables.md and CSV files
 
 Options:
@@ -39,6 +41,8 @@ Options:
                     missing one, and exit (a run checks first too, and stops with a summary)
   --no-check        do not check the datasets before starting
   --smoke           the same stages on the toy world (backbone "toy", 1 seed, tiny epochs, CPU)
+  --toy             every table in miniature on the toy world: seeds 1-5, 1/2/4/8/16 shots, transfer
+                    to the toy's shifted sets, every ablation plus random and oracle roles (CPU)
   -h, --help        this help
 
 Environment:
@@ -69,6 +73,8 @@ SKIP=""
 MODE="run"        # run | list | check
 CHECK=1
 SMOKE=0
+TOY=0
+SEEDS_SET=0
 ROOT_SET=0
 EXTRA=()          # flags after "--", passed to every dear.py call
 
@@ -78,12 +84,13 @@ while [[ $# -gt 0 ]]; do
         --out) OUT="${2:?--out needs a folder}"; shift 2 ;;
         --stages) STAGES="${2:?--stages needs a list}"; shift 2 ;;
         --skip) SKIP="${2:?--skip needs a list}"; shift 2 ;;
-        --seeds) SEEDS="${2:?--seeds needs a list}"; shift 2 ;;
+        --seeds) SEEDS="${2:?--seeds needs a list}"; SEEDS_SET=1; shift 2 ;;
         --backbone) BACKBONE="${2:?--backbone needs a name}"; shift 2 ;;
         --list) MODE="list"; shift ;;
         --check) MODE="check"; shift ;;
         --no-check) CHECK=0; shift ;;
         --smoke) SMOKE=1; shift ;;
+        --toy) TOY=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) die "unknown option '$1' (see bash run_all.sh --help)" ;;
@@ -106,8 +113,11 @@ ABLATION_DATASETS=(dtd eurosat oxford_flowers)   # small and quick, and they spa
 # Each ablation is one set of dear.py flags. J = 9 is the full model's default (its row is the b2n run);
 # a flag that dear.py resolves to the default run's folder (DTD's beta is 0.9) is run only once.
 ABLATIONS=("--mask generalization-only" "--mask none" "--no-attr-tokens" "--lambda-fusion 0"
-           "--J 7" "--J 11" "--beta 0.5" "--beta 0.7" "--beta 0.9" "--novel-logits cls")
+           "--J 7" "--J 11" "--beta 0.5" "--beta 0.7" "--beta 0.9" "--novel-logits cls" "--roles-control random")
 COMMON=()          # flags for every dear.py call
+XD_TARGETS=""      # xd targets ("": dear.py's default, the 4 variants and the other datasets)
+TOY_SCHEDULE=()    # --toy: extra flags of the b2n and ablation runs (below)
+[[ $SMOKE == 0 || $TOY == 0 ]] || die "choose one of --smoke and --toy"
 
 if [[ $SMOKE == 1 ]]; then
     # Toy world: 24 classes of 32x32 images and a 4-block CLIP pretrained on them (cached after the first
@@ -123,6 +133,27 @@ if [[ $SMOKE == 1 ]]; then
     ABLATIONS=("--mask none" "--no-attr-tokens")
     COMMON=(--epochs 1 --workers 0)
     [[ -n "${GPUS:-}" ]] || COMMON+=(--device cpu)
+    XD_TARGETS="folder:$ROOT/toyworld/images"   # a second view of the toy images
+fi
+if [[ $TOY == 1 ]]; then
+    # Every table in miniature: the toy world (24 classes, 4-block CLIP, J = 3 of 4), 5 seeds. Transfer: the
+    # ImageNet-style source model trained on all 24 toy classes, tested on toyworld.py's transfer sets (noisy,
+    # small objects: domain shifts; textures: 18 new colour + texture classes). J ablation: 2 and 4 of 4 blocks
+    # (the paper's 7 and 11 of 12). Plus the controls for Concept Entropy: random and oracle roles.
+    BACKBONE="toy"
+    [[ $ROOT_SET == 1 ]] || ROOT="$OUT/data"
+    [[ $SEEDS_SET == 1 ]] || SEEDS="1 2 3 4 5"
+    B2N_DATASETS=(toyworld)
+    XD_SOURCE=toyworld
+    DG_TARGETS=()
+    ABLATION_DATASETS=(toyworld)
+    ABLATIONS=("--mask generalization-only" "--mask none" "--no-attr-tokens" "--lambda-fusion 0"
+               "--J 2" "--J 4" "--beta 0.5" "--beta 0.7" "--beta 0.9" "--novel-logits cls"
+               "--roles-control random" "--roles-control oracle")
+    COMMON=(--workers 0)
+    [[ -n "${GPUS:-}" ]] || COMMON+=(--device cpu)
+    XD_TARGETS="folder:$ROOT/toyworld-transfer/noisy,folder:$ROOT/toyworld-transfer/small,folder:$ROOT/toyworld-transfer/textures"
+    TOY_SCHEDULE=(--epochs 10)        # of dear.py's 30 toy b2n epochs, so that the 5-seed tables fit in 30 minutes
 fi
 read -r -a SEED_LIST <<< "$SEEDS"
 [[ ${#SEED_LIST[@]} -gt 0 ]] || die "--seeds is empty"
@@ -158,15 +189,15 @@ for s in b2n xd fewshot ablations; do want "$s" && want_dear=1; done
 if want b2n; then
     for ds in "${B2N_DATASETS[@]}"; do
         dear_job b2n --dataset "$ds" --protocol b2n --method zeroshot
-        for seed in "${SEED_LIST[@]}"; do dear_job b2n --dataset "$ds" --protocol b2n --seed "$seed"; done
+        for seed in "${SEED_LIST[@]}"; do dear_job b2n --dataset "$ds" --protocol b2n --seed "$seed" "${TOY_SCHEDULE[@]}"; done
     done
 fi
 if want xd; then
     # the 4 ImageNet variants (domain generalisation) and the other 10 datasets (cross-dataset)
     targets=("${DG_TARGETS[@]}")
     for ds in "${B2N_DATASETS[@]}"; do [[ $ds == "$XD_SOURCE" ]] || targets+=("$ds"); done
-    if [[ $SMOKE == 1 ]]; then targets=("folder:$ROOT/toyworld/images"); fi   # a second view of the toy images
     tlist="$(IFS=,; echo "${targets[*]}")"
+    [[ -z "$XD_TARGETS" ]] || tlist="$XD_TARGETS"
     dear_job xd --dataset "$XD_SOURCE" --protocol xd --targets "$tlist" --method zeroshot
     for seed in "${SEED_LIST[@]}"; do dear_job xd --dataset "$XD_SOURCE" --protocol xd --targets "$tlist" --seed "$seed"; done
 fi
@@ -182,7 +213,7 @@ if want ablations; then
     for ds in "${ABLATION_DATASETS[@]}"; do
         for flags in "${ABLATIONS[@]}"; do
             read -r -a f <<< "$flags"
-            for seed in "${SEED_LIST[@]}"; do dear_job ablations --dataset "$ds" --protocol b2n --seed "$seed" "${f[@]}"; done
+            for seed in "${SEED_LIST[@]}"; do dear_job ablations --dataset "$ds" --protocol b2n --seed "$seed" "${TOY_SCHEDULE[@]}" "${f[@]}"; done
         done
     done
 fi
@@ -260,6 +291,10 @@ fi
 # The toy world is generated, not downloaded: make it (once) before the check looks for it.
 if [[ $SMOKE == 1 && $MODE != list ]]; then
     "$PYTHON" "$HERE/toyworld.py" dataset --root "$ROOT" >/dev/null || exit 2
+fi
+if [[ $TOY == 1 && $MODE != list ]]; then
+    "$PYTHON" "$HERE/toyworld.py" dataset --root "$ROOT" --transfer >/dev/null || exit 2
+    [[ $MODE == check ]] || "$PYTHON" "$HERE/toyworld.py" pretrain || exit 2   # once, before parallel jobs need it
 fi
 # Datasets: check every dataset the selected stages need, and report all missing ones at once,
 # before any GPU time is spent.

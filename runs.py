@@ -1,4 +1,4 @@
-"""Run folders: what makes a run the run it says it is.
+"""Run folders and run inputs: what makes a run the run it says it is.
 
 A run folder is a run's identity. Everything that changes a result must either change the folder's name or
 stop the run before it reuses, resumes or mixes someone else's work:
@@ -12,7 +12,11 @@ stop the run before it reuses, resumes or mixes someone else's work:
   - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256 and probe,
     so --eval-only and --resume use the run's own roles, whatever the roles cache holds later.
 
-Used by dear.py only; imports clip, data, toyworld, train (for RunError) and util.
+It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the head roles
+(`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and the datasets of its
+protocol (`build_eval_sets`, every one checked before anything is written).
+
+Used by dear.py only; imports clip, data, entropy, toyworld, train (for RunError) and util.
 """
 import errno
 import hashlib
@@ -23,6 +27,7 @@ import time
 
 import clip
 import data
+import entropy
 import toyworld
 from train import RunError
 from util import read_json, write_atomic
@@ -149,3 +154,92 @@ def pin_roles(source: str, rdir: str, probe=None) -> dict:
     doc = json.loads(payload)
     return {"source": os.path.abspath(source), "file": "roles.json", "sha256": hashlib.sha256(payload).hexdigest(),
             "probe": doc.get("probe", probe)}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run reads: the backbone, the head roles, the datasets of its protocol
+
+
+def load_clip(backbone, device):
+    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError."""
+    try:
+        return toyworld.load_clip(backbone, device=device)  # clip.load, plus "toy" (the toy world's tiny CLIP)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
+
+
+def load_roles(cfg, model, device, log):
+    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
+    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
+    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
+    L = model.visual.transformer.layers
+    layers = list(range(cfg.J, L + 1))
+    path = cfg.roles
+    try:
+        if path is None:
+            probe, split = "imagenet", "test"
+            try:
+                data.build_dataset("imagenet", cfg.root)
+            except data.DataError:
+                probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
+            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
+            # the cache folder is named by everything that changes the roles; entropy.run writes there too
+            path = entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool)
+            if not os.path.exists(path):
+                log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
+                    f"entropy.py on the {split} images of {probe!r} -> {path}")
+                path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
+                                   device=str(device), pool=pool, split=split)
+        roles = read_roles(path, model, layers)
+    except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
+        raise RunError(f"head roles: {e}") from e
+    log(f"head roles: {path}")
+    return roles, path
+
+
+def read_roles(path, model, layers):
+    """A roles file, checked against the backbone (model name, depth, heads, blocks)."""
+    return entropy.load_roles(path, model_name=model.name, num_layers=model.visual.transformer.layers,
+                              num_heads=model.visual.transformer.heads, layers=layers)
+
+
+def build_dataset(name, root, *args):
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
+    not there at all gets the command that downloads it and the offline quick start."""
+    if name == "toyworld":
+        toyworld.ensure_dataset(root)
+    try:
+        return data.build_dataset(name, root, *args)
+    except data.DataError as e:
+        if name in data.DATASETS and not os.path.isdir(runs.dataset_folder(name, root)):
+            raise RunError(f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
+                           "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)") from e
+        raise
+
+
+def xd_targets(cfg):
+    """xd: the target datasets, --targets or the 4 ImageNet variants and the other 10 datasets."""
+    if cfg.protocol != "xd":
+        return []
+    return [t for t in cfg.targets.split(",") if t] or \
+        [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
+
+
+def build_eval_sets(cfg):
+    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
+    dataset stops the run before any long work."""
+    if cfg.protocol == "b2n":
+        base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
+        novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
+        return base, [(base, "base", "fused"), (novel, "novel", cfg.novel_logits)]
+    source = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "all")
+    evals = [(source, "all", "fused")]
+    missing = []
+    for name in xd_targets(cfg):
+        try:
+            evals.append((build_dataset(name, cfg.root), "all", cfg.novel_logits))
+        except (data.DataError, RunError) as e:
+            missing.append(f"  {name}: {str(e).splitlines()[0]}")
+    if missing:
+        raise RunError("target datasets missing (pass --targets to choose fewer):\n" + "\n".join(missing))
+    return source, evals

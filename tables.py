@@ -242,7 +242,7 @@ def average_cell(tables):
 # contain "_" themselves, so the split needs the field names). Schedule fields (epochs, batch size, lr)
 # do not change the method: a run with only those is the method's row, and the notes say so.
 VARIANT_FIELDS = ("J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask", "attr_tokens",
-                  "novel_logits", "epochs", "batch_size", "lr", "roles")
+                  "novel_logits", "epochs", "batch_size", "lr", "roles_control", "roles")
 SCHEDULE_FIELDS = ("epochs", "batch_size", "lr")
 _PART = re.compile(r"(%s)-(.*?)(?=_(?:%s)-|$)" % ("|".join(VARIANT_FIELDS), "|".join(VARIANT_FIELDS)))
 
@@ -403,7 +403,8 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
         pub = _published_row(PAPER_DEAR, protocol, sources, cols)
         rows += [[PAPER_DEAR, *pub], ["Δ DeAR: this code − paper", *[_delta(o, p) for o, p in zip(dear_ours, pub)]]]
     header = ["Method"] + [f"{PRETTY.get(s, s)} {source_col}" for s in sources] \
-        + [PRETTY.get(d, d) for d in cols] + ["Average"]
+        + [PRETTY.get(d, "folder " + os.path.basename(os.path.normpath(d[7:])) if d.startswith("folder:") else d)
+           for d in cols] + ["Average"]  # folder:PATH datasets by their folder's name
     notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
              "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
              "on every target without further training."]
@@ -459,7 +460,9 @@ def table_fewshot(runs, backbone):
 ABLATION_NAMES = {"": "DeAR (full, defaults)", "mask-generalization-only": "mask: generalization heads only",
                   "mask-none": "no role mask", "attr_tokens-False": "no attribute tokens",
                   "lambda_fusion-0.0": "no fusion regulariser (λ_fusion = 0)",
-                  "novel_logits-cls": "novel classes: CLS logits only (MMRL's rule)"}
+                  "novel_logits-cls": "novel classes: CLS logits only (MMRL's rule)",
+                  "roles_control-random": "random roles (shuffled within each block)",
+                  "roles_control-oracle": "oracle roles (from the ground-truth probes, toy)"}
 
 
 def variant_label(key):

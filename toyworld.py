@@ -16,12 +16,16 @@ hold every colour and every shape (a checkerboard over colour x shape): novel cl
 combinations of seen words, which is what base-to-novel generalisation should measure.
 
     ensure_dataset(root)          <root>/toyworld/images/<class>/*.png + split_zhou_ToyWorld.json
+    ensure_transfer(root)         <root>/toyworld-transfer/{noisy,small,textures}/<class>/*.png: shifted test
+                                  sets, read as folder:PATH datasets (run_all.sh --toy's transfer tables)
+    factor_labels(paths)          the known factors of dataset images: the ground truth that
+                                  entropy.probe_factors decodes from each attention head
     ensure_pretrained(cache_dir)  a tiny CLIP (same clip/model.py) trained contrastively on
                                   toy-world image/caption pairs, saved as a plain CLIP state dict
 
 Command line:
     python toyworld.py render --color red --shape circle --texture striped --location "top left" --out x.png
-    python toyworld.py dataset --root DATA
+    python toyworld.py dataset --root DATA [--transfer]
     python toyworld.py pretrain [--steps N] [--seed S] [--cache-dir DIR]
     python toyworld.py zeroshot [--checkpoint PATH]
 """
@@ -69,6 +73,9 @@ TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_wid
                   context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
                   transformer_layers=4, vision_heads=4)
 DEFAULT_STEPS = 200
+CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)   # chance that a pretraining caption leaves out colour, shape, texture, location
+GROUP = 1            # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
+GROUP_FACTORS = (0, 1, 2, 3)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
 RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
 
 
@@ -119,8 +126,9 @@ def texture_dark(texture, x, y, size, rng):
     raise ToyWorldError(f"unknown texture {texture!r}; choose one of: {', '.join(TEXTURES)}")
 
 
-def render_array(color, shape, texture, location, seed, size=32):
-    """The image as a uint8 array [size, size, 3]; the same (factors, seed, size) give the same pixels."""
+def render_array(color, shape, texture, location, seed, size=32, scale=1.0, noise=0.02):
+    """The image as a uint8 array [size, size, 3]; the same (factors, seed, size) give the same pixels.
+    scale (object size) and noise (pixel noise std) differ from their defaults only in the transfer sets."""
     _check_factors(color, shape, texture, location)
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5     # pixel centres, [size, size] each
@@ -132,14 +140,14 @@ def render_array(color, shape, texture, location, seed, size=32):
     img = bg[..., None] + tint                                     # [size, size, 3]
     # object: half-size about 0.2 of the image, centred in its quadrant with a little jitter
     row, col = location.split()
-    r = size * rng.uniform(0.19, 0.22)
+    r = size * rng.uniform(0.19, 0.22) * scale
     cx = size * (0.25 if col == "left" else 0.75) + rng.uniform(-0.04, 0.04) * size
     cy = size * (0.25 if row == "top" else 0.75) + rng.uniform(-0.04, 0.04) * size
     obj = shape_mask(shape, x, y, cx, cy, r)
     rgb = np.array(PALETTE[color]) * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
     shade = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)   # [size, size]
     img = np.where(obj[..., None], shade[..., None] * rgb, img)
-    img = img + rng.normal(0.0, 0.02, size=img.shape)              # mild pixel noise
+    img = img + rng.normal(0.0, noise, size=img.shape)             # mild pixel noise
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
@@ -195,6 +203,24 @@ def dataset_items():
     return items
 
 
+FACTORS = {"color": COLORS, "shape": SHAPES, "texture": TEXTURES, "location": LOCATIONS}  # name -> vocabulary
+
+
+def factor_labels(paths):
+    """The known factors of dataset images: {"color": [ids], "shape": [...], "texture": [...], "location": [...]},
+    one id (index into the factor's vocabulary) per path; paths end in <class folder>/<file> as written by
+    ensure_dataset. The ground truth that entropy.probe_factors decodes from each head."""
+    by_file = {it["file"]: it for it in dataset_items()}
+    out = {name: [] for name in FACTORS}
+    for path in paths:
+        key = "/".join(os.path.normpath(path).split(os.sep)[-2:])
+        if key not in by_file:
+            raise ToyWorldError(f"{path} is not an image of the toy dataset (no {key} in it)")
+        for name, vocab in FACTORS.items():
+            out[name].append(vocab.index(by_file[key][name]))
+    return out
+
+
 def ensure_dataset(root):
     """Write <root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json} once; return <root>/toyworld.
 
@@ -228,6 +254,50 @@ def ensure_dataset(root):
     return final
 
 
+# Transfer sets: test-time shifts of the toy world, folders of class sub-folders read as `folder:PATH` datasets,
+# the miniature of the paper's transfer tables. Each: (class factors, render keyword arguments).
+#   noisy     the same 24 classes, four times the pixel noise              (a domain shift, like ImageNet-V2/-R)
+#   small     the same 24 classes, objects at 60% of their size            (a domain shift)
+#   textures  18 new classes, colour + texture ("red striped"); shape varies (new labels of the same
+#             world, like transfer to another dataset)
+TRANSFER = {"noisy": ("color shape", dict(noise=0.08)), "small": ("color shape", dict(scale=0.6)),
+            "textures": ("color texture", {})}
+TRANSFER_IMAGES = 40  # per class; data.py's folder reader keeps 30% of them (12) as the test split
+
+
+def ensure_transfer(root):
+    """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return their folders."""
+    root = os.path.abspath(os.path.expanduser(root))
+    base = os.path.join(root, "toyworld-transfer")
+    folders = {}
+    for t_index, (name, (kind, style)) in enumerate(TRANSFER.items()):
+        final = folders[name] = os.path.join(base, name)
+        if os.path.isdir(final):
+            continue
+        os.makedirs(base, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=base)
+        try:
+            first, second = kind.split()
+            pairs = [(a, b) for a in FACTORS[first] for b in FACTORS[second]]
+            for label, (a, b) in enumerate(pairs):
+                os.makedirs(os.path.join(tmp, f"{a}_{b}"))
+                for i in range(TRANSFER_IMAGES):
+                    f = {"color": COLORS[i % len(COLORS)], "shape": SHAPES[i % len(SHAPES)],
+                         "texture": TEXTURES[i % len(TEXTURES)], "location": LOCATIONS[(i // 3) % len(LOCATIONS)]}
+                    f.update({first: a, second: b})
+                    seed = 10_000_000 * (t_index + 1) + 1000 * label + i     # disjoint from the dataset's seeds
+                    Image.fromarray(render_array(f["color"], f["shape"], f["texture"], f["location"], seed, **style),
+                                    mode="RGB").save(os.path.join(tmp, f"{a}_{b}", f"{i:03d}.png"))
+            try:
+                os.rename(tmp, final)
+            except OSError:                   # another process finished first: keep its copy
+                if not os.path.isdir(final):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folders
+
+
 # ---------------------------------------------------------------------------------------------
 # Pretraining the tiny CLIP
 # ---------------------------------------------------------------------------------------------
@@ -240,17 +310,30 @@ def to_tensor(arrays):
     return (x - mean) / std
 
 
-def sample_batch(n, generator):
+def sample_batch(n, generator, group=None):
     """n random objects and, for each, a caption that may leave some factors out.
 
     Returns (image factors [n, 4] long, caption factors [n, 4] long with -1 where a factor is left out,
-    captions, image seeds). Colour is dropped with p=0.15, texture and location each with p=0.5 (web
-    captions rarely say everything); half the captions use the class template "a photo of a ... .".
+    captions, image seeds). Each factor is left out with its CAPTION_DROP probability (web captions rarely
+    say everything); half the captions use the class template "a photo of a ... .".
+    group > 1 (default GROUP): the batch comes in groups of `group` minimal pairs: objects that share three
+    factors and differ in the fourth (chosen at random per group), which every caption of the group names.
+    Random objects almost never differ in one factor only, so without groups telling colour and shape
+    apart fits nearly every caption and texture and location are hardly learnt.
     """
     g = generator
+    group = GROUP if group is None else group
     sizes = torch.tensor([len(COLORS), len(SHAPES), len(TEXTURES), len(LOCATIONS)])
     img_f = (torch.rand(n, 4, generator=g) * sizes).long()                   # [n, 4]
-    keep = torch.rand(n, 4, generator=g) >= torch.tensor([0.15, 0.0, 0.5, 0.5])
+    keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
+    if group > 1:
+        for start in range(0, n, group):
+            k = GROUP_FACTORS[int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))]  # the factor it varies
+            m = min(group, n - start)
+            img_f[start:start + m] = img_f[start]                               # three factors shared ...
+            values = torch.randperm(int(sizes[k]), generator=g).repeat(math.ceil(m / int(sizes[k])))
+            img_f[start:start + m, k] = values[:m]                              # ... the fourth differs
+            keep[start:start + m, k] = True                                     # and is named
     cap_f = torch.where(keep, img_f, torch.full_like(img_f, -1))            # [n, 4]
     photo = torch.rand(n, generator=g) < 0.5
     seeds = torch.randint(0, 2 ** 31 - 1, (n,), generator=g) + 2 ** 32      # disjoint from dataset seeds
@@ -441,6 +524,8 @@ def main(argv=None):
     r.add_argument("--out", required=True, help="output PNG path")
     d = sub.add_parser("dataset", help="write the toy dataset under ROOT/toyworld (once)")
     d.add_argument("--root", required=True, help="data root, the same as dear.py --root")
+    d.add_argument("--transfer", action="store_true", help="also the transfer sets, ROOT/toyworld-transfer/<name> "
+                                                           "(" + ", ".join(TRANSFER) + "), read as folder:PATH")
     t = sub.add_parser("pretrain", help="pretrain the tiny CLIP into the CLIP cache (once)")
     t.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     t.add_argument("--seed", type=int, default=0)
@@ -456,6 +541,8 @@ def main(argv=None):
             print(f"{caption(args.color, args.shape, args.texture, args.location)} -> {args.out}")
         elif args.cmd == "dataset":
             print(ensure_dataset(args.root))
+            if args.transfer:
+                print("\n".join(ensure_transfer(args.root).values()))
         elif args.cmd in ("pretrain", "zeroshot"):
             from clip import cache_dir
             ckpt = getattr(args, "checkpoint", None)

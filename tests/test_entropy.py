@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 import entropy
+import roles_report
 from entropy import CONCEPTS, EntropyError, RolesError
 
 
@@ -441,9 +442,9 @@ def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
     assert img.size == (max(entropy.LEFT + 4 * entropy.CELL, 480) + 8,
                         entropy.TOP + 3 * entropy.CELL + entropy.LEGEND)
     for entry in doc["heads"]:
-        x0, y0 = entropy.cell_origin(doc["layers"].index(entry["layer"]), entry["head"])
+        x0, y0 = roles_report.cell_origin(doc["layers"].index(entry["layer"]), entry["head"])
         corner = (x0 + entropy.CELL - 6, y0 + entropy.CELL - 6)  # inside the cell, away from its text
-        assert img.getpixel(corner) == entropy.ROLE_COLORS[entry["role"]]
+        assert img.getpixel(corner) == roles_report.ROLE_COLORS[entry["role"]]
 
 
 def test_layer_parsing(tmp_path):

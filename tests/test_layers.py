@@ -14,6 +14,7 @@ LAYERS = {
     "download": 1,                 # fetching and unpacking archives (through clip.stream)
     "data": 2,                     # the datasets; knows nothing of the toy world
     "toyworld": 3,                 # a user of clip and data
+    "roles_report": 3,             # roles.md and roles.png from a roles document
     "entropy": 4, "train": 4,      # head roles; the training loop and evaluation
     "runs": 5,                     # run folders: identity, lock, pinned roles
     "dear": 6,                     # the method and its command line

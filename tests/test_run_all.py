@@ -271,6 +271,8 @@ def test_variant_names_parse_like_dear_writes_them():
     assert tables.variant_parts("mask-generalization-only") == ["mask-generalization-only"]
     assert tables.method_key("J-3_mask-none_epochs-1", baseline="J-3") == "mask-none"
     assert tables.method_key("J-3_epochs-1", baseline="J-3") == ""
+    assert tables.variant_parts("roles_control-random_epochs-10") == ["roles_control-random", "epochs-10"]
+    assert tables.method_key("roles_control-oracle_epochs-10") == "roles_control-oracle"
 
 
 def test_tables_are_written_as_markdown_and_csv(tmp_path):
@@ -380,13 +382,13 @@ def test_job_list_covers_every_table(fake, tmp_path):
     def count(*words):
         return sum(all(w in line for w in words) for line in dear)
     assert count("--protocol b2n", "--method zeroshot") == 11
-    assert count("--protocol b2n") - count("--protocol b2n", "--method zeroshot") == 11 * 3 + 10 * 9
+    assert count("--protocol b2n") - count("--protocol b2n", "--method zeroshot") == 11 * 3 + 11 * 9
     assert count("--protocol xd") == 4 and count("--protocol xd", "--method zeroshot") == 1
     assert count("--protocol fewshot", "--method zeroshot") == 11
     assert count("--protocol fewshot", "--shots") == 5 * 11 * 3
     # ablations: 3 datasets x 3 seeds per variant; J = 9 is the default run, so it is not run twice
     for flags in ("--mask none", "--mask generalization-only", "--no-attr-tokens", "--lambda-fusion 0",
-                  "--J 7", "--J 11", "--beta 0.5", "--novel-logits cls"):
+                  "--J 7", "--J 11", "--beta 0.5", "--novel-logits cls", "--roles-control random"):
         assert count(flags) == 9, flags
     assert count("--J 9") == 0
     assert all("--resume" in line and "--root DATA" in line and "--out OUT" in line for line in dear)
@@ -396,6 +398,32 @@ def test_job_list_covers_every_table(fake, tmp_path):
 
     p = run_all(["--list", "--stages", "b2n,xd", "--seeds", "1"], env, tmp_path)
     assert len(p.stdout.splitlines()) == 11 * 2 + 2    # no roles stage asked for, one seed
+
+
+def test_toy_job_list_has_every_table_in_miniature(tmp_path):
+    """--toy: 5 seeds, 1-16 shots, the transfer sets as xd targets, every ablation plus random and oracle roles,
+    each run in its own folder (the real dear.py names them)."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("DEAR_PY", None)
+    p = run_all(["--toy", "--list", "--out", "OUT"], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert sum("--roles-only" in line for line in lines) == 3                   # J = 3 (default), 2, 4
+    dear = [line for line in lines if "--roles-only" not in line]
+    assert all("--backbone toy" in line and "--dataset toyworld" in line for line in dear)
+
+    def count(*words):
+        return sum(all(w in line for w in words) for line in dear)
+    for k in (1, 2, 4, 8, 16):
+        assert count("--protocol fewshot", f"--shots {k} ") == 5
+    xd = [line for line in dear if "--protocol xd" in line]
+    assert len(xd) == 6 and all("toyworld-transfer/noisy" in line and "toyworld-transfer/textures" in line for line in xd)
+    for flags in ("--roles-control random", "--roles-control oracle", "--mask none", "--J 2", "--J 4", "--beta 0.5"):
+        assert count(flags) == 5, flags
+    assert count("--beta 0.9") == 0                                            # the toy's default beta: the b2n run
+    import dear as dear_py
+    folders = {dear_py.run_dir(dear_py.resolve(dear_py.parse_args(line.split()[2:]))) for line in dear}
+    assert len(folders) == len(dear)                                           # one folder per run
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "dear.py")), reason="dear.py is not written yet")

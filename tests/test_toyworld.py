@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import roles_report
 import toyworld as T
 from clip.model import build_model
 from clip.tokenizer import tokenize
@@ -205,6 +206,20 @@ def test_checkpoint_loads_strictly_and_is_reused(short_checkpoint, monkeypatch):
     assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".tmp")]
 
 
+def test_pretraining_groups_are_minimal_pairs_that_name_their_difference():
+    img_f, cap_f, texts, _ = T.sample_batch(64, torch.Generator().manual_seed(1), group=4)
+    varied = set()
+    for start in range(0, 64, 4):
+        f, c = img_f[start:start + 4], cap_f[start:start + 4]
+        differ = [k for k in range(4) if len(set(f[:, k].tolist())) > 1]
+        assert len(differ) == 1, f                     # three factors shared, one differs ...
+        k = differ[0]
+        assert (c[:, k] == f[:, k]).all()              # ... and every caption of the group names it
+        assert len(set(f[:, k].tolist())) == min(4, f.new_tensor([6, 4, 3, 4])[k].item())  # no repeats needed
+        varied.add(k)
+    assert varied == {0, 1, 2, 3}                      # every factor gets its minimal pairs
+
+
 def test_pretraining_is_deterministic_in_the_seed():
     def weights(seed):
         model, _ = T.pretrain(steps=2, seed=seed, batch_size=16, log=None)
@@ -249,3 +264,147 @@ def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, m
     (roles_file,) = pathlib.Path(toy_cache).rglob("roles.json")  # computed once by entropy.py, cached
     roles = json.loads(roles_file.read_text())
     assert roles["model"] == "toy" and roles["layers"] == [3, 4] and roles["probe"]["dataset"] == "toyworld"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ground truth for Concept Entropy: the known factors, decoded from each head
+
+def test_probe_reads_planted_factors_from_held_out_images():
+    """Head 0 writes factor a, head 1 factor b, head 2 only noise. A probe scored on held-out images finds exactly
+    that; one scored on its own training images would also 'decode' the noise head (48 dims, 100 images a fold)."""
+    import entropy
+    g = torch.Generator().manual_seed(0)
+    N, E = 200, 48
+    a = torch.randint(0, 4, (N,), generator=g)
+    b = torch.multinomial(torch.tensor([0.6, 0.2, 0.2]), N, replacement=True, generator=g)  # unbalanced: chance 60%
+    heads = torch.randn(N, 1, 3, E, generator=g)                                         # noise in every head
+    heads[:, 0, 0] += 3 * torch.randn(4, E, generator=g)[a]                              # head 0: a's class mean
+    heads[:, 0, 1] += 3 * torch.randn(3, E, generator=g)[b]                              # head 1: b's class mean
+    out = entropy.probe_factors(heads, {"a": a.tolist(), "b": b.tolist()})
+    chance_a, chance_b = (float(torch.bincount(y).max()) / N for y in (a, b))     # the commonest class's share
+    assert out["chance"] == {"a": round(chance_a, 4), "b": round(chance_b, 4)} and chance_b > 0.5
+    acc, skill = out["accuracy"], out["skill"]
+    assert acc["a"][0][0] > 0.95 and acc["b"][0][1] > 0.95                            # the planted factors
+    for head, factor in ((1, "a"), (0, "b"), (2, "a"), (2, "b")):                   # the rest: chance, held out
+        assert -0.25 < skill[factor][0][head] < 0.15, (head, factor, skill)
+    assert skill["b"][0][1] == pytest.approx((acc["b"][0][1] - chance_b) / (1 - chance_b), abs=1e-3)
+    assert roles_report.best_factor({"a": 0.9, "b": 0.3, "c": 0.1}) == ("a", pytest.approx(0.6))
+
+
+def test_factor_labels_are_the_factors_the_pixels_show(toy_root):
+    items = [it for it in T.dataset_items() if it["split"] == "test"][::97]
+    paths = [str(toy_root / "toyworld" / "images" / it["file"]) for it in items]
+    labels = T.factor_labels(paths)
+    from PIL import Image
+    for i, path in enumerate(paths):
+        shown = read_factors(np.asarray(Image.open(path).convert("RGB")))
+        assert tuple(vocab[labels[name][i]] for name, vocab in T.FACTORS.items()) == shown
+    with pytest.raises(T.ToyWorldError, match="not an image of the toy dataset"):
+        T.factor_labels([str(toy_root / "elsewhere" / "x.png")])
+
+
+def test_transfer_sets_are_folder_datasets_with_their_classes(toy_root):
+    data = pytest.importorskip("data")
+    folders = T.ensure_transfer(str(toy_root))
+    assert set(folders) == set(T.TRANSFER)
+    textures = data.build_dataset("folder:" + folders["textures"], str(toy_root))
+    assert sorted(textures.classnames) == sorted(f"{c} {t}" for c in T.COLORS for t in T.TEXTURES)
+    assert len(textures.test) >= 10 * len(textures.classnames)
+    from PIL import Image
+    for path, label, name in textures.test[::25]:                 # the class is what the pixels show
+        color, _, texture, _ = read_factors(np.asarray(Image.open(path).convert("RGB")))
+        assert f"{color} {texture}" == name == textures.classnames[label]
+    noisy = data.build_dataset("folder:" + folders["noisy"], str(toy_root))
+    assert sorted(noisy.classnames) == sorted(T.classnames())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Controls for Concept Entropy (dear.py --roles-control)
+
+def _head(role, attribute=None, skill=None):
+    return {"role": role, "attribute": attribute, "entropy": 1.0, **({"skill": skill} if skill else {})}
+
+
+def test_random_roles_shuffle_heads_within_each_block_and_keep_the_counts():
+    import dear
+    roles = {3: [_head("attribute", "color"), _head("generalization"), _head("mixed"), _head("attribute", "shape")],
+             4: [_head("generalization"), _head("mixed"), _head("attribute", "location"), _head("generalization")]}
+    key = lambda h: (h["role"], h["attribute"])
+    shuffled = {seed: entropy.control_roles(roles, "random", seed) for seed in range(1, 6)}
+    for out in shuffled.values():
+        for block in roles:                                        # same multiset of roles in every block
+            assert sorted(map(key, out[block])) == sorted(map(key, roles[block]))
+    assert entropy.control_roles(roles, "random", 1) == shuffled[1]   # seeded
+    assert len({str([key(h) for b in (3, 4) for h in out[b]]) for out in shuffled.values()}) > 1
+    assert any(out != roles for out in shuffled.values())
+    assert entropy.control_roles(roles, "none", 1) is roles
+
+
+def test_oracle_roles_follow_the_ground_truth_in_the_same_numbers():
+    import dear
+    s = lambda c, sh, t, l: {"color": c, "shape": sh, "texture": t, "location": l}
+    # Concept Entropy's roles (1 attribute, 2 generalization, 1 mixed) and each head's decoding skill; by hand:
+    # leads over the runner-up: head 0: 0.1 (color), head 1: 0.6 (location), head 2: 0.3 (shape), head 3: 0.0
+    roles = {4: [_head("attribute", "color", s(0.9, 0.8, 0.1, 0.2)), _head("generalization", None, s(0.2, 0.1, 0.1, 0.8)),
+                 _head("mixed", None, s(0.1, 0.5, 0.2, 0.0)), _head("generalization", None, s(0.5, 0.5, 0.5, 0.5))]}
+    out = entropy.control_roles(roles, "oracle", 1)[4]
+    assert [(h["role"], h["attribute"]) for h in out] == [("generalization", None), ("attribute", "location"),
+                                                          ("mixed", None), ("generalization", None)]
+    with pytest.raises(ValueError, match="ground-truth"):
+        entropy.control_roles({4: [_head("mixed")] * 4}, "oracle", 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Concept Entropy against the ground truth, on the default toy CLIP
+
+# A lead in decoding skill of FAR or more over the runner-up factor is "far better": half of the way from chance
+# (skill 0) to perfect decoding (skill 1). Fixed before any toy CLIP was measured against it; see the README.
+FAR = 0.5
+
+
+@pytest.fixture(scope="module")
+def toy_roles(toy_cache, tmp_path_factory):
+    """Concept Entropy with ground truth for the blocks DeAR uses (J = 3: blocks 3-4) of the default toy CLIP."""
+    import entropy
+    old = os.environ.get("CLIP_CACHE")
+    os.environ["CLIP_CACHE"] = toy_cache
+    try:
+        out = tmp_path_factory.mktemp("roles")
+        path = entropy.run("toy", "toyworld", str(out / "data"), layers="3-4", out_dir=str(out / "roles"))
+    finally:
+        os.environ.pop("CLIP_CACHE") if old is None else os.environ.__setitem__("CLIP_CACHE", old)
+    return json.loads(pathlib.Path(path).read_text()), out / "roles"
+
+
+def test_attribute_heads_decode_their_attribute_best(toy_roles):
+    """>= 3/4 of the attribute heads: the attribute Concept Entropy names is the factor best decoded from the head's
+    direct contribution on held-out images; the decoding is in roles.md and roles.json."""
+    import entropy
+    doc, folder = toy_roles
+    attribute = [h for h in doc["heads"] if h["role"] == "attribute"]
+    assert attribute
+    agree = [h for h in attribute if roles_report.best_factor(h["skill"])[0] == h["attribute"]]
+    assert len(agree) >= 0.75 * len(attribute), [(h["attribute"], h["skill"]) for h in attribute]
+    md = (folder / "roles.md").read_text()
+    h = doc["heads"][0]
+    row = f"| {h['layer']} | {h['head']} | {roles_report.short_role(h)} | " + \
+        " | ".join(f"{100 * h['decoding'][f]:.0f}" for f in T.FACTORS)
+    assert "## Ground truth" in md and row in md
+    assert doc["decoding"]["chance"] == {"color": round(1 / 6, 4), "shape": 0.25, "texture": round(1 / 3, 4),
+                                         "location": 0.25}   # the test split is balanced in every factor
+
+
+@pytest.mark.xfail(strict=True, reason="the default toy CLIP does not specialise: its 8 analysed heads all decode "
+                   "colour far best, the generalization heads too, and every attribute head is a colour head "
+                   "(README, toy world: ground truth); no world tried so far does better with room to adapt")
+def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
+    """The issue's aim for the toy CLIP: attribute heads of >= 2 attributes, >= 2 generalization heads, and no
+    generalization head decodes one factor far (FAR) better than the runner-up."""
+    import entropy
+    doc, _ = toy_roles
+    heads = doc["heads"]
+    general = [h for h in heads if h["role"] == "generalization"]
+    assert len(general) >= 2
+    assert len({h["attribute"] for h in heads if h["role"] == "attribute"}) >= 2, [roles_report.short_role(h) for h in heads]
+    for h in general:
+        assert roles_report.best_factor(h["skill"])[1] < FAR, h["skill"]
