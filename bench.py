@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import clip
-import data
 import dear
 import train
 from clip.model import CLIP

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import difflib
 import hashlib
-import json
 import math
 import os
 import random

@@ -19,7 +19,6 @@ of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` o
 """
 import argparse
 import hashlib
-import io
 import json
 import math
 import os
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 import clip
 import data
 import toyworld
+from roles_report import best_factor, render_markdown, render_png
 from util import fingerprint, progress, write_atomic
 
 FORMAT = "dear-roles/1"

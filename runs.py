@@ -211,7 +211,7 @@ def build_dataset(name, root, *args):
     try:
         return data.build_dataset(name, root, *args)
     except data.DataError as e:
-        if name in data.DATASETS and not os.path.isdir(runs.dataset_folder(name, root)):
+        if name in data.DATASETS and not os.path.isdir(dataset_folder(name, root)):
             raise RunError(f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
                            "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)") from e
         raise

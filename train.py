@@ -117,12 +117,12 @@ def frozen_weights_in(dtype, clip_model):
         return
     saved = [(p, p.data) for p in matmul_weights(clip_model) if not p.requires_grad]
     try:
-        for p, data in saved:
-            p.data = data.to(dtype)
+        for p, full in saved:
+            p.data = full.to(dtype)
         yield
     finally:
-        for p, data in saved:
-            p.data = data
+        for p, full in saved:
+            p.data = full
 
 
 def seed_everything(seed: int):

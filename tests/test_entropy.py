@@ -439,11 +439,11 @@ def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
     doc = make_doc(layers=(2, 3, 4), H=4)
     entropy.write_outputs(doc, str(tmp_path))
     img = Image.open(tmp_path / "roles.png").convert("RGB")
-    assert img.size == (max(entropy.LEFT + 4 * entropy.CELL, 480) + 8,
-                        entropy.TOP + 3 * entropy.CELL + entropy.LEGEND)
+    assert img.size == (max(roles_report.LEFT + 4 * roles_report.CELL, 480) + 8,
+                        roles_report.TOP + 3 * roles_report.CELL + roles_report.LEGEND)
     for entry in doc["heads"]:
         x0, y0 = roles_report.cell_origin(doc["layers"].index(entry["layer"]), entry["head"])
-        corner = (x0 + entropy.CELL - 6, y0 + entropy.CELL - 6)  # inside the cell, away from its text
+        corner = (x0 + roles_report.CELL - 6, y0 + roles_report.CELL - 6)  # inside the cell, away from its text
         assert img.getpixel(corner) == roles_report.ROLE_COLORS[entry["role"]]
 
 

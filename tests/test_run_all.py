@@ -301,7 +301,7 @@ FAKE_DEAR = textwrap.dedent('''
             p.add_argument(flag)
         p.add_argument("--protocol", default="b2n"); p.add_argument("--method", default="dear")
         p.add_argument("--out", default="runs"); p.add_argument("--mask", default="role")
-        p.add_argument("--novel-logits", default="fused")
+        p.add_argument("--novel-logits", default="fused"); p.add_argument("--roles-control", default="none")
         p.add_argument("--shots", type=int, default=16); p.add_argument("--seed", type=int, default=1)
         p.add_argument("--J", type=int); p.add_argument("--beta", type=float)
         p.add_argument("--lambda-fusion", type=float); p.add_argument("--epochs", type=int)
@@ -321,6 +321,7 @@ FAKE_DEAR = textwrap.dedent('''
         parts += [f"mask-{c.mask}"] if c.mask != "role" else []
         parts += ["attr_tokens-False"] if not c.attr_tokens else []
         parts += [f"novel_logits-{c.novel_logits}"] if c.novel_logits != "fused" else []
+        parts += [f"roles_control-{c.roles_control}"] if c.roles_control != "none" else []
         name = f"{c.method}-{'_'.join(parts) or 'default'}-shots{c.shots}-seed{c.seed}"
         return os.path.join(c.out, c.protocol, c.dataset, name)
 

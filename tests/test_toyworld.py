@@ -326,7 +326,7 @@ def _head(role, attribute=None, skill=None):
 
 
 def test_random_roles_shuffle_heads_within_each_block_and_keep_the_counts():
-    import dear
+    import entropy
     roles = {3: [_head("attribute", "color"), _head("generalization"), _head("mixed"), _head("attribute", "shape")],
              4: [_head("generalization"), _head("mixed"), _head("attribute", "location"), _head("generalization")]}
     key = lambda h: (h["role"], h["attribute"])
@@ -341,7 +341,7 @@ def test_random_roles_shuffle_heads_within_each_block_and_keep_the_counts():
 
 
 def test_oracle_roles_follow_the_ground_truth_in_the_same_numbers():
-    import dear
+    import entropy
     s = lambda c, sh, t, l: {"color": c, "shape": sh, "texture": t, "location": l}
     # Concept Entropy's roles (1 attribute, 2 generalization, 1 mixed) and each head's decoding skill; by hand:
     # leads over the runner-up: head 0: 0.1 (color), head 1: 0.6 (location), head 2: 0.3 (shape), head 3: 0.0
