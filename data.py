@@ -500,6 +500,15 @@ def suggest(name):
 
 # ----------------------------------------------------------------------------- build_dataset
 
+def dataset_folder(name, root):
+    """The absolute folder `build_dataset` reads a dataset from: a folder:PATH dataset's own path, else
+    <root>/<its CoOp folder> (an unknown name: <root>/<name>)."""
+    if name.startswith("folder:"):
+        return os.path.abspath(os.path.expanduser(name[len("folder:"):]))
+    spec = DATASETS.get(name)
+    return os.path.join(os.path.abspath(os.path.expanduser(str(root))), spec.folder if spec else name)
+
+
 def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     """Read one dataset: its splits (few-shot when shots >= 1), class names and template.
 
@@ -511,12 +520,11 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
         raise DataError(f"subsample must be 'all', 'base' or 'novel', not {subsample!r}")
     if not isinstance(shots, int) or (shots < 1 and shots != -1):
         raise DataError(f"shots must be a positive number of images per class, or -1 for all; got {shots!r}")
+    folder = dataset_folder(name, root)
     if name.startswith("folder:"):
-        folder = os.path.abspath(os.path.expanduser(name[len("folder:"):]))
         spec = Spec(name, "folder", folder, "", "split_folder.json", PHOTO, reader="folder")
     elif name in DATASETS:
         spec, root = DATASETS[name], os.path.abspath(os.path.expanduser(str(root)))
-        folder = os.path.join(root, spec.folder)
         if spec.reader == "toyworld" and not os.path.isfile(os.path.join(folder, spec.split)):
             raise DataError(f"the toy world is not generated under {root}; make it with "
                             f"`python toyworld.py dataset --root {root}` (dear.py and entropy.py do this on first use)")

@@ -57,11 +57,8 @@ def short(digest: str) -> str:
 
 
 def dataset_folder(name: str, root: str) -> str:
-    """The folder a dataset is read from, resolved (symlinks too), as data.build_dataset reads it."""
-    if name.startswith("folder:"):
-        return os.path.realpath(os.path.expanduser(name[len("folder:"):]))
-    spec = data.DATASETS.get(name)
-    return os.path.realpath(os.path.join(os.path.expanduser(str(root)), spec.folder if spec else name))
+    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too): its identity."""
+    return os.path.realpath(data.dataset_folder(name, root))
 
 
 def backbone_sha256(backbone: str) -> str:
@@ -177,15 +174,19 @@ def load_roles(cfg, model, device, log):
     path = cfg.roles
     try:
         if path is None:
+            def cached(probe, split):  # the cache folder is named by everything that changes the roles
+                pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
+                return entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool), pool
+
             probe, split = "imagenet", "test"
-            try:
-                data.build_dataset("imagenet", cfg.root)
-            except data.DataError:
-                probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
-            pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
-            # the cache folder is named by everything that changes the roles; entropy.run writes there too
-            path = entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool)
-            if not os.path.exists(path):
+            path, pool = cached(probe, split)
+            if not os.path.exists(path):  # no ImageNet roles yet: is ImageNet there to probe (reads its listing)?
+                try:
+                    data.build_dataset("imagenet", cfg.root)
+                except data.DataError:
+                    probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
+                    path, pool = cached(probe, split)
+            if not os.path.exists(path):  # entropy.run writes there too
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the {split} images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),

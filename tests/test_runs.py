@@ -2,6 +2,7 @@
 and every fault a user can make ends in one clear line (exit 2), never a traceback."""
 import json
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -168,3 +169,22 @@ def test_a_missing_dataset_names_the_download_and_the_offline_demo(tmp_path, cap
 
 def test_default_workers_fit_the_machine():
     assert 0 < dear.resolve(dear.Config()).workers <= min(4, dear.available_cpus())
+
+
+def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path, monkeypatch):
+    """Once roles probed on ImageNet are cached, a run takes them without listing ImageNet again."""
+    root, ckpt, dataset = world
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
+    model, _ = runs.load_clip(ckpt, "cpu")
+    path = runs.entropy.default_roles_path(model, [3, 4], runs.clip.cache_dir(), "imagenet", split="test", pool=None)
+    os.makedirs(os.path.dirname(path))
+    write_roles(pathlib.Path(path), model.name)
+
+    def build_dataset(name, *args, **kwargs):
+        assert name != "imagenet", "ImageNet was read although its roles are cached"
+        return real(name, *args, **kwargs)
+    real = runs.data.build_dataset
+    monkeypatch.setattr(runs.data, "build_dataset", build_dataset)
+    cfg = dear.resolve(dear.Config(dataset=dataset, root=str(root), backbone=ckpt, J=3))
+    _, used = runs.load_roles(cfg, model, torch.device("cpu"), log=lambda msg: None)
+    assert used == path
