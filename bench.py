@@ -388,8 +388,11 @@ class Bench:
         self.rows, self.breakdown = [], []
         self.gen = torch.Generator().manual_seed(1)
 
-    def go(self, fns, label):
-        return measure(fns, self.device, self.args.warmup, self.args.repeats, label, self.mem_method)
+    def go(self, fns, label, short=False):
+        """measure(); short: one forward pass per call (a., d.), timed --short-repeats times, as their
+        targets leave a margin of only a few percent."""
+        repeats = max(self.args.repeats, self.args.short_repeats) if short else self.args.repeats
+        return measure(fns, self.device, self.args.warmup, repeats, label, self.mem_method)
 
     def row(self, rid, what, first, second, ratio="", target="", limit="", excess=""):
         self.rows.append((rid, what, first, second, ratio, limit, excess, target))
@@ -423,7 +426,7 @@ def bench_clip(b, model, ref, images, tokens):
             ("a.image", f"encode_image, {len(images)} images", model.encode_image, ref.encode_image),
             ("a.text", f"encode_text, {len(tokens)} prompts", model.encode_text, ref.encode_text)):
         x = images if rid == "a.image" else tokens
-        r = b.go({"ours": b.no_grad(lambda: ours(x)), "ref": b.no_grad(lambda: theirs(x))}, rid)
+        r = b.go({"ours": b.no_grad(lambda: ours(x)), "ref": b.no_grad(lambda: theirs(x))}, rid, short=True)
         b.compare(rid, what + ": vendored vs nn.MultiheadAttention", r["ours"], r["ref"], "<= 1.0")
 
 
@@ -440,9 +443,20 @@ def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
     def frozen():
         f = F.normalize(model.encode_image(imgs), dim=-1)
         t = F.normalize(model.encode_text(tokens), dim=-1)
-        return (scale * f @ t.t()).argmax(-1)
+        return scale * f @ t.t()  # [B, C] logits
+
+    def frozen_every_row():  # the same, but the last blocks compute every position (as OpenAI's CLIP does)
+        v = model.visual
+        f = F.normalize(v.head(v.run_blocks(v.embed(imgs), 0, v.layers)[:, 0]), dim=-1)  # all rows, then CLS
+        eot, t = tokens.argmax(-1), torch.empty(len(tokens), model.text_projection.shape[1], device=device)
+        for n, idx, _, _ in clip.model.length_buckets(eot):  # the same text groups as encode_text
+            x = model.run_text_blocks(model.embed_text(tokens[idx, : n + 1]), 0, model.transformer.layers)
+            t[idx] = model.text_head(x, eot[idx]).to(t.dtype)
+        return scale * f @ F.normalize(t, dim=-1).t()
 
     fns = {"dear": lambda: dear_step(net, opt, scaler, imgs, labels, b.dtype), "frozen": b.no_grad(frozen)}
+    if (C, B) in TRAIN_TARGETS:
+        fns["every_row"] = b.no_grad(frozen_every_row)
     if naive and not b.args.no_naive:
         fns["naive"] = lambda: naive_step(net, opt, scaler, imgs, labels, tokens, b.dtype)
     where = f"{C} classes, batch {B}" + ("" if model_name == "ViT-B/16" else f", {model_name}")
@@ -460,6 +474,14 @@ def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
             b.breakdown.append((C, B, step_breakdown(b, net, imgs, labels, r["dear"]["s"], tag)))
     b.compare(f"b.{tag}", f"DeAR training step vs frozen CLIP forward (image + {C} prompts), {where}",
               r["dear"], r["frozen"], TRAIN_TARGETS.get((C, B), ""))
+    if "every_row" in r:
+        b.compare(f"b.rows.{tag}", f"DeAR training step vs a frozen forward whose last blocks compute every "
+                  f"position (image + {C} prompts, as OpenAI's CLIP; the baseline of the issue's estimate), {where}",
+                  r["dear"], r["every_row"])
+        diff = (r["every_row"]["out"].float() - r["frozen"]["out"].float()).abs().max().item()
+        b.row(f"b.rows.agree.{tag}", "frozen forward, last blocks on every position vs on the read rows only: "
+              "max abs difference of the logits / largest logit", f"{diff:.1e}",
+              f"{r['frozen']['out'].float().abs().max().item():.1f}", "", "< 1e-3")
     b.row(f"f.{tag}", f"training throughput, images/s: DeAR step / frozen forward, {where}",
           f"{B / r['dear']['s']:.1f}/s", f"{B / r['frozen']['s']:.1f}/s")
     if "naive" in r:
@@ -482,7 +504,7 @@ def bench_eval(b, net, images, C):
         t = b.no_grad(net.encode_classes)()
         r = b.go({"dear": b.no_grad(lambda: net(images, t=t)["fused"].argmax(-1).cpu()),
                   "zs": b.no_grad(lambda: (scale * F.normalize(net.clip.encode_image(images), dim=-1)
-                                           @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation")
+                                           @ net.t0.t()).argmax(-1).cpu())}, "d. evaluation", short=True)
     n = len(images)
     b.compare("d.eval", f"evaluation of a batch of {n} images ({C} classes): DeAR vs zero-shot CLIP",
               r["dear"], r["zs"], "<= 1.02")
@@ -590,8 +612,10 @@ def mib(r) -> str:
 
 def row_ids(settings, device="cpu"):
     """The ids of the result rows a run with these settings writes (without --no-naive or --narrow)."""
-    per = [f"{p}.C{C}xB{B}" for i, (C, B) in enumerate(settings) for p in ("b", "f", "c", "c.agree", "e")
-           if p[0] != "c" or i == 0 or device == "cuda"]  # the naive step: first setting only on a CPU
+    per = [f"{p}.C{C}xB{B}" for i, (C, B) in enumerate(settings)
+           for p in ("b", "b.rows", "b.rows.agree", "f", "c", "c.agree", "e")
+           if (p[0] != "c" or i == 0 or device == "cuda")  # the naive step: first setting only on a CPU
+           and (not p.startswith("b.rows") or (C, B) in TRAIN_TARGETS)]  # every-row baseline: target settings
     return ["a.agree", "a.image", "a.text"] + per + ["d.eval", "f.eval"]
 
 
@@ -623,7 +647,8 @@ def markdown(res, args) -> str:
              f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width {NARROW['transformer_width']} "
              f"({NARROW['transformer_heads']} heads), depth and token counts as above |" if args.narrow else "none |"),
              f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more counts FLOPs), "
-             f"contenders interleaved, median of {args.repeats} " + (
+             f"contenders interleaved, median of {args.repeats} (rows a. and d.: "
+             f"{max(args.repeats, args.short_repeats)}) " + (
                  "**process CPU times** (wall times in brackets); ± is half the range (max - min) / median |"
                  if device.type == "cpu" else "wall times around `torch.cuda.synchronize`; ± is half the range |"),
              f"| peak memory | {MEM_NOTES[res['mem_method']]} |",
@@ -705,6 +730,9 @@ def parse_args(argv=None):
                    help="as dear.py: amp = fp16 autocast + GradScaler on CUDA, fp32 on a CPU; bf16 also runs on a "
                         "CPU (autocast); fp16 needs CUDA")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per contender (the median is reported)")
+    p.add_argument("--short-repeats", type=int, default=11,
+                   help="timed calls per contender in the rows of one forward pass (a., d.): short calls whose "
+                        "targets leave a margin of a few percent (at least --repeats)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (>= 1; the first measures memory)")
     p.add_argument("--classes", type=int_list, default=None, help="class counts of the training settings")
     p.add_argument("--batches", type=int_list, default=None, help="training batch size of each setting")
@@ -735,8 +763,8 @@ def parse_args(argv=None):
     if len(args.classes) != len(args.batches):
         p.error(f"--classes has {len(args.classes)} entries but --batches has {len(args.batches)}; "
                 "give one batch size per class count")
-    if min(args.repeats, args.warmup, args.eval_batch, args.prompts) < 1:
-        p.error("--repeats, --warmup, --eval-batch and --prompts must be >= 1")
+    if min(args.repeats, args.short_repeats, args.warmup, args.eval_batch, args.prompts) < 1:
+        p.error("--repeats, --short-repeats, --warmup, --eval-batch and --prompts must be >= 1")
     if args.threads is None and args.device == "cpu":
         args.threads = 1
     if args.threads:

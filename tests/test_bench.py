@@ -24,7 +24,8 @@ def table_rows(text):
 def test_tiny_bench_writes_every_row(tmp_path):
     out = tmp_path / "bench.md"
     # one intra-op thread: the test suite shares a small machine, where spinning threads only slow it down
-    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--repeats", "1", "--threads", "1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--repeats", "1", "--short-repeats", "1", "--threads", "1",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = out.read_text()
@@ -48,6 +49,10 @@ def test_tiny_bench_writes_every_row(tmp_path):
         if rid[0] in "abcd" and "agree" not in rid:
             assert float(rows[rid][5]) > 0 and float(rows[rid][6]) > 0, rows[rid]
     assert float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3  # the naive step does far more work
+    # the frozen forward with every position in its last blocks: the same predictions, more FLOPs than the pruned one
+    tag = "C{}xB{}".format(*settings[0])
+    assert float(rows[f"b.rows.agree.{tag}"][2]) < 1e-3
+    assert float(rows[f"b.rows.{tag}"][5]) < float(rows[f"b.{tag}"][5])
     for header in ("| device |", "| torch |", "| date |", "| settings (classes x batch) |", "intra-op threads"):
         assert header in text
     assert "GPU numbers were not measured" in text  # CPU run: says so
@@ -123,8 +128,8 @@ def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(monkeypatch, capsys
         return real_step(model, images, labels, loss_fn, opt, scaler, amp)
 
     monkeypatch.setattr(train, "train_step", spy)
-    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1", "--classes",
-                             "10", "--batches", "2", "--no-breakdown"])
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", "bf16", "--repeats", "1", "--short-repeats",
+                             "1", "--classes", "10", "--batches", "2", "--no-breakdown"])
     res = bench.run(args)
     assert steps and set(steps) == {torch.bfloat16} and dtypes == {torch.bfloat16}  # frozen weights in bf16
     rows = {r[0]: r for r in res["rows"]}
