@@ -59,6 +59,10 @@ PALETTE = {
     "yellow": (0.90, 0.82, 0.18), "purple": (0.60, 0.24, 0.80), "orange": (0.95, 0.55, 0.14),
 }
 DARK = 0.55          # stripes and dots are the object colour times DARK (same hue, same saturation)
+TEXTURE_ON = "object"  # or "background": the object is solid and the texture patterns the ground around it,
+BACKGROUND_DARK = 0.6  # darkening the ground by this factor (a knob for toy-CLIP experiments)
+SATURATION = 1.0     # object colours: 1 = PALETTE; s < 1 moves each towards its own grey (same brightness), so
+                     # colour is less salient next to shape and texture (a knob for toy-CLIP experiments)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -76,6 +80,8 @@ DEFAULT_STEPS = 200
 CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)   # chance that a pretraining caption leaves out colour, shape, texture, location
 GROUP = 1            # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
 GROUP_FACTORS = (0, 1, 2, 3)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
+CAPTION_FACTORS = None  # None: captions drop factors with CAPTION_DROP; else (p1, p2, p3, p4): a caption names
+FACTOR_WEIGHTS = (1, 1, 1, 1)  # exactly k factors with probability p_k, drawn with these weights (a knob for experiments)
 RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
 
 
@@ -137,6 +143,8 @@ def render_array(color, shape, texture, location, seed, size=32, scale=1.0, nois
     tint = rng.uniform(-0.03, 0.03, size=3)
     gx, gy = rng.uniform(-0.10, 0.10, size=2)
     bg = grey + gx * (x / size - 0.5) + gy * (y / size - 0.5)
+    if TEXTURE_ON == "background":                                 # experiments: the ground is patterned
+        bg = bg * np.where(texture_dark(texture, x, y, size, rng), BACKGROUND_DARK, 1.0)
     img = bg[..., None] + tint                                     # [size, size, 3]
     # object: half-size about 0.2 of the image, centred in its quadrant with a little jitter
     row, col = location.split()
@@ -144,9 +152,13 @@ def render_array(color, shape, texture, location, seed, size=32, scale=1.0, nois
     cx = size * (0.25 if col == "left" else 0.75) + rng.uniform(-0.04, 0.04) * size
     cy = size * (0.25 if row == "top" else 0.75) + rng.uniform(-0.04, 0.04) * size
     obj = shape_mask(shape, x, y, cx, cy, r)
-    rgb = np.array(PALETTE[color]) * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
-    shade = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)   # [size, size]
-    img = np.where(obj[..., None], shade[..., None] * rgb, img)
+    rgb = np.array(PALETTE[color])
+    if SATURATION != 1.0:                                          # towards the colour's own grey
+        rgb = rgb.mean() + SATURATION * (rgb - rgb.mean())
+    rgb = rgb * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
+    if TEXTURE_ON == "object":
+        rgb = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb  # [size, size, 3]
+    img = np.where(obj[..., None], rgb, img)
     img = img + rng.normal(0.0, noise, size=img.shape)             # mild pixel noise
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
@@ -320,12 +332,20 @@ def sample_batch(n, generator, group=None):
     factors and differ in the fourth (chosen at random per group), which every caption of the group names.
     Random objects almost never differ in one factor only, so without groups telling colour and shape
     apart fits nearly every caption and texture and location are hardly learnt.
+    CAPTION_FACTORS (p1..p4) instead of CAPTION_DROP: every caption names exactly k factors with probability p_k,
+    drawn with FACTOR_WEIGHTS; an unnamed shape reads "object" ("a striped object in the top left").
     """
     g = generator
     group = GROUP if group is None else group
     sizes = torch.tensor([len(COLORS), len(SHAPES), len(TEXTURES), len(LOCATIONS)])
     img_f = (torch.rand(n, 4, generator=g) * sizes).long()                   # [n, 4]
-    keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
+    if CAPTION_FACTORS is None:
+        keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
+    else:                                                                    # exactly k named factors
+        k = torch.multinomial(torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g) + 1  # [n]
+        w = torch.tensor(FACTOR_WEIGHTS, dtype=torch.float).expand(n, 4)
+        order = torch.multinomial(w, 4, generator=g)                          # [n, 4]: factors in drawn order
+        keep = torch.zeros(n, 4, dtype=torch.bool).scatter(1, order, torch.arange(4).expand(n, 4) < k[:, None])
     if group > 1:
         for start in range(0, n, group):
             k = GROUP_FACTORS[int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))]  # the factor it varies
@@ -339,7 +359,7 @@ def sample_batch(n, generator, group=None):
     seeds = torch.randint(0, 2 ** 31 - 1, (n,), generator=g) + 2 ** 32      # disjoint from dataset seeds
     texts = []
     for (c, s, t, l), p in zip(cap_f.tolist(), photo.tolist()):
-        words = [COLORS[c] if c >= 0 else None, TEXTURES[t] if t >= 0 else None, SHAPES[s]]
+        words = [COLORS[c] if c >= 0 else None, TEXTURES[t] if t >= 0 else None, SHAPES[s] if s >= 0 else "object"]
         text = "a " + " ".join(w for w in words if w)
         if l >= 0:
             text += f" in the {LOCATIONS[l]}"

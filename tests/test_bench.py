@@ -107,6 +107,25 @@ def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
     assert counted == aligners + by_hand
 
 
+def test_every_row_baseline_computes_every_position_of_the_last_blocks():
+    """b.rows' frozen forward: the same logits as the pruned one, and exactly the FLOPs of the last image block on
+    all N rows instead of CLS, plus the last text block on all T positions instead of EOT, counted by hand."""
+    import torch
+    from conftest import tiny_clip
+    import clip
+    m = tiny_clip()
+    B, D, N = 3, 64, 17
+    images = torch.randn(B, 3, 32, 32)
+    tokens = clip.tokenize(["a photo of a red circle."])  # one text: one group, EOT at T - 1
+    T = int(tokens.argmax(-1)) + 1
+    with torch.no_grad():
+        pruned, full = (bench.frozen_logits(m, images, tokens, every_row=e) for e in (False, True))
+        extra = bench.count_flops(lambda: bench.frozen_logits(m, images, tokens, every_row=True)) - \
+            bench.count_flops(lambda: bench.frozen_logits(m, images, tokens))
+    assert torch.allclose(pruned, full, atol=1e-4)
+    assert extra == B * (block_flops(N, N, D) - block_flops(N, 1, D)) + block_flops(T, T, D) - block_flops(T, 1, D)
+
+
 def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(monkeypatch, capsys):
     """--device cuda without CUDA, and --precision fp16 on a CPU, stop with one line; the autocast path that a GPU
     takes (--precision bf16: autocast around every contender, the frozen weights stored in bf16 while they run,

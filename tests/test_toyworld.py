@@ -96,6 +96,43 @@ def test_pretraining_captions_are_true_of_their_images():
     assert all(c < 0 or c == f for c, f in zip(cap_f[j].tolist(), img_f[i].tolist()))
 
 
+def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
+    """The knobs kept for toy-CLIP experiments (README, worlds tried): CAPTION_FACTORS names exactly k factors per
+    caption, still true of the image; SATURATION < 1 lowers the object's chroma and leaves the rest alone;
+    TEXTURE_ON moves the texture from the object to the ground."""
+    vocab = (T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)
+    for probs, k in (((1, 0, 0, 0), 1), ((0, 1, 0, 0), 2), ((0, 0, 0, 1), 4)):
+        monkeypatch.setattr(T, "CAPTION_FACTORS", probs)
+        img_f, cap_f, texts, _ = T.sample_batch(64, torch.Generator().manual_seed(0))
+        assert ((cap_f >= 0).sum(1) == k).all()
+        assert ((cap_f < 0) | (cap_f == img_f)).all()
+        for fc, text in zip(cap_f.tolist(), texts):
+            for j, words in enumerate(vocab):
+                assert (fc[j] >= 0) == any(w in text for w in words), text
+            assert fc[1] >= 0 or "object" in text
+        if k == 1:
+            assert set((cap_f >= 0).float().argmax(1).tolist()) == {0, 1, 2, 3}  # every factor gets named
+    factors = ("red", "square", "solid", "top left")
+    full = T.render_array(*factors, seed=3).astype(float)
+    monkeypatch.setattr(T, "SATURATION", 0.35)
+    pale = T.render_array(*factors, seed=3).astype(float)
+    obj = (full != pale).any(-1)                                   # only object pixels change ...
+    assert 0.1 < obj.mean() < 0.3
+    chroma = lambda a: (a.max(-1) - a.min(-1))[obj].mean()
+    assert chroma(pale) < 0.5 * chroma(full)                      # ... and lose most of their chroma
+    assert (pale[obj].argmax(-1) == 0).mean() > 0.9               # still red
+    monkeypatch.setattr(T, "SATURATION", 1.0)
+    spread = {}
+    for where in ("object", "background"):                        # TEXTURE_ON: where the stripes go
+        monkeypatch.setattr(T, "TEXTURE_ON", where)
+        a = T.render_array("red", "square", "striped", "top left", seed=3).astype(float) / 255
+        red = (a[..., 0] - a[..., 1:].max(-1)) > 0.25               # the object (the ground is grey)
+        light = a.max(-1)
+        spread[where] = (light[red].std(), light[~red].std())     # brightness spread on the object, on the ground
+    assert spread["object"][0] > 3 * spread["background"][0]      # striped object vs solid object
+    assert spread["background"][1] > 2 * spread["object"][1]      # plain ground vs striped ground
+
+
 # ---------------------------------------------------------------------------------------------
 # The dataset
 # ---------------------------------------------------------------------------------------------
