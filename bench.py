@@ -36,7 +36,7 @@ import dear
 import train
 from clip.model import CLIP
 from dear import ATTRIBUTES, K
-from util import write_atomic
+from util import fmt_time, write_atomic
 
 # OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of tests/conftest.py
 VIT_B16 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=16,
@@ -190,11 +190,6 @@ def sync(device):
         torch.cuda.synchronize(device)  # CUDA runs asynchronously: wait before reading the clock
 
 
-def amp(device, dtype):
-    """The autocast train.train / train.evaluate use for --precision's dtype (None: fp32, no autocast)."""
-    return train.autocast(device, dtype)
-
-
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -253,10 +248,6 @@ MEM_NOTES = {"max_memory_allocated": "CUDA: torch.cuda.max_memory_allocated duri
              "VmHWM": "CPU: growth of the resident set during the call (VmHWM in /proc/self/status, reset "
                       "through /proc/self/clear_refs; freed blocks returned to the OS during that call)",
              "ru_maxrss": "CPU: growth of the process's lifetime peak RSS (getrusage); a lower bound"}
-
-
-def fmt_time(s: float) -> str:
-    return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
 
 
 def count_flops(fn):
@@ -376,7 +367,7 @@ def naive_step(model, opt, scaler, images, labels, tokens, dtype, lambda_reg=1.0
     for p in frozen:
         p.requires_grad_(True)
     try:
-        with amp(images.device, dtype):
+        with train.autocast(images.device, dtype):
             out, t0 = naive_forward(model, images, tokens)
         loss, _ = dear.dear_loss(out, labels, t0, model.alpha(), lambda_reg, lambda_fusion)  # fp32
         model.zero_grad(set_to_none=True)
@@ -424,7 +415,7 @@ class Bench:
 
     def no_grad(self, fn):
         def wrapped():
-            with torch.no_grad(), amp(self.device, self.dtype):
+            with torch.no_grad(), train.autocast(self.device, self.dtype):
                 return fn()
         return wrapped
 
@@ -565,12 +556,12 @@ def step_breakdown(b, net, imgs, labels, step_s, tag):
     x = b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first))()  # [B, 1+P, D]
 
     def forward():
-        with amp(b.device, b.dtype):
+        with train.autocast(b.device, b.dtype):
             out = net(imgs, with_frozen=True)
         return dear_loss_fn(net, out, labels)[0].item()  # outside autocast, as train.train_step
 
     def text():
-        with amp(b.device, b.dtype):
+        with train.autocast(b.device, b.dtype):
             return net.encode_classes().sum().item()  # with autograd on, as in the step
 
     r = b.go({"text": text, "prefix": b.no_grad(lambda: visual.run_blocks(visual.embed(imgs), 0, net.first)),
@@ -690,8 +681,9 @@ def markdown(res, args) -> str:
               "- b.rows: the same DeAR step against a frozen forward whose last blocks compute every position "
               "(every row of the last image block, every position of the last text block), as OpenAI's CLIP does; "
               "the agree row checks both frozen forwards give the same logits. It is the baseline the step targets "
-              "(1.45 at 10 x 4, 1.15 at 1000 x 32) were estimated against; b. compares with our own frozen forward, which computes only the "
-              "rows it reads and is that much cheaper.",
+              "(" + ", ".join(f"{t[3:]} at {C} x {B}" for (C, B), t in TRAIN_TARGETS.items()) + ") were estimated "
+              "against; b. compares with our own frozen forward, which computes only the rows it reads and is "
+              "that much cheaper.",
               "- d: per-batch cost only, as `train.evaluate` computes the class text features once.",
               "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
               "every block (the masks cost the same whatever the roles)."]

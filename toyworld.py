@@ -81,7 +81,7 @@ CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)   # chance that a pretraining caption leave
 GROUP = 1            # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
 GROUP_FACTORS = (0, 1, 2, 3)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
 CAPTION_FACTORS = None  # None: captions drop factors with CAPTION_DROP; else (p1, p2, p3, p4): a caption names
-FACTOR_WEIGHTS = (1, 1, 1, 1)  # exactly k factors with probability p_k, drawn with these weights (a knob for experiments)
+FACTOR_WEIGHTS = (1, 1, 1, 1)  # exactly k factors with probability p_k, drawn with these weights (experiments)
 RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
 
 
@@ -342,10 +342,10 @@ def sample_batch(n, generator, group=None):
     if CAPTION_FACTORS is None:
         keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
     else:                                                                    # exactly k named factors
-        k = torch.multinomial(torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g) + 1  # [n]
+        named = torch.multinomial(torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g) + 1  # [n]
         w = torch.tensor(FACTOR_WEIGHTS, dtype=torch.float).expand(n, 4)
         order = torch.multinomial(w, 4, generator=g)                          # [n, 4]: factors in drawn order
-        keep = torch.zeros(n, 4, dtype=torch.bool).scatter(1, order, torch.arange(4).expand(n, 4) < k[:, None])
+        keep = torch.zeros(n, 4, dtype=torch.bool).scatter(1, order, torch.arange(4).expand(n, 4) < named[:, None])
     if group > 1:
         for start in range(0, n, group):
             k = GROUP_FACTORS[int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))]  # the factor it varies

@@ -4,7 +4,8 @@ the progress line of long loops.
 Used by data.py, download.py, toyworld.py, entropy.py, dear.py, train.py, tables.py and bench.py. This is
 the bottom of the project (it imports nothing from it); the vendored clip/ package sits beside it and
 does not use it, so that clip/ stays a stand-alone copy of OpenAI's package. Byte downloads with a
-checksum live in clip/ (`clip.fetch`), which download.py reuses for the dataset archives.
+checksum live in clip/ (`clip.stream`, the one download loop), which download.py reuses for the dataset
+archives.
 """
 import hashlib
 import json

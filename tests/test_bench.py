@@ -24,8 +24,8 @@ def table_rows(text):
 def test_tiny_bench_writes_every_row(tmp_path):
     out = tmp_path / "bench.md"
     # one intra-op thread: the test suite shares a small machine, where spinning threads only slow it down
-    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--repeats", "1", "--short-repeats", "1", "--threads", "1",
-                           "--out", str(out)],
+    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--repeats", "1", "--short-repeats", "1",
+                           "--threads", "1", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = out.read_text()
