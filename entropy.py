@@ -508,13 +508,20 @@ def pool_sha256(pool, texts_file=None):
     return h.hexdigest()
 
 
-def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=20, rank=80, low=None, high=None,
+def texts_per_head(pool):
+    """TextSpan's N when none is given: 20, as TextSpan, or toyworld.TEXTS_PER_HEAD with the toy pool (whose few
+    words span only about 13 directions of the toy CLIP's 64)."""
+    return toyworld.TEXTS_PER_HEAD if pool == "toy" else 20
+
+
+def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=None, rank=80, low=None, high=None,
                  max_images=10000, seed=0):
     """Everything that changes the roles `run` computes, as a dict (recorded in roles.json as "inputs").
 
     model: the loaded CLIP (its .name and .sha256); layers: 1-based blocks; dataset: a data.py name (a named
     dataset is the same set under any --root) or folder:PATH (resolved to an absolute path); pool None: the
-    default for the model (see load_pool); low/high None: the tertiles (recorded as null)."""
+    default for the model (see load_pool); n None: the pool's (texts_per_head); low/high None: the tertiles
+    (recorded as null)."""
     name = getattr(model, "name", None) or "unknown"
     layers = parse_layers(layers, model.visual.layers)
     if split not in SPLITS:
@@ -525,10 +532,11 @@ def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=
     return {"model": name, "checkpoint_sha256": getattr(model, "sha256", None), "layers": layers,
             "dataset": dataset, "split": split, "max_images": max_images, "seed": seed,
             "pool": pool, "texts_file": os.path.basename(texts) if texts else None,
-            "pool_sha256": pool_sha256(pool, texts), "texts_per_head": n, "rank": rank, "low": low, "high": high}
+            "pool_sha256": pool_sha256(pool, texts), "texts_per_head": n or texts_per_head(pool), "rank": rank,
+            "low": low, "high": high}
 
 
-def default_roles_path(model, layers, cache_dir, dataset, split="test", pool=None, texts=None, n=20, rank=80,
+def default_roles_path(model, layers, cache_dir, dataset, split="test", pool=None, texts=None, n=None, rank=80,
                        low=None, high=None, max_images=10000, seed=0):
     """Where `run` caches roles: <cache_dir>/roles/<model>_L<blocks>_<probe>-<split>_<key>/roles.json, where
     <key> is a short hash of everything that changes the roles (roles_inputs: backbone name and checkpoint
@@ -682,7 +690,7 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
 
 
 def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, pool=None, texts=None,
-        device="auto", batch_size=64, n=20, rank=80, low=None, high=None, download_root=None, seed=0,
+        device="auto", batch_size=64, n=None, rank=80, low=None, high=None, download_root=None, seed=0,
         num_workers=0, split="test"):
     """Load CLIP and the probe set, compute the roles, return roles.json's path.
 
@@ -710,10 +718,11 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
         out_dir = os.path.dirname(default_roles_path(model, cache_dir=clip.cache_dir(download_root),
                                                      dataset=dataset, split=split, **key))
     print(f"Concept Entropy of {backbone}, blocks {layers_tag(layers)}: probe {dataset} {split} "
-          f"({len(items)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts)",
+          f"({len(items)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts, "
+          f"{inputs['texts_per_head']} per head)",
           file=sys.stderr)
     return compute_roles(model, items, pool_texts, labels, layers, out_dir, batch_size=batch_size,
-                         max_images=max_images, n=n, rank=rank, low=low, high=high,
+                         max_images=max_images, n=inputs["texts_per_head"], rank=rank, low=low, high=high,
                          probe={"dataset": inputs["dataset"], "split": split}, pool_name=pool_name, seed=seed,
                          num_workers=num_workers, inputs=inputs,
                          factors=toyworld.factor_labels if dataset == "toyworld" else None)
@@ -741,7 +750,8 @@ def main(argv=None):
                         "default: toy for the toy backbone, else default")
     p.add_argument("--texts", default=None, help="your own pool: one description per line (or concept<TAB>text); "
                                                  "unlabelled lines get the nearest --pool concept")
-    p.add_argument("--n", type=int, default=20, help="TextSpan texts per head (default 20)")
+    p.add_argument("--n", type=int, default=None, help="TextSpan texts per head (default 20; with the toy pool "
+                                                       f"{toyworld.TEXTS_PER_HEAD}, see toyworld.TEXTS_PER_HEAD)")
     p.add_argument("--rank", type=int, default=80, help="TextSpan SVD rank (default 80)")
     p.add_argument("--low", type=float, default=None, help="H <= low (bits): specialist (default: 1/3 quantile)")
     p.add_argument("--high", type=float, default=None, help="H >= high (bits): generalization (default: 2/3 quantile)")
@@ -754,7 +764,7 @@ def main(argv=None):
     errors = (EntropyError, FileNotFoundError, NotImplementedError, ValueError, data.DataError,
               toyworld.ToyWorldError)
     try:
-        if args.max_images < 1 or args.n < 1 or args.rank < 1 or args.batch_size < 1:
+        if args.max_images < 1 or (args.n is not None and args.n < 1) or args.rank < 1 or args.batch_size < 1:
             raise EntropyError("--max-images, --n, --rank and --batch-size must be positive")
         path = run(args.backbone, args.dataset, args.root, layers=args.layers, out_dir=args.out,
                    max_images=args.max_images, pool=args.pool, texts=args.texts, device=args.device,

@@ -153,7 +153,7 @@ if [[ $TOY == 1 ]]; then
     COMMON=(--workers 0)
     [[ -n "${GPUS:-}" ]] || COMMON+=(--device cpu)
     XD_TARGETS="folder:$ROOT/toyworld-transfer/noisy,folder:$ROOT/toyworld-transfer/small,folder:$ROOT/toyworld-transfer/textures"
-    TOY_SCHEDULE=(--epochs 10)        # of dear.py's 30 toy b2n epochs, so that the 5-seed tables fit in 30 minutes
+    TOY_SCHEDULE=(--epochs 10)        # of dear.py's 20 toy b2n epochs, so that the 5-seed tables fit in 30 minutes
 fi
 read -r -a SEED_LIST <<< "$SEEDS"
 [[ ${#SEED_LIST[@]} -gt 0 ]] || die "--seeds is empty"

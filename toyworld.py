@@ -7,8 +7,9 @@ Every image shows one object whose generative factors are exactly DeAR's attribu
     texture  solid, striped, dotted
     location top left, top right, bottom left, bottom right
 
-on a grey background with a mild tint, a brightness gradient and pixel noise. A caption names the
-factors: caption("red", "circle", "striped", "top left") == "a red striped circle in the top left".
+in pale colours on a grey background with a mild tint, a brightness gradient and pixel noise. A caption
+names the factors: caption("red", "circle", "striped", "top left") == "a red striped circle in the top left";
+a pretraining caption names one of them ("a striped object", "a photo of a circle.").
 
 Classification classes combine two factors ("red circle"); texture and location vary inside a
 class. The 24 classes are ordered so that the base half (first 12 labels) and the novel half each
@@ -53,16 +54,16 @@ TEXTURES = ("solid", "striped", "dotted")
 LOCATIONS = ("top left", "top right", "bottom left", "bottom right")
 TEMPLATE = "a photo of a {}."
 
-# RGB in [0, 1]; all strongly saturated, so the object stands out from the grey background.
+# RGB in [0, 1] before SATURATION: strongly saturated hues.
 PALETTE = {
     "red": (0.86, 0.18, 0.18), "green": (0.20, 0.67, 0.24), "blue": (0.20, 0.35, 0.86),
     "yellow": (0.90, 0.82, 0.18), "purple": (0.60, 0.24, 0.80), "orange": (0.95, 0.55, 0.14),
 }
-DARK = 0.55          # stripes and dots are the object colour times DARK (same hue, same saturation)
+SATURATION = 0.25    # object colours move to 25% of the way from their own grey (same brightness) to PALETTE:
+                     # pale colours, so that colour is not by far the easiest factor to see (1.0 in recipe v1)
+DARK = 0.35          # stripes and dots are the object colour times DARK (same hue; 0.55 in recipe v1)
 TEXTURE_ON = "object"  # or "background": the object is solid and the texture patterns the ground around it,
 BACKGROUND_DARK = 0.6  # darkening the ground by this factor (a knob for toy-CLIP experiments)
-SATURATION = 1.0     # object colours: 1 = PALETTE; s < 1 moves each towards its own grey (same brightness), so
-                     # colour is less salient next to shape and texture (a knob for toy-CLIP experiments)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -76,13 +77,20 @@ SPLIT_FILE = "split_zhou_ToyWorld.json"
 TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
                   context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
                   transformer_layers=4, vision_heads=4)
-DEFAULT_STEPS = 200
-CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)   # chance that a pretraining caption leaves out colour, shape, texture, location
+DEFAULT_STEPS = 400   # recipe v1: 200 (v2 learns nothing in 200 steps and colour alone in 300)
+CAPTION_FACTORS = (1, 0, 0, 0)  # (p1, p2, p3, p4): a caption names exactly k factors with probability p_k, drawn
+FACTOR_WEIGHTS = (1, 1, 1, 1)   # with these weights; v2: one factor per caption, each factor equally often.
+CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)  # CAPTION_FACTORS None (recipe v1): each factor left out with this chance
 GROUP = 1            # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
 GROUP_FACTORS = (0, 1, 2, 3)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
-CAPTION_FACTORS = None  # None: captions drop factors with CAPTION_DROP; else (p1, p2, p3, p4): a caption names
-FACTOR_WEIGHTS = (1, 1, 1, 1)  # exactly k factors with probability p_k, drawn with these weights (experiments)
-RECIPE = "v1"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
+RECIPE = "v2"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
+# Recipe v1, the first toy world (its CLIP barely specialises; README, "worlds tried"): these knobs, 200 steps
+V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)
+# TextSpan's N (texts per head) for the toy CLIP. Its pool spans only about 13 directions (6 colours, 4 shapes,
+# 3 textures, 4 locations), so 20 texts exhaust them all and their concepts follow the vocabulary sizes, not the
+# head. 5 was chosen by the role-discovery criteria of the README ("worlds tried", fourth round), among 3, 4, 5.
+TEXTS_PER_HEAD = 5
+RENDER_FILE = "render.json"  # beside a written dataset: the rendering knobs it was drawn with
 
 
 class ToyWorldError(Exception):
@@ -233,6 +241,26 @@ def factor_labels(paths):
     return out
 
 
+def render_knobs():
+    """The rendering knobs (module constants) that decide the pixels; written beside a dataset (RENDER_FILE)."""
+    return {"saturation": SATURATION, "dark": DARK, "texture_on": TEXTURE_ON, "background_dark": BACKGROUND_DARK}
+
+
+def check_rendering(folder):
+    """Stop if the dataset at `folder` was drawn with other rendering knobs than this toyworld.py's: its images
+    would not be the world the toy CLIP is pretrained on. A folder without RENDER_FILE is recipe v1's."""
+    path = os.path.join(folder, RENDER_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            drawn = json.load(f)
+    else:
+        drawn = dict(render_knobs(), saturation=V1["SATURATION"], dark=V1["DARK"], texture_on="object")
+    if drawn != render_knobs():
+        raise ToyWorldError(f"{folder} was drawn with other rendering knobs ({drawn}) than this toy world "
+                            f"(recipe {RECIPE}: {render_knobs()}); delete it (it is remade in seconds) or use "
+                            f"another --root")
+
+
 def ensure_dataset(root):
     """Write <root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json} once; return <root>/toyworld.
 
@@ -241,6 +269,7 @@ def ensure_dataset(root):
     root = os.path.abspath(os.path.expanduser(root))
     final = os.path.join(root, "toyworld")
     if os.path.isfile(os.path.join(final, SPLIT_FILE)):
+        check_rendering(final)
         return final
     if os.path.exists(final):
         raise ToyWorldError(f"{final} exists but has no {SPLIT_FILE}; it is not a toy-world dataset. "
@@ -256,6 +285,8 @@ def ensure_dataset(root):
             split[it["split"]].append([it["file"], it["label"], it["classname"].replace(" ", "_")])
         with open(os.path.join(tmp, SPLIT_FILE), "w") as f:
             json.dump(split, f, indent=4)
+        with open(os.path.join(tmp, RENDER_FILE), "w") as f:
+            json.dump(render_knobs(), f)
         try:
             os.rename(tmp, final)
         except OSError:                       # another process finished first: keep its copy
@@ -281,6 +312,11 @@ def ensure_transfer(root):
     """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return their folders."""
     root = os.path.abspath(os.path.expanduser(root))
     base = os.path.join(root, "toyworld-transfer")
+    if any(os.path.isdir(os.path.join(base, name)) for name in TRANSFER):
+        check_rendering(base)
+    elif not os.path.isfile(os.path.join(base, RENDER_FILE)):
+        write_atomic(os.path.join(base, RENDER_FILE), json.dumps(render_knobs()))
+    check_rendering(base)
     folders = {}
     for t_index, (name, (kind, style)) in enumerate(TRANSFER.items()):
         final = folders[name] = os.path.join(base, name)
@@ -326,14 +362,14 @@ def sample_batch(n, generator, group=None):
     """n random objects and, for each, a caption that may leave some factors out.
 
     Returns (image factors [n, 4] long, caption factors [n, 4] long with -1 where a factor is left out,
-    captions, image seeds). Each factor is left out with its CAPTION_DROP probability (web captions rarely
-    say everything); half the captions use the class template "a photo of a ... .".
+    captions, image seeds). Every caption names exactly k factors with probability CAPTION_FACTORS[k - 1] (v2:
+    one), drawn with FACTOR_WEIGHTS; an unnamed shape reads "object" ("a striped object"). Half the captions use
+    the class template "a photo of a ... .". A caption that names one factor is a positive for every image with
+    that factor (contrastive_loss), so each factor must be read on its own: with whole captions, telling colour
+    and shape apart fits nearly every caption and texture and location are hardly learnt.
+    CAPTION_FACTORS None (recipe v1): each factor is left out with its CAPTION_DROP probability instead.
     group > 1 (default GROUP): the batch comes in groups of `group` minimal pairs: objects that share three
     factors and differ in the fourth (chosen at random per group), which every caption of the group names.
-    Random objects almost never differ in one factor only, so without groups telling colour and shape
-    apart fits nearly every caption and texture and location are hardly learnt.
-    CAPTION_FACTORS (p1..p4) instead of CAPTION_DROP: every caption names exactly k factors with probability p_k,
-    drawn with FACTOR_WEIGHTS; an unnamed shape reads "object" ("a striped object in the top left").
     """
     g = generator
     group = GROUP if group is None else group

@@ -57,10 +57,16 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
-def toy_cache(tmp_path_factory):
-    """A CLIP cache folder holding the toy CLIP, pretrained once per test session with the default recipe
-    (what `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use); shared by the end-to-end tests."""
+def toy_pretraining(tmp_path_factory):
+    """(cache folder, log lines): the toy CLIP, pretrained once per test session with the default recipe (what
+    `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what pretraining logged."""
     import toyworld
-    cache = tmp_path_factory.mktemp("clip_cache")
-    toyworld.ensure_pretrained(str(cache), log=lambda *a, **k: None)
-    return str(cache)
+    cache, lines = tmp_path_factory.mktemp("clip_cache"), []
+    toyworld.ensure_pretrained(str(cache), log=lines.append)
+    return str(cache), lines
+
+
+@pytest.fixture(scope="session")
+def toy_cache(toy_pretraining):
+    """The CLIP cache folder holding the default toy CLIP; shared by the end-to-end tests."""
+    return toy_pretraining[0]

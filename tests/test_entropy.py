@@ -587,3 +587,19 @@ def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, cap
     test_doc = json.loads(open(entropy.default_roles_path(model, [1, 2, 3, 4], str(root / "cache"), dataset,
                                                           pool="toy", n=3, rank=8, max_images=30)).read())
     assert test_doc["probe"]["split"] == "test" and test_doc["probe"]["images"] == 12
+
+
+def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch):
+    """No --n: TextSpan's 20 with the default pool, toyworld.TEXTS_PER_HEAD with the toy pool (whose few words 20
+    texts would exhaust); the value used is the one recorded, and an explicit --n wins."""
+    root, dataset = fake_world
+    monkeypatch.setattr(entropy.toyworld, "TEXTS_PER_HEAD", 4)
+    model = entropy.toyworld.load_clip("tiny")[0]
+    inputs = lambda **k: entropy.roles_inputs(model, [3, 4], dataset, **k)["texts_per_head"]
+    assert (inputs(pool="toy"), inputs(pool="default"), inputs(pool="toy", n=7)) == (4, 20, 7)
+    args = ["--backbone", "tiny", "--dataset", dataset, "--root", str(root), "--pool", "toy", "--layers", "3-4",
+            "--rank", "8", "--device", "cpu", "--out", str(root / "roles")]
+    assert entropy.main(args) == 0, capsys.readouterr().err
+    doc = json.loads((root / "roles" / "roles.json").read_text())
+    assert doc["texts_per_head"] == doc["inputs"]["texts_per_head"] == 4
+    assert all(len(h["texts"]) == 4 for h in doc["heads"])

@@ -61,7 +61,10 @@ def test_render_is_deterministic_per_seed():
     assert img.mode == "RGB" and np.array_equal(np.asarray(img), a)
 
 
-def test_every_factor_is_recoverable_from_the_pixels():
+def test_every_factor_is_recoverable_from_the_pixels(monkeypatch):
+    """At full saturation (recipe v1's colours), where the object's chroma sets it apart from the grey ground; the
+    pale colours of the default are checked in test_pale_colours_stay_apart."""
+    monkeypatch.setattr(T, "SATURATION", 1.0)
     for i, factors in enumerate(itertools.product(T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)):
         for seed in (i, 10_000 + i):  # two random backgrounds, jitters and noise per combination
             assert read_factors(T.render_array(*factors, seed=seed)) == factors, (factors, seed)
@@ -113,6 +116,7 @@ def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
         if k == 1:
             assert set((cap_f >= 0).float().argmax(1).tolist()) == {0, 1, 2, 3}  # every factor gets named
     factors = ("red", "square", "solid", "top left")
+    monkeypatch.setattr(T, "SATURATION", 1.0)
     full = T.render_array(*factors, seed=3).astype(float)
     monkeypatch.setattr(T, "SATURATION", 0.35)
     pale = T.render_array(*factors, seed=3).astype(float)
@@ -133,6 +137,27 @@ def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
     assert spread["background"][1] > 2 * spread["object"][1]      # plain ground vs striped ground
 
 
+def test_pale_colours_stay_apart(monkeypatch):
+    """The default's pale objects (SATURATION): the mean colour of an object's undarkened pixels (found at full
+    saturation: same seed, same geometry) is nearest in chromaticity to its own pale palette colour in nearly
+    every image (measured: 281 of 288); pale, so colour is no longer by far the easiest factor, but still there."""
+    assert T.SATURATION < 0.5
+    pale = {c: np.mean(p) + T.SATURATION * (np.array(p) - np.mean(p)) for c, p in T.PALETTE.items()}
+    chromaticity = lambda rgb: rgb / rgb.sum()
+    right = []
+    for i, factors in enumerate(itertools.product(T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)):
+        light = T.render_array(*factors, seed=i).astype(float) / 255
+        monkeypatch.setattr(T, "SATURATION", 1.0)
+        a = T.render_array(*factors, seed=i).astype(float) / 255
+        monkeypatch.undo()
+        bright = a.max(-1)
+        obj = (bright - a.min(-1)) / bright > 0.45
+        obj &= bright >= 0.75 * np.percentile(bright[obj], 90)         # not a stripe or a dot
+        mean = light[obj].mean(0)
+        right.append(min(pale, key=lambda c: ((chromaticity(pale[c]) - chromaticity(mean)) ** 2).sum()) == factors[0])
+    assert np.mean(right) >= 0.95, np.mean(right)
+
+
 # ---------------------------------------------------------------------------------------------
 # The dataset
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +167,33 @@ def toy_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     T.ensure_dataset(str(root))
     return root
+
+
+def test_a_dataset_drawn_with_other_knobs_stops_the_run(tmp_path, capsys, monkeypatch):
+    """A toy dataset records the rendering knobs it was drawn with; one drawn by another recipe (e.g. a v1 folder,
+    which has no record) stops dear.py with one line instead of pairing the v2 CLIP with v1 images."""
+    import dear
+    root = tmp_path / "data"
+    folder = pathlib.Path(T.ensure_dataset(str(root)))
+    assert json.loads((folder / T.RENDER_FILE).read_text()) == T.render_knobs()
+    assert T.ensure_dataset(str(root)) == str(folder)                  # the same knobs: reused
+    (folder / T.RENDER_FILE).unlink()                                   # as a recipe v1 folder
+    with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+        T.ensure_dataset(str(root))
+    with pytest.raises(SystemExit) as stop:
+        dear.main(["--dataset", "toyworld", "--root", str(root), "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "other rendering knobs" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    for knob, value in T.V1.items():                                    # with recipe v1's knobs it is v1's folder
+        monkeypatch.setattr(T, knob, value)
+    assert T.ensure_dataset(str(root)) == str(folder)
+    monkeypatch.undo()
+    transfer = T.ensure_transfer(str(tmp_path / "t"))
+    monkeypatch.setattr(T, "DARK", 0.5)
+    with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+        T.ensure_transfer(str(tmp_path / "t"))
+    assert set(transfer) == set(T.TRANSFER)
 
 
 def test_split_json_has_the_coop_format(toy_root):
@@ -171,7 +223,6 @@ def test_dataset_is_written_once_and_deterministically(toy_root, tmp_path):
     png = np.asarray(Image.open(folder / "images" / item["file"]).convert("RGB"))
     assert np.array_equal(png, T.render_array(item["color"], item["shape"], item["texture"],
                                               item["location"], item["seed"]))  # PNG is lossless
-    assert read_factors(png) == (item["color"], item["shape"], item["texture"], item["location"])
     (tmp_path / "toyworld").mkdir()                                      # a foreign folder is not overwritten
     with pytest.raises(T.ToyWorldError, match="not a toy-world dataset"):
         T.ensure_dataset(str(tmp_path))
@@ -204,31 +255,23 @@ def test_data_py_reads_the_toy_dataset(toy_root):
 # The tiny CLIP
 # ---------------------------------------------------------------------------------------------
 
-TEST_STEPS = 100   # about 25 s on 2 idle cores (0.23 s per step)
-
-
-@pytest.fixture(scope="module")
-def short_checkpoint(tmp_path_factory):
-    """A test-sized pretraining (TEST_STEPS steps) through ensure_pretrained."""
-    cache = tmp_path_factory.mktemp("clip_cache")
-    lines = []
-    path = T.ensure_pretrained(str(cache), steps=TEST_STEPS, seed=0, log=lines.append)
-    return path, lines
-
-
-def test_short_pretraining_beats_chance_zero_shot(short_checkpoint):
-    path, lines = short_checkpoint
-    assert any("ETA" in line and f"step {TEST_STEPS}/{TEST_STEPS}" in line for line in lines)
+def test_default_pretraining_beats_chance_zero_shot(toy_pretraining):
+    cache, lines = toy_pretraining
+    steps = T.DEFAULT_STEPS
+    assert any("ETA" in line and f"step {steps}/{steps}" in line for line in lines)
+    path = os.path.join(cache, T.checkpoint_name())
     model = build_model(torch.load(path, map_location="cpu", weights_only=True))
     acc = T.zero_shot(model)
     chance = 100.0 / len(T.classnames())           # 4.2 % over 24 classes
-    # measured with seed 0 at 100 steps: all 24.7, base 44.0, novel 53.7 (chance 4.2 / 8.3 / 8.3)
-    assert acc["all"] > 2.5 * chance, acc
-    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 10, acc  # novel combinations too, not only base
+    # measured with seed 0 (recipe v2, 400 steps): all 51.8, base 81.3, novel 80.5 (chance 4.2 / 8.3 / 8.3)
+    assert acc["all"] > 5 * chance, acc
+    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 30, acc  # novel combinations too, not only base
+    assert max(acc["base"], acc["novel"]) < 95, acc                 # room left to adapt
 
 
-def test_checkpoint_loads_strictly_and_is_reused(short_checkpoint, monkeypatch):
-    path, _ = short_checkpoint
+def test_checkpoint_loads_strictly_and_is_reused(toy_pretraining, monkeypatch):
+    cache, _ = toy_pretraining
+    path = os.path.join(cache, T.checkpoint_name())
     sd = torch.load(path, map_location="cpu", weights_only=True)
     assert sd["vision_heads"].ndim == 0 and int(sd["vision_heads"]) == T.TOY_CONFIG["vision_heads"]
     assert int(sd["text_heads"]) == T.TOY_CONFIG["transformer_heads"]
@@ -239,7 +282,7 @@ def test_checkpoint_loads_strictly_and_is_reused(short_checkpoint, monkeypatch):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     # a second call finds the file and does not pretrain again
     monkeypatch.setattr(T, "pretrain", lambda *a, **k: pytest.fail("pretrained again"))
-    assert T.ensure_pretrained(os.path.dirname(path), steps=TEST_STEPS, seed=0, log=None) == path
+    assert T.ensure_pretrained(cache, log=None) == path
     assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".tmp")]
 
 
@@ -266,7 +309,8 @@ def test_pretraining_is_deterministic_in_the_seed():
     assert not torch.equal(a, weights(4))
 
 
-def test_cli_renders_and_rejects_bad_input(tmp_path, capsys):
+def test_cli_renders_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(T, "SATURATION", 1.0)  # what read_factors reads
     out = tmp_path / "x.png"
     assert T.main(["render", "--color", "red", "--shape", "circle", "--texture", "striped",
                    "--location", "top left", "--out", str(out)]) == 0
@@ -283,8 +327,8 @@ def test_cli_renders_and_rejects_bad_input(tmp_path, capsys):
 
 def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, monkeypatch):
     """The README's first command: the default toy CLIP, roles from entropy.py, DeAR training, base/novel/HM.
-    DeAR must beat the same model's zero-shot base accuracy by a clear margin (measured on seeds 1-3: about
-    +6 to +9 points); the novel accuracy is reported, whatever it is."""
+    DeAR must beat the same model's zero-shot base accuracy by a clear margin (recipe v2, measured on seeds 1-3:
+    +5.7 to +8.6 points); the novel accuracy is reported, whatever it is."""
     import dear
     monkeypatch.setenv("CLIP_CACHE", toy_cache)
     common = ["--dataset", "toyworld", "--root", str(tmp_path / "data"), "--out", str(tmp_path / "runs"),
@@ -328,30 +372,35 @@ def test_probe_reads_planted_factors_from_held_out_images():
     assert roles_report.best_factor({"a": 0.9, "b": 0.3, "c": 0.1}) == ("a", pytest.approx(0.6))
 
 
-def test_factor_labels_are_the_factors_the_pixels_show(toy_root):
+def test_factor_labels_are_the_factors_the_pixels_show(toy_root, monkeypatch):
     items = [it for it in T.dataset_items() if it["split"] == "test"][::97]
     paths = [str(toy_root / "toyworld" / "images" / it["file"]) for it in items]
     labels = T.factor_labels(paths)
     from PIL import Image
-    for i, path in enumerate(paths):
-        shown = read_factors(np.asarray(Image.open(path).convert("RGB")))
-        assert tuple(vocab[labels[name][i]] for name, vocab in T.FACTORS.items()) == shown
+    for i, (path, item) in enumerate(zip(paths, items)):
+        factors = tuple(vocab[labels[name][i]] for name, vocab in T.FACTORS.items())
+        # the labelled factors redraw the very pixels on disk, and at full saturation read_factors reads them back
+        assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), T.render_array(*factors, item["seed"]))
+        with monkeypatch.context() as m:
+            m.setattr(T, "SATURATION", 1.0)
+            assert read_factors(T.render_array(*factors, item["seed"])) == factors
     with pytest.raises(T.ToyWorldError, match="not an image of the toy dataset"):
         T.factor_labels([str(toy_root / "elsewhere" / "x.png")])
 
 
-def test_transfer_sets_are_folder_datasets_with_their_classes(toy_root):
+def test_transfer_sets_are_folder_datasets_with_their_classes(tmp_path, monkeypatch):
     data = pytest.importorskip("data")
-    folders = T.ensure_transfer(str(toy_root))
+    monkeypatch.setattr(T, "SATURATION", 1.0)                    # what read_factors reads; the geometry is the same
+    folders = T.ensure_transfer(str(tmp_path))
     assert set(folders) == set(T.TRANSFER)
-    textures = data.build_dataset("folder:" + folders["textures"], str(toy_root))
+    textures = data.build_dataset("folder:" + folders["textures"], str(tmp_path))
     assert sorted(textures.classnames) == sorted(f"{c} {t}" for c in T.COLORS for t in T.TEXTURES)
     assert len(textures.test) >= 10 * len(textures.classnames)
     from PIL import Image
     for path, label, name in textures.test[::25]:                 # the class is what the pixels show
         color, _, texture, _ = read_factors(np.asarray(Image.open(path).convert("RGB")))
         assert f"{color} {texture}" == name == textures.classnames[label]
-    noisy = data.build_dataset("folder:" + folders["noisy"], str(toy_root))
+    noisy = data.build_dataset("folder:" + folders["noisy"], str(tmp_path))
     assert sorted(noisy.classnames) == sorted(T.classnames())
 
 
@@ -416,7 +465,6 @@ def toy_roles(toy_cache, tmp_path_factory):
 def test_attribute_heads_decode_their_attribute_best(toy_roles):
     """>= 3/4 of the attribute heads: the attribute Concept Entropy names is the factor best decoded from the head's
     direct contribution on held-out images; the decoding is in roles.md and roles.json."""
-    import entropy
     doc, folder = toy_roles
     attribute = [h for h in doc["heads"] if h["role"] == "attribute"]
     assert attribute
@@ -431,13 +479,10 @@ def test_attribute_heads_decode_their_attribute_best(toy_roles):
                                          "location": 0.25}   # the test split is balanced in every factor
 
 
-@pytest.mark.xfail(strict=True, reason="the default toy CLIP does not specialise: its 8 analysed heads all decode "
-                   "colour far best, the generalization heads too, and every attribute head is a colour head "
-                   "(README, toy world: ground truth); no world tried so far does better with room to adapt")
 def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
-    """The issue's aim for the toy CLIP: attribute heads of >= 2 attributes, >= 2 generalization heads, and no
-    generalization head decodes one factor far (FAR) better than the runner-up."""
-    import entropy
+    """The aim for the toy CLIP (recipe v2): attribute heads of >= 2 attributes, >= 2 generalization heads, and no
+    generalization head decodes one factor far (FAR) better than the runner-up (recipe v1 failed all but the
+    second: every head was a colour head)."""
     doc, _ = toy_roles
     heads = doc["heads"]
     general = [h for h in heads if h["role"] == "generalization"]
