@@ -312,9 +312,8 @@ def ensure_transfer(root):
     """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return their folders."""
     root = os.path.abspath(os.path.expanduser(root))
     base = os.path.join(root, "toyworld-transfer")
-    if any(os.path.isdir(os.path.join(base, name)) for name in TRANSFER):
-        check_rendering(base)
-    elif not os.path.isfile(os.path.join(base, RENDER_FILE)):
+    if not os.path.isfile(os.path.join(base, RENDER_FILE)) and \
+            not any(os.path.isdir(os.path.join(base, name)) for name in TRANSFER):  # a new folder: record the knobs
         write_atomic(os.path.join(base, RENDER_FILE), json.dumps(render_knobs()))
     check_rendering(base)
     folders = {}
