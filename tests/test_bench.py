@@ -171,3 +171,30 @@ def test_tiny_bench_never_writes_bench_md(capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--tiny", "--device", "cpu", "--out", out])
         assert e.value.code == 2 and "BENCH.md keeps the ViT-B/16" in capsys.readouterr().err
+
+
+def test_bench_gpu_sh_names_every_missing_wheel(tmp_path):
+    """bench_gpu.sh with an interpreter that lacks packages (here: one that blocks ftfy and regex, and one
+    without site-packages at all) stops with exit 2 before any check, naming every missing wheel and the
+    pip download command that fills .whl/."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name in ('ftfy', 'regex'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n")
+    blocked, bare = tmp_path / "blocked-python", tmp_path / "bare-python"
+    blocked.write_text(f"#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} \"$@\"\n")
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    for wrapper, names in ((blocked, ["regex", "ftfy"]), (bare, ["torch", "torchvision", "numpy", "pillow",
+                                                               "regex", "ftfy", "pytest"])):
+        wrapper.chmod(0o755)
+        proc = subprocess.run(["bash", "bench_gpu.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHON": str(wrapper)})
+        assert proc.returncode == 2, proc.stderr
+        said = proc.stderr.split("missing:")[1].split("(")[0].split()
+        assert said == names, proc.stderr
+        assert "python -m pip download " + " ".join(names) + " -d .whl" in proc.stderr
