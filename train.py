@@ -286,15 +286,15 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
         """Wait for the device, once: the numbers of the log line. The one place that stops on a non-finite
         loss (the epoch's first), before anything is saved."""
         names = list(sums)
-        values = torch.stack([sums[k] for k in names] + [skipped]).tolist()
+        bad = [] if first_bad is None else [first_bad]  # [step, loss, *parts]; step -1: none
+        values = torch.cat([torch.stack([sums[k] for k in names] + [skipped])] + bad).tolist()  # the one wait
         got = dict(zip(names + ["skipped"], values))
-        if first_bad is not None:
-            bad = first_bad.tolist()
-            if bad[0] >= 0:
-                detail = ", ".join(f"{k} {v:.4g}" for k, v in zip(part_names, bad[2:]))
-                raise RunError(f"the loss became {bad[1]} at epoch {epoch + 1}, step {int(bad[0]) + 1} "
-                               f"(parts: {detail}); the last good checkpoint is kept in {ckpt}. Try a "
-                               "lower --lr, or --precision fp32 to rule out a mixed-precision overflow.")
+        bad = values[len(names) + 1:]
+        if bad and bad[0] >= 0:
+            detail = ", ".join(f"{k} {v:.4g}" for k, v in zip(part_names, bad[2:]))
+            raise RunError(f"the loss became {bad[1]} at epoch {epoch + 1}, step {int(bad[0]) + 1} "
+                           f"(parts: {detail}); the last good checkpoint is kept in {ckpt}. Try a "
+                           "lower --lr, or --precision fp32 to rule out a mixed-precision overflow.")
         return got
 
     with frozen_weights_in(amp, model.clip):
