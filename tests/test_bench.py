@@ -128,10 +128,11 @@ def test_every_row_baseline_computes_every_position_of_the_last_blocks():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(precision, monkeypatch, capsys):
-    """--device cuda without CUDA stops with one line; the autocast path that a GPU takes (autocast around every
-    contender, the frozen weights stored in the autocast dtype while they run, the pruned last block and the
-    shared text start in that dtype; fp16: CUDA's default, with a GradScaler) runs here through CPU autocast,
-    and the step it times is train.train_step itself; the agreement rows meet their half-precision targets."""
+    """--device cuda without CUDA stops with one line; the autocast path that a GPU takes (autocast
+    around every contender, the frozen weights stored in the autocast dtype while they run, the
+    pruned last block and the shared text start in that dtype; fp16: CUDA's default, with a
+    GradScaler) runs here through CPU autocast, and the step it times is train.train_step itself;
+    the agreement rows meet their half-precision targets."""
     import torch
     import train
     if not torch.cuda.is_available():
@@ -149,22 +150,25 @@ def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(precision, monkeypa
         return real_step(model, images, labels, loss_fn, opt, scaler, amp)
 
     monkeypatch.setattr(train, "train_step", spy)
-    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", precision, "--repeats", "1",
-                             "--short-repeats", "1", "--classes", "10", "--batches", "4", "--no-breakdown"])
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", precision,
+                             "--repeats", "1", "--short-repeats", "1", "--classes", "10",
+                             "--batches", "4", "--no-breakdown"])
     res = bench.run(args)
     assert steps and set(steps) == {low} and dtypes == {low}  # frozen weights in the autocast dtype
     rows = {r[0]: r for r in res["rows"]}
     assert sorted(rows) == sorted(bench.row_ids([(10, 4)]))
     tol = bench.AGREEMENT[low]
     loss_ours, loss_naive = (float(v) for v in rows["c.agree.C10xB4"][2].split("/"))
-    assert loss_ours == pytest.approx(loss_naive, rel=tol["loss"])  # the same loss to this precision's noise
-    assert float(rows["c.agree.C10xB4"][3]) < tol["grad"]  # the same gradient of R (finite: no skipped step)
+    # the same loss and gradient of R (finite: no skipped step) to this precision's noise
+    assert loss_ours == pytest.approx(loss_naive, rel=tol["loss"])
+    assert float(rows["c.agree.C10xB4"][3]) < tol["grad"]
     assert float(rows["b.rows.agree.C10xB4"][4]) < tol["logits"]
     assert f"autocast {precision}" in bench.markdown(res, args)
 
 
 def test_tiny_bench_never_writes_bench_md(capsys):
-    """--tiny writes BENCH_TINY.md by default and refuses to write BENCH.md (the committed ViT-B/16 numbers)."""
+    """--tiny writes BENCH_TINY.md by default and refuses to write BENCH.md (the committed ViT-B/16
+    numbers)."""
     assert bench.parse_args(["--tiny", "--device", "cpu"]).out == bench.TINY_OUT != "BENCH.md"
     assert bench.parse_args(["--device", "cpu"]).out == "BENCH.md"
     for out in ("BENCH.md", os.path.join(ROOT, "BENCH.md")):
@@ -174,9 +178,9 @@ def test_tiny_bench_never_writes_bench_md(capsys):
 
 
 def test_bench_gpu_sh_names_every_missing_wheel(tmp_path):
-    """bench_gpu.sh with an interpreter that lacks packages (here: one that blocks ftfy and regex, and one
-    without site-packages at all) stops with exit 2 before any check, naming every missing wheel and the
-    pip download command that fills .whl/."""
+    """bench_gpu.sh with an interpreter that lacks packages (here: one that blocks ftfy and regex,
+    and one without site-packages at all) stops with exit 2 before any check, naming every missing
+    wheel and the pip download command that fills .whl/."""
     block = tmp_path / "block"
     block.mkdir()
     (block / "sitecustomize.py").write_text(
@@ -189,11 +193,11 @@ def test_bench_gpu_sh_names_every_missing_wheel(tmp_path):
     blocked, bare = tmp_path / "blocked-python", tmp_path / "bare-python"
     blocked.write_text(f"#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} \"$@\"\n")
     bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
-    for wrapper, names in ((blocked, ["regex", "ftfy"]), (bare, ["torch", "torchvision", "numpy", "pillow",
-                                                               "regex", "ftfy", "pytest"])):
+    everything = ["torch", "torchvision", "numpy", "pillow", "regex", "ftfy", "pytest"]
+    for wrapper, names in ((blocked, ["regex", "ftfy"]), (bare, everything)):
         wrapper.chmod(0o755)
-        proc = subprocess.run(["bash", "bench_gpu.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHON": str(wrapper)})
+        proc = subprocess.run(["bash", "bench_gpu.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHON": str(wrapper)})
         assert proc.returncode == 2, proc.stderr
         said = proc.stderr.split("missing:")[1].split("(")[0].split()
         assert said == names, proc.stderr

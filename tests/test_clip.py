@@ -521,8 +521,9 @@ def test_length_buckets_pick_the_cheapest_split():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_build_model_copies_never_aliases_the_state_dict(dtype):
-    """build_model's parameters are copies: no storage shared with the caller's tensors (fp32 ones included,
-    where a plain .to(float32) would return the very tensor), so changing either side leaves the other as is."""
+    """build_model's parameters are copies: no storage shared with the caller's tensors (fp32 ones
+    included, where a plain .to(float32) would return the very tensor), so changing either side
+    leaves the other as is."""
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tiny_state_dict().items()}
     kept = {k: v.clone() for k, v in sd.items()}
     model = build_model(sd)
@@ -533,4 +534,4 @@ def test_build_model_copies_never_aliases_the_state_dict(dtype):
             p.add_(1.0)
     assert all(torch.equal(sd[k], kept[k]) for k in sd)  # the caller's dict is untouched
     sd["visual.proj"].zero_()
-    assert model.visual.proj.abs().sum() > 0  # and the model does not see the caller's later changes
+    assert model.visual.proj.abs().sum() > 0  # nor does the model see the caller's later changes
