@@ -517,3 +517,21 @@ def test_length_buckets_pick_the_cheapest_split():
     n, idx, rows, pick = groups[0]
     assert rows.tolist() == [3, 4] and torch.equal(rows[pick], eot[idx])  # each text's own EOT row
     assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))  # every text once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_build_model_copies_never_aliases_the_state_dict(dtype):
+    """build_model's parameters are copies: no storage shared with the caller's tensors (fp32 ones
+    included, where a plain .to(float32) would return the very tensor), so changing either side
+    leaves the other as is."""
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tiny_state_dict().items()}
+    kept = {k: v.clone() for k, v in sd.items()}
+    model = build_model(sd)
+    ptrs = {v.data_ptr() for v in sd.values()}
+    assert all(t.data_ptr() not in ptrs for t in list(model.parameters()) + list(model.buffers()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(sd[k], kept[k]) for k in sd)  # the caller's dict is untouched
+    sd["visual.proj"].zero_()
+    assert model.visual.proj.abs().sum() > 0  # nor does the model see the caller's later changes

@@ -1,5 +1,7 @@
 """train.py on a tiny CLIP: a run interrupted inside an epoch resumes bit-identically, every epoch has its own
 order of all the images, and evaluate scores the logits it is asked for."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -30,8 +32,8 @@ def squares(tmp_path_factory):
     return data.Dataset(name="squares", train=items, val=[], test=items, classnames=names, template="a photo of a {}.")
 
 
-def fresh_model():
-    torch.manual_seed(0)
+def fresh_model(seed=0):
+    torch.manual_seed(seed)
     return DeAR(tiny_clip(text_layers=3), None, J=3, beta=0.5, rep_dim=16, mask="none")
 
 
@@ -108,3 +110,106 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
                            logits=rule, log=lambda msg: None)
         assert r["accuracy"] == pytest.approx(expected) and r["n"] == len(items)
         assert sum(c["n"] for c in r["per_class"]) == len(items)
+
+
+# ------------------------------------------------------------------------------------ fp16 vs fp32
+
+SAFE_SCALE = 2.0 ** 8  # no step of the tiny CLIP overflows at this scale (tests/test_precision.py)
+# A short run (2 epochs, 10 steps, lr 1e-2) in fp16 / bf16 against fp32 from the same state,
+# measured over 10 model seeds on a CPU (short_run with seeds 0-9):
+#   worst step's relative loss difference: fp16 median 5.6e-4, max 1.5e-3; bf16 5.0e-3, 1.1e-2
+#   |R - R fp32| / |R fp32 - R initial|:   fp16 median 3.8e-3, max 1.1e-2; bf16 3.2e-2, 9.2e-2
+#   test accuracy difference (points):     fp16 max 0; bf16 max 5 (one image of 20)
+# Tolerances: about twice the maximum; accuracy one image (fp16) or two (bf16) more than measured.
+SHORT_RUN_TOLERANCE = {"fp16": dict(loss=3e-3, R=2e-2, acc=5.0),
+                       "bf16": dict(loss=2.5e-2, R=0.2, acc=10.0)}
+
+
+def short_run(ds, precision, seed, rdir):
+    """train.train for EPOCHS epochs in precision (fp16: GradScaler at SAFE_SCALE, so no step is
+    skipped) from fresh_model(seed): {losses [steps], R0, R, acc: fp32 test accuracy, result: what
+    train returned}."""
+    losses, model = [], fresh_model(seed)
+    R0 = model.tokens.R.detach().clone()
+
+    def loss_fn(model, out, labels):
+        loss, parts = dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg=1.0,
+                                     lambda_fusion=1.0)
+        losses.append(loss.detach().clone())
+        return loss, parts
+    real = train.make_scaler
+    train.make_scaler = lambda device, amp: torch.amp.GradScaler(
+        device.type, enabled=amp == torch.float16, init_scale=SAFE_SCALE)
+    try:
+        cfg = dataclasses.replace(CFG, precision=precision)
+        result = train.train(model, ds, cfg, torch.device("cpu"), str(rdir), lambda msg: None,
+                             loss_fn)
+    finally:
+        train.make_scaler = real
+    r = train.evaluate(model, ds.test, ds.classnames, ds.template, CFG, torch.device("cpu"),
+                       log=lambda m: None)
+    return {"losses": torch.stack(losses), "R0": R0, "R": model.tokens.R.detach().clone(),
+            "acc": r["accuracy"], "result": result}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_short_run_in_half_precision_agrees_with_fp32(squares, precision, tmp_path):
+    """A short train.train run (10 steps) in fp16 (CUDA's default path: autocast fp16 + GradScaler,
+    here CPU autocast) and in bf16 against fp32: every step's loss, the trained tokens and the test
+    accuracy within the measured spread; nothing skipped, everything finite."""
+    ref = short_run(squares, "fp32", 0, tmp_path / "fp32")
+    got = short_run(squares, precision, 0, tmp_path / precision)
+    tol = SHORT_RUN_TOLERANCE[precision]
+    assert got["result"]["skipped_steps"] == 0 and got["result"]["steps"] == EPOCHS * STEPS
+    assert torch.isfinite(got["R"]).all()
+    assert len(got["losses"]) == len(ref["losses"]) == EPOCHS * STEPS
+    assert ((got["losses"] - ref["losses"]).abs() / ref["losses"]).max() <= tol["loss"]
+    moved = (ref["R"] - ref["R0"]).norm()
+    # close, and not equal: half precision did run
+    assert moved > 0 and 0 < (got["R"] - ref["R"]).norm() / moved <= tol["R"]
+    assert abs(got["acc"] - ref["acc"]) <= tol["acc"]
+
+
+def test_evaluate_counts_per_class_by_the_true_label(squares):
+    """Labels that are right for every third image and wrong otherwise, unequal class counts:
+    per_class[c] counts the images whose true label is c (n) and the share of them predicted c;
+    counting by the predicted label (the nearest wrong rule) gives other numbers here."""
+    model = fresh_model()
+    with torch.no_grad():  # tokens and fusion weights that spread the predictions over the classes
+        model.tokens.R.normal_()
+        model.P_attr.add_(0.5 * torch.randn_like(model.P_attr))
+    model.set_classes(squares.classnames, squares.template)
+    transform = data.test_transform(32)
+    images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in squares.test])
+    with torch.no_grad():
+        pred = model(images)["fused"].argmax(-1).tolist()
+    C = len(squares.classnames)
+    labels = [p if i % 3 == 0 else (p + 1 + i % 2) % C for i, p in enumerate(pred)]
+    items = [(path, y, "") for (path, _, _), y in zip(squares.test, labels)]
+    n = [labels.count(c) for c in range(C)]
+    hits = [sum(p == y == c for p, y in zip(pred, labels)) for c in range(C)]
+    by_pred = [pred.count(c) for c in range(C)]
+    assert len(set(n)) > 1 and by_pred != n  # unequal counts; the wrong rule counts differently
+    cfg = dear.resolve(dear.Config(eval_batch_size=3, workers=0))
+    r = train.evaluate(model, items, squares.classnames, squares.template, cfg, torch.device("cpu"),
+                       log=lambda msg: None)
+    assert [c["n"] for c in r["per_class"]] == n
+    assert [c["class"] for c in r["per_class"]] == squares.classnames
+    assert [c["accuracy"] for c in r["per_class"]] == pytest.approx(
+        [100.0 * h / max(1, k) for h, k in zip(hits, n)])
+    assert r["accuracy"] == pytest.approx(100.0 * sum(hits) / len(items)) and r["n"] == len(items)
+    assert r["precision"] == "fp32" and r["logits"] == "fused"
+
+
+def test_lr_at_warmup_then_cosine_per_epoch():
+    """Two warm-up epochs at warmup_lr, then lr (1 + cos(pi (e - W) / E)) / 2 stepped once per
+    epoch: on W = 2, E = 6 the nearest wrong rules (cosine counted from epoch 0, over E - W epochs,
+    warm-up of W - 1 or W + 1 epochs, or a linear decay) all give other values."""
+    import math
+    import types
+    cfg = types.SimpleNamespace(warmup_epochs=2, warmup_lr=1e-5, lr=2e-3, epochs=6)
+    got = [train.lr_at(e, cfg) for e in range(6)]
+    cosine = [2e-3 * (1 + math.cos(math.pi * (e - 2) / 6)) / 2 for e in range(2, 6)]
+    assert got[:2] == [1e-5, 1e-5] and got[2:] == pytest.approx(cosine, rel=1e-12)
+    assert got[2] == pytest.approx(2e-3)
+    assert got[5] == pytest.approx(2e-3 * (1 + math.cos(math.pi / 2)) / 2)
