@@ -209,6 +209,27 @@ def test_build_model_infers_released_sizes_and_rejects_resnets():
         build_model({"visual.layer1.0.conv1.weight": torch.zeros(1), "visual.attnpool.c_proj.weight": torch.zeros(1)})
 
 
+def test_head_counts_are_stored_or_openais_and_never_guessed():
+    """A width that is none of OpenAI's needs its head count stored; a stored count must fit the width."""
+    sd = tiny_state_dict(seed=4, vision_width=128, text_width=128)  # the toy CLIP's widths, 4 heads each
+    assert build_model(sd).visual.heads == 4 and build_model(sd).transformer.heads == 4
+    for key in ("vision_heads", "text_heads"):  # width/64 would silently give 2 heads of 64
+        without = {k: v for k, v in sd.items() if k != key}
+        with pytest.raises(ValueError, match=rf"no '{key}' entry.*width 128.*add '{key}': torch.tensor"):
+            build_model(without)
+    for bad in (torch.tensor(3), torch.tensor(0), torch.tensor([4]), torch.tensor(2.5), torch.tensor(True)):
+        with pytest.raises(ValueError, match="'vision_heads'"):  # 3 does not divide 128; the rest are no count
+            build_model({**sd, "vision_heads": bad})
+    assert build_model({**sd, "vision_heads": torch.tensor(8)}).visual.heads == 8  # stored, and it fits
+    # OpenAI's published widths keep OpenAI's rule, heads of 64, with nothing stored (ViT-B/16 below too)
+    meta = lambda *s: torch.empty(*s, device="meta")
+    cfg = infer_config({"visual.proj": meta(768, 512), "visual.conv1.weight": meta(768, 3, 32, 32),
+                        "visual.positional_embedding": meta(50, 768), "text_projection": meta(512, 512),
+                        "positional_embedding": meta(77, 512), "token_embedding.weight": meta(49408, 512),
+                        "ln_final.weight": meta(512)})  # ViT-B/32
+    assert (cfg["vision_heads"], cfg["transformer_heads"]) == (12, 8)
+
+
 def _vit_b16_state_dict():
     """Random tensors under exactly the keys and shapes of OpenAI's ViT-B/16 checkpoint."""
     pool = torch.randn(26_000_000, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -304,6 +325,9 @@ class _Archive(nn.Module):
             self.register_parameter(name, p)
         for key, value in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408)):
             self.register_buffer(key, torch.tensor(value))
+        # a width of 64 is none of OpenAI's, so the archive stores its head counts as tiny checkpoints do
+        self.register_buffer("vision_heads", torch.tensor(model.visual.heads))
+        self.register_buffer("text_heads", torch.tensor(model.transformer.heads))
 
     def forward(self, x):
         return x * self.logit_scale.exp()
@@ -323,6 +347,7 @@ def test_load_torchscript_archive_and_plain_state_dicts(tmp_path):
     for k, v in ref.state_dict().items():  # the fp16-rounded weights of the reference
         assert torch.equal(m.state_dict()[k], v.half().float()), k
     assert m.sha256 == hashlib.sha256((tmp_path / "archive.pt").read_bytes()).hexdigest()
+    assert (m.visual.heads, m.transformer.heads) == (ref.visual.heads, ref.transformer.heads) == (4, 4)
 
     for name in ("plain.pt", "wrapped.pt"):
         m, _ = clip.load(str(tmp_path / name), device="cpu")
