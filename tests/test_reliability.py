@@ -166,37 +166,33 @@ def test_loaded_sha256_of_a_file_and_of_openais_names(tmp_path):
 _PRETRAIN = """
 import os, sys, time
 import toyworld as T
-role, cache, marks = sys.argv[1:4]
-calls, real = [], T.pretrain
-def pretrain(*a, **k):
-    calls.append(1)
-    if role == "A":  # hold the checkpoint back until B has asked for it too
-        open(os.path.join(marks, "A-in"), "w").write("1")
-        while not os.path.exists(os.path.join(marks, "B-asking")):
-            time.sleep(0.05)
-        time.sleep(1.0)
+cache, marks = sys.argv[1:3]
+real = T.pretrain
+def pretrain(*a, **k):  # hold the checkpoint back until the other process has asked for it too
+    open(os.path.join(marks, "A-in"), "w").write("1")
+    while not os.path.exists(os.path.join(marks, "B-asking")):
+        time.sleep(0.05)
+    time.sleep(1.0)
     return real(*a, **k)
 T.pretrain = pretrain
-if role == "B":
-    while not os.path.exists(os.path.join(marks, "A-in")):
-        time.sleep(0.05)
-    open(os.path.join(marks, "B-asking"), "w").write("1")
 path = T.ensure_pretrained(cache, steps=1, log=lambda m: print(m, flush=True))
-print("pretrained", len(calls), "times; checkpoint", T.verify_checkpoint(path))
+print("checkpoint", T.verify_checkpoint(path))
 """
 
 
-def test_two_processes_pretrain_the_toy_clip_once(tmp_path):
+def test_two_processes_pretrain_the_toy_clip_once(tmp_path, monkeypatch):
     cache, marks = tmp_path / "cache", tmp_path / "marks"
     marks.mkdir()
-    a = _run(_PRETRAIN, "A", cache, marks)
-    b = _run(_PRETRAIN, "B", cache, marks)
-    out_a, out_b = a.communicate(timeout=300)[0], b.communicate(timeout=300)[0]
-    assert a.returncode == 0 and b.returncode == 0, out_a + out_b
-    sha = T.verify_checkpoint(str(cache / T.checkpoint_name(steps=1)))
-    assert f"pretrained 1 times; checkpoint {sha}" in out_a
-    assert f"pretrained 0 times; checkpoint {sha}" in out_b  # B waited, then loaded A's file
-    assert f"Waiting for pid {a.pid} on " in out_b and "pretraining the toy CLIP into" in out_b
+    a = _run(_PRETRAIN, cache, marks)  # pretrains (1 step), slowly
+    _wait_for(str(marks / "A-in"), timeout=300)
+    monkeypatch.setattr(T, "pretrain", lambda *a, **k: pytest.fail("pretrained a second time"))
+    (marks / "B-asking").write_text("1")
+    lines = []
+    path = T.ensure_pretrained(str(cache), steps=1, log=lines.append)  # waits for the first, then loads
+    out = a.communicate(timeout=300)[0]
+    assert a.returncode == 0, out
+    assert f"checkpoint {T.verify_checkpoint(path)}" in out
+    assert len(lines) == 1 and lines[0].startswith(f"Waiting for pid {a.pid} on ") and path in lines[0]
 
 
 # ------------------------------------------------------------------------------------ the per-process lock
