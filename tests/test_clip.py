@@ -1,4 +1,5 @@
 """Tests of the vendored CLIP: model math, seams, tokenizer, checkpoint loading and downloading."""
+import errno
 import hashlib
 import http.server
 import os
@@ -441,6 +442,24 @@ def test_download_mismatch_and_failure_raise_and_keep_nothing(tmp_path, server, 
     with pytest.raises(RuntimeError, match="download of .*nothing.pt failed"):
         clip.download(missing, str(cache))
     assert os.listdir(cache) == []
+
+
+def test_download_to_a_full_or_unusable_cache_names_the_file_and_the_fix(tmp_path, server, monkeypatch):
+    url, _ = _publish(server, b"x" * 3 * 2**20)
+    cache = tmp_path / "cache"
+
+    def full(response, out, hasher, name):  # the disk fills after the first MiB
+        out.write(response.read(2**20))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(clip, "stream", full)
+    with pytest.raises(RuntimeError) as e:
+        clip.download(url, str(cache))
+    msg = str(e.value)
+    assert f"cannot write {cache / 'ViT-T-8.pt'}: No space left on device (it needs 3.0 MiB" in msg
+    assert "CLIP_CACHE" in msg and "network" not in msg and os.listdir(cache) == []
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RuntimeError, match=r"the CLIP cache .*a_file/x cannot be created .*set CLIP_CACHE"):
+        clip.download(url, str(tmp_path / "a_file" / "x"))
 
 
 def test_cache_dir_and_available_models(tmp_path, monkeypatch):
