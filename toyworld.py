@@ -574,6 +574,24 @@ def loaded_sha256(backbone, download_root=None):
     return clip.sha256_of(path)
 
 
+def check_backbone(backbone, download_root=None):
+    """Stop before any work (ToyWorldError, one line) where load_clip(backbone) would fail for its file: a
+    path that is no file, a toy checkpoint that does not match its record, or a checkpoint still to be made
+    (pretrained, downloaded) in a CLIP cache that cannot be written. Returns the file load_clip will read."""
+    path = backbone_file(backbone, download_root)
+    if backbone == BACKBONE and os.path.isfile(path):
+        verify_checkpoint(path)
+    elif backbone == BACKBONE:
+        check_cache(os.path.dirname(path), needed=2 * checkpoint_bytes())
+    elif backbone in clip.MODELS:
+        if not os.path.isfile(path):  # to be downloaded (clip.load checks a cached file's SHA256)
+            check_cache(os.path.dirname(path))
+    elif not os.path.isfile(path):
+        raise ToyWorldError(f"--backbone {backbone!r} is neither one of {clip.available_models() + [BACKBONE]} "
+                            "nor a checkpoint file")
+    return path
+
+
 def checkpoint_bytes():
     """About the size of a toy checkpoint file: its fp32 parameters (the pickle adds a few kB)."""
     with torch.device("meta"):

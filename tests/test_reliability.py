@@ -268,3 +268,23 @@ def test_a_second_lock_in_the_same_process_is_refused_and_keeps_the_first(tmp_pa
         out = _run(_TRY, lock_path).communicate(timeout=120)[0]
         assert out.startswith(f"held by pid {os.getpid()} on "), out  # the refusal did not drop the lock
     assert _run(_TRY, lock_path).communicate(timeout=120)[0] == "free\n"
+
+
+def test_check_backbone_stops_before_any_work_where_loading_would_fail(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for name in ("toy", "ViT-B/16"):  # to be made in a cache under a file
+        with pytest.raises(T.ToyWorldError, match=f"the CLIP cache {blocker / 'x'} cannot be used.*CLIP_CACHE"):
+            T.check_backbone(name, str(blocker / "x"))
+    with pytest.raises(T.ToyWorldError, match="neither one of"):
+        T.check_backbone(str(tmp_path / "missing.pt"))
+    cache = tmp_path / "cache"
+    path = _fake_toy_checkpoint(str(cache))
+    assert T.check_backbone("toy", str(cache)) == path
+    with open(path, "ab") as f:
+        f.write(b"\0")  # damaged
+    with pytest.raises(T.ToyWorldError, match="is not the file its pretraining wrote"):
+        T.check_backbone("toy", str(cache))
+    (cache / "ViT-B-16.pt").write_bytes(b"")  # OpenAI's file, cached (clip.load checks its SHA256) ...
+    monkeypatch.setattr(util, "check_writable_dir", lambda *a: pytest.fail("a read-only cache would be refused"))
+    assert T.check_backbone("ViT-B/16", str(cache)) == str(cache / "ViT-B-16.pt")  # ... needs no writable cache
