@@ -27,7 +27,7 @@ def _umask() -> int:
 def write_atomic(path, payload):
     """Write bytes or text to a temporary file beside `path`, then rename: a reader never sees half a file.
     The file gets the user's normal permissions (0666 less the umask), like a file opened with open().
-    A full disk (or quota) raises DiskFull, whose message names `path` and the bytes it needed."""
+    A full disk (or quota) raises DiskFull, naming `path` and the bytes it needed."""
     data = payload.encode("utf-8") if isinstance(payload, str) else payload
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
@@ -84,8 +84,8 @@ def progress(what, done, total, start):
 
 
 class DiskFull(OSError):
-    """A write failed for want of space (ENOSPC) or quota (EDQUOT). str() is one line that names the file,
-    the bytes it needed and the space left, so every caller's one-line error says where to make room."""
+    """A write failed for want of space (ENOSPC) or quota (EDQUOT). str() is one line naming the
+    file, the bytes it needed and the space left, so each caller's one-line error says where."""
     ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
     def __init__(self, path, needed, cause=None):
@@ -95,17 +95,17 @@ class DiskFull(OSError):
 
     def __str__(self):
         try:
-            left = shutil.disk_usage(os.path.dirname(self.path)).free
-            free = f", {fmt_bytes(left)} free there"
+            free = f", {fmt_bytes(shutil.disk_usage(os.path.dirname(self.path)).free)} free there"
         except OSError:
             free = ""
         why = "the disk quota is exceeded" if self.errno == errno.EDQUOT else "the disk is full"
-        return (f"cannot write {self.path}: {why} (it needs {fmt_bytes(self.needed)}{free}); free some space "
-                "on that disk, or write elsewhere, and rerun")
+        return (f"cannot write {self.path}: {why} (it needs {fmt_bytes(self.needed)}{free}); "
+                "free some space on that disk, or write elsewhere, and rerun")
 
 
 class PathError(OSError):
-    """A folder the user chose (a cache, --out) cannot be used. str() is one line: the path, why, the fix."""
+    """A folder the user chose (a cache, --out) cannot be used. str() is one line: the path,
+    why, and the fix."""
 
     def __str__(self):
         return self.strerror or super().__str__()  # without OSError's "[Errno N]" prefix
@@ -113,7 +113,9 @@ class PathError(OSError):
 
 def fmt_bytes(n):
     """Bytes for people: 512 bytes, 26.3 MB (decimal units, as df -H)."""
-    return f"{n} bytes" if n < 10**4 else f"{n / 10**6:.1f} MB" if n < 10**9 else f"{n / 10**9:.2f} GB"
+    if n < 10**4:
+        return f"{n} bytes"
+    return f"{n / 10**6:.1f} MB" if n < 10**9 else f"{n / 10**9:.2f} GB"
 
 
 def _name_max(path):
@@ -129,15 +131,15 @@ def _name_max(path):
 
 
 def check_path_names(path, fix="choose a shorter --out"):
-    """Raise PathError unless every file or folder name in `path` fits the file system's limit (NAME_MAX,
-    counted in bytes of the file system encoding, not in characters). `fix`: what the user should do."""
+    """Raise PathError unless every file or folder name in `path` fits the file system's limit
+    (NAME_MAX, in bytes of the file system encoding, not in characters). `fix`: what to do."""
     path = os.path.abspath(os.path.expanduser(path))
     limit = _name_max(path)
     for name in path.split(os.sep):
         size = len(os.fsencode(name))
         if size > limit:
-            raise PathError(errno.ENAMETOOLONG, f"a folder name in {path} is {size} bytes; the limit is "
-                                                f"{limit} (NAME_MAX): {fix}")
+            raise PathError(errno.ENAMETOOLONG, f"a folder name in {path} is {size} bytes; "
+                                                f"the limit is {limit} (NAME_MAX): {fix}")
 
 
 def _first_existing(path):
@@ -147,8 +149,8 @@ def _first_existing(path):
 
 
 def check_writable_dir(path, what, fix):
-    """Raise PathError (one line naming the path, why, and `fix`) unless folder `path` exists or can be made
-    and a file can be written in it: a check to make before any long work whose result goes there.
+    """Raise PathError (one line naming the path, why, and `fix`) unless folder `path` exists or
+    can be made and a file can be written in it: a check before long work whose result goes there.
     what: the folder's role ("the CLIP cache"); fix: e.g. "set CLIP_CACHE to a writable folder"."""
     path = os.path.abspath(os.path.expanduser(path))
     check_path_names(path, fix)
@@ -159,19 +161,22 @@ def check_writable_dir(path, what, fix):
         os.remove(probe)
     except OSError as e:
         found = _first_existing(path)
-        why = f"{found} is a file, not a folder" if not os.path.isdir(found) else e.strerror or str(e)
+        why = e.strerror or str(e)
+        if not os.path.isdir(found):
+            why = f"{found} is a file, not a folder"
         raise PathError(e.errno, f"{what} {path} cannot be used ({why}); {fix}") from None
 
 
 class LockHeld(RuntimeError):
-    """FileLock found its lock taken. .holder describes the live holder ("pid N on HOST, started T")."""
+    """FileLock found its lock taken. .holder: the live holder ("pid N on HOST, started T")."""
 
     def __init__(self, what, holder):
         super().__init__(f"{what} is in use by {holder}; wait for it to finish")
         self.what, self.holder = what, holder
 
 
-_HELD = {}  # (st_dev, st_ino) of each lock file this process holds: POSIX locks never exclude their owner
+# (st_dev, st_ino) of each lock file held here -> who (POSIX locks never exclude their owner)
+_HELD = {}
 
 
 def _alive(pid):
@@ -185,13 +190,14 @@ def _alive(pid):
 
 
 def _lock_owner(fd):
-    """The pid that holds a POSIX lock on open file `fd` (fcntl F_GETLK), or None where unknown. The
-    struct flock layout (short, short, off_t, off_t, pid_t) is read as Linux's 64-bit one."""
+    """The pid that holds a POSIX lock on open file `fd` (fcntl F_GETLK), or None where unknown.
+    The struct flock layout (short, short, off_t, off_t, pid_t) is read as 64-bit Linux's."""
     import fcntl
     import struct
     if not sys.platform.startswith("linux") or struct.calcsize("P") != 8:
         return None
-    query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(4)  # whole file; padded to 32
+    # the whole file, as lockf locks it; 28 bytes of fields, padded to the struct's 32
+    query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(4)
     try:
         kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, query)[:28])
     except OSError:
@@ -200,20 +206,21 @@ def _lock_owner(fd):
 
 
 class FileLock:
-    """An exclusive lock on file `path` (created if missing) that belongs to the process that took it.
+    """An exclusive lock on file `path` (created if missing), owned by the process that took it.
 
-    A POSIX record lock (fcntl.lockf), not flock: forked children (DataLoader workers) do not inherit it,
-    so it ends with its process even while orphaned workers hold the descriptor, and the kernel names the
-    live holder (F_GETLK). The file records "pid N on HOST, started T" for people.
-    what: what the lock guards, for messages; blocking=False: a taken lock raises LockHeld naming its
-    holder; blocking=True: wait for it, after calling on_wait(holder) once. A second FileLock on the same
-    file in the same process raises LockHeld in both modes (POSIX locks cannot exclude their own process).
-    Use as a context manager, or acquire() / release().
-    Caution: a POSIX lock is released when its process closes ANY descriptor of the file, so nothing else
-    in the process should open the lock file while it is held."""
+    A POSIX record lock (fcntl.lockf), not flock: forked children (DataLoader workers) do not
+    inherit it, so it ends with its process even while orphaned workers keep the descriptor, and
+    the kernel names the live holder (F_GETLK). The file records "pid N on HOST, started T".
+    what: what the lock guards, for messages. blocking=False: a taken lock raises LockHeld naming
+    its holder; blocking=True: wait for it, after calling on_wait(holder) once. A second FileLock
+    on the same file in the same process raises LockHeld in both modes (a POSIX lock cannot
+    exclude its own process). A context manager, or acquire() / release().
+    Caution: a POSIX lock is released when its process closes ANY descriptor of the file, so
+    nothing else in the process may open the lock file while it is held."""
 
     def __init__(self, path, what, blocking=False, on_wait=None):
-        self.path, self.what, self.blocking, self.on_wait = os.path.abspath(path), what, blocking, on_wait
+        self.path, self.what = os.path.abspath(path), what
+        self.blocking, self.on_wait = blocking, on_wait
         self.file, self.key = None, None
 
     def _held_here(self):
@@ -229,16 +236,18 @@ class FileLock:
         recorded = f.read().strip()
         owner = _lock_owner(f.fileno())
         parts = recorded.split()
-        said = int(parts[1]) if len(parts) > 1 and parts[0] == "pid" and parts[1].isdigit() else None
+        said = int(parts[1]) if parts[:1] == ["pid"] and parts[1:2] and parts[1].isdigit() else None
         if owner is None or owner == said:
             return recorded or "another process"
-        gone = f"; {self.path} names pid {said}, which is no longer running" if said and not _alive(said) else ""
+        gone = ""
+        if said and not _alive(said):
+            gone = f"; {self.path} names pid {said}, which is no longer running"
         return f"pid {owner}{gone}"
 
     def acquire(self):
         import fcntl  # POSIX
         here = self._held_here()
-        if here is not None:  # opening and closing the file again would drop our own lock: ask nothing
+        if here is not None:  # opening and closing the file again would drop our own lock
             raise LockHeld(self.what, here)
         f = open(self.path, "a+")
         try:
@@ -258,7 +267,8 @@ class FileLock:
             raise
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
         f.flush()
         st = os.fstat(f.fileno())
         self.file, self.key = f, (st.st_dev, st.st_ino)

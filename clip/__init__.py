@@ -118,8 +118,8 @@ def download(url: str, root: str) -> str:
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise RuntimeError(f"the CLIP cache {root} cannot be created ({e.strerror}); set CLIP_CACHE "
-                           "to a writable folder") from None
+        raise RuntimeError(f"the CLIP cache {root} cannot be created ({e.strerror}); "
+                           "set CLIP_CACHE to a writable folder") from None
     expected = url.split("/")[-2]
     target = os.path.join(root, os.path.basename(url))
     if os.path.isfile(target):
@@ -141,8 +141,8 @@ def download(url: str, root: str) -> str:
                 except OSError as e:
                     if e.errno in DISK_FULL:
                         raise
-                    raise RuntimeError(f"download of {url} failed: {e}; check the network (or put the file, "
-                                       f"with SHA256 {expected}, at {target})") from None
+                    raise RuntimeError(f"download of {url} failed: {e}; check the network (or put "
+                                       f"the file, with SHA256 {expected}, at {target})") from None
         except OSError as e:
             if e.errno in DISK_FULL:  # a full disk is no network fault: say where and how much
                 raise RuntimeError(_no_room(target, size, e)) from None
@@ -162,10 +162,11 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _no_room(target: str, size: int, e: OSError) -> str:
-    """One line for a download that filled the disk: the file, the bytes it needs, the space left."""
+    """One line for a download that filled the disk: the file, the bytes it needs, the room left."""
     free = shutil.disk_usage(os.path.dirname(target)).free
-    return (f"cannot write {target}: {e.strerror} (it needs {size / 2**20:.1f} MiB, {free / 2**20:.1f} MiB "
-            "free there); free some space there, or set CLIP_CACHE to a folder on another disk")
+    return (f"cannot write {target}: {e.strerror} (it needs {size / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB free there); free some space there, or set CLIP_CACHE "
+            "to a folder on another disk")
 
 
 def _is_torchscript(path: str) -> bool:
