@@ -23,6 +23,8 @@ combinations of seen words, which is what base-to-novel generalisation should me
                                   entropy.probe_factors decodes from each attention head
     ensure_pretrained(cache_dir)  a tiny CLIP (same clip/model.py) trained contrastively on
                                   toy-world image/caption pairs, saved as a plain CLIP state dict
+                                  with its SHA256 beside it (<file>.sha256), checked on every load;
+                                  one process pretrains at a time (<file>.lock), others wait
 
 Command line:
     python toyworld.py render --color red --shape circle --texture striped --location "top left" --out x.png
