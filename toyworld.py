@@ -23,6 +23,8 @@ combinations of seen words, which is what base-to-novel generalisation should me
                                   entropy.probe_factors decodes from each attention head
     ensure_pretrained(cache_dir)  a tiny CLIP (same clip/model.py) trained contrastively on
                                   toy-world image/caption pairs, saved as a plain CLIP state dict
+                                  with its SHA256 beside it (<file>.sha256), checked on every load;
+                                  one process pretrains at a time (<file>.lock), others wait
 
 Command line:
     python toyworld.py render --color red --shape circle --texture striped --location "top left" --out x.png
@@ -31,6 +33,7 @@ Command line:
     python toyworld.py zeroshot [--checkpoint PATH]
 """
 import argparse
+import hashlib
 import io
 import json
 import math
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import clip
+import util
 from util import fmt_time, write_atomic
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
@@ -488,13 +492,41 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
 
 
 def save_checkpoint(model, path, info=None):
-    """torch.save the toy state dict atomically (temp file in the same folder, then os.replace);
-    `info` goes to a JSON file beside it (<path>.json) for people, not for loading."""
+    """torch.save the toy state dict atomically (temp file in the same folder, then os.replace),
+    with its SHA256 beside it (<path>.sha256, as `sha256sum` writes it; written first, so that a
+    checkpoint never stands without it), which every load checks. `info` goes to <path>.json, for
+    people, not for loading."""
     buffer = io.BytesIO()
     torch.save(toy_state_dict(model), buffer)
-    write_atomic(path, buffer.getvalue())
+    payload = buffer.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    write_atomic(sha256_file(path), f"{digest}  {os.path.basename(path)}\n")
+    write_atomic(path, payload)
     if info is not None:
         write_atomic(path + ".json", json.dumps(info, indent=2))
+
+
+def sha256_file(path):
+    """Where the SHA256 of the toy checkpoint `path` is recorded."""
+    return path + ".sha256"
+
+
+def verify_checkpoint(path):
+    """The SHA256 of the toy checkpoint `path`, checked against the one its pretraining recorded.
+    A file that does not match (replaced, damaged) or has no record raises ToyWorldError."""
+    again = "delete it and it is pretrained again on the next use"
+    try:
+        with open(sha256_file(path)) as f:
+            recorded = f.read().split()[0]
+    except (OSError, IndexError):
+        raise ToyWorldError(f"the toy CLIP checkpoint {path} has no readable SHA256 record beside "
+                            f"it ({os.path.basename(sha256_file(path))}), so its content cannot "
+                            f"be checked; {again}") from None
+    actual = clip.sha256_of(path)
+    if actual != recorded:
+        raise ToyWorldError(f"the toy CLIP checkpoint {path} is not the file its pretraining wrote "
+                            f"(SHA256 {actual[:12]}..., recorded {recorded[:12]}...); {again}")
+    return actual
 
 
 def checkpoint_name(steps=DEFAULT_STEPS, seed=0):
@@ -502,26 +534,122 @@ def checkpoint_name(steps=DEFAULT_STEPS, seed=0):
 
 
 BACKBONE = "toy"  # the name dear.py and entropy.py accept for the toy CLIP (--backbone toy)
+CACHE_FIX = "set CLIP_CACHE (or --download-root / --cache-dir) to a writable folder"
 
 
 def load_clip(name_or_path, device=None, download_root=None):
     """clip.load, plus the name "toy": the tiny CLIP of this file, pretrained into the CLIP cache on first use.
-    clip/ knows nothing of the toy world; callers that accept --backbone toy load through here."""
+    clip/ knows nothing of the toy world; callers that accept --backbone toy load through here.
+    model.sha256: the SHA256 of the file actually read (clip.load computes or checks it; for
+    "toy", the cached checkpoint, checked against its record); model.checkpoint_path: that file."""
     if name_or_path != BACKBONE:
-        return clip.load(name_or_path, device=device, download_root=download_root)
-    model, preprocess = clip.load(ensure_pretrained(clip.cache_dir(download_root)), device=device)
-    model.name = BACKBONE
+        model, preprocess = clip.load(name_or_path, device=device, download_root=download_root)
+        model.checkpoint_path = backbone_file(name_or_path, download_root)
+        return model, preprocess
+    path = ensure_pretrained(clip.cache_dir(download_root))
+    model, preprocess = clip.load(path, device=device)
+    if model.sha256 != verify_checkpoint(path):  # replaced between the check and the read
+        raise ToyWorldError(f"the toy CLIP checkpoint {path} changed while it was loaded; "
+                            "load it again")
+    model.name, model.checkpoint_path = BACKBONE, path
     return model, preprocess
 
 
+def backbone_file(backbone, download_root=None):
+    """The checkpoint file load_clip(backbone) reads: OpenAI's in the CLIP cache, the toy CLIP's
+    there, or the path itself."""
+    if backbone in clip.MODELS:
+        return os.path.join(clip.cache_dir(download_root), os.path.basename(clip.MODELS[backbone]))
+    if backbone == BACKBONE:
+        return os.path.join(clip.cache_dir(download_root), checkpoint_name())
+    return os.path.abspath(os.path.expanduser(backbone))
+
+
+def loaded_sha256(backbone, download_root=None):
+    """The SHA256 of the checkpoint file load_clip(backbone) reads, without loading it: the
+    published one for OpenAI's names (clip.load checks the cached file against it and fetches it
+    again on a mismatch); the checked hash of the cached toy checkpoint (ToyWorldError if it is
+    not pretrained yet, or does not match its record); the content's hash for a file.
+    Equal to model.sha256 after load_clip."""
+    if backbone in clip.MODELS:
+        return clip.MODELS[backbone].split("/")[-2]
+    path = backbone_file(backbone, download_root)
+    if backbone == BACKBONE:
+        if not os.path.isfile(path):
+            raise ToyWorldError(f"the toy CLIP is not pretrained yet (no {path})")
+        return verify_checkpoint(path)
+    return clip.sha256_of(path)
+
+
+def check_backbone(backbone, download_root=None):
+    """Stop before any work (ToyWorldError, one line) where load_clip(backbone) would fail for its
+    file: a path that is no file, a toy checkpoint that does not match its record, or a checkpoint
+    still to be made (pretrained, downloaded) in a CLIP cache that cannot be written.
+    Returns the file load_clip will read."""
+    path = backbone_file(backbone, download_root)
+    if backbone == BACKBONE and os.path.isfile(path):
+        verify_checkpoint(path)
+    elif backbone == BACKBONE:
+        check_cache(os.path.dirname(path), needed=2 * checkpoint_bytes())
+    elif backbone in clip.MODELS:
+        if not os.path.isfile(path):  # to be downloaded (clip.load checks a cached file's SHA256)
+            check_cache(os.path.dirname(path))
+    elif not os.path.isfile(path):
+        names = clip.available_models() + [BACKBONE]
+        raise ToyWorldError(f"--backbone {backbone!r} is neither one of {names} "
+                            "nor a checkpoint file")
+    return path
+
+
+def checkpoint_bytes():
+    """About the size of a toy checkpoint file: its fp32 parameters (the pickle adds a few kB)."""
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in build_toy_model().state_dict().values())
+
+
+def check_cache(cache_dir, needed=0):
+    """Stop (ToyWorldError, one line naming the folder and CLIP_CACHE) unless the CLIP cache can
+    be made and written and has `needed` bytes free: checked before pretraining, so that no work
+    is lost to it."""
+    try:
+        util.check_writable_dir(cache_dir, "the CLIP cache", CACHE_FIX)
+    except util.PathError as e:
+        raise ToyWorldError(str(e)) from None
+    free = shutil.disk_usage(cache_dir).free
+    if free < needed:
+        raise ToyWorldError(f"the CLIP cache {cache_dir} has {util.fmt_bytes(free)} free; the toy "
+                            f"CLIP checkpoint needs {util.fmt_bytes(needed)}: free some space, or "
+                            f"{CACHE_FIX}")
+
+
 def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
-    """Path of the pretrained toy CLIP checkpoint in cache_dir; pretrains it first when missing."""
-    path = os.path.join(os.path.expanduser(cache_dir), checkpoint_name(steps, seed))
-    if os.path.isfile(path):
+    """Path of the pretrained toy CLIP checkpoint in cache_dir, checked against its recorded
+    SHA256; pretrains it first when missing. The cache is checked first (writable, room for the
+    file). One process pretrains at a time (a lock beside the checkpoint); another one waits for
+    it, then takes its file."""
+    cache = os.path.abspath(os.path.expanduser(cache_dir))
+    path = os.path.join(cache, checkpoint_name(steps, seed))
+    if os.path.isfile(path):  # a read-only cache that holds the checkpoint serves too
+        verify_checkpoint(path)
         return path
-    if log:
-        log(f"Pretraining the toy CLIP once ({steps} steps, seed {seed}); it is cached at {path}")
-    pretrain(steps=steps, seed=seed, out_path=path, log=log)
+    check_cache(cache, needed=2 * checkpoint_bytes())  # the temporary file and a margin
+
+    def waiting(holder):
+        if log:
+            log(f"Waiting for {holder}, which is pretraining the toy CLIP into {path}")
+    lock = util.FileLock(path + ".lock", f"the toy CLIP pretraining into {path}", blocking=True,
+                         on_wait=waiting)
+    with lock:
+        if os.path.isfile(path):  # the process we waited for made it
+            verify_checkpoint(path)
+            return path
+        if log:
+            log(f"Pretraining the toy CLIP once ({steps} steps, seed {seed}); "
+                f"it is cached at {path}")
+        try:
+            pretrain(steps=steps, seed=seed, out_path=path, log=log)
+        except util.DiskFull as e:
+            raise ToyWorldError(str(e)) from None
     return path
 
 

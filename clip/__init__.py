@@ -14,9 +14,11 @@ Like OpenAI's package, clip/ imports nothing of the project around it. Its users
 dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives through `stream`,
 the project's one download loop.
 """
+import errno
 import hashlib
 import http.client
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -113,7 +115,11 @@ def download(url: str, root: str) -> str:
     checksum is fetched again. The download goes to a temporary file that is renamed only after
     its checksum matches; a failed or mismatching download raises and leaves nothing behind.
     """
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"the CLIP cache {root} cannot be created ({e.strerror}); "
+                           "set CLIP_CACHE to a writable folder") from None
     expected = url.split("/")[-2]
     target = os.path.join(root, os.path.basename(url))
     if os.path.isfile(target):
@@ -124,14 +130,23 @@ def download(url: str, root: str) -> str:
 
     name = os.path.basename(url)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=name + ".", suffix=".part")
+    size = 0
     try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with urllib.request.urlopen(url, timeout=60) as response:
-                    _, h = stream(response, out, hashlib.sha256(), name)
-            except (urllib.error.URLError, OSError) as e:
-                raise RuntimeError(f"download of {url} failed: {e}; check the network (or put the file, "
-                                   f"with SHA256 {expected}, at {target})") from None
+        try:
+            with os.fdopen(fd, "wb") as out:  # closing flushes: a full disk may show only there
+                try:
+                    with urllib.request.urlopen(url, timeout=60) as response:
+                        size = int(response.headers.get("Content-Length") or 0)
+                        _, h = stream(response, out, hashlib.sha256(), name)
+                except OSError as e:
+                    if e.errno in DISK_FULL:
+                        raise
+                    raise RuntimeError(f"download of {url} failed: {e}; check the network (or put "
+                                       f"the file, with SHA256 {expected}, at {target})") from None
+        except OSError as e:
+            if e.errno in DISK_FULL:  # a full disk is no network fault: say where and how much
+                raise RuntimeError(_no_room(target, size, e)) from None
+            raise
         actual = h.hexdigest()
         if actual != expected:
             raise RuntimeError(f"download of {url} has the wrong checksum: expected SHA256 {expected}, "
@@ -141,6 +156,17 @@ def download(url: str, root: str) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return target
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_room(target: str, size: int, e: OSError) -> str:
+    """One line for a download that filled the disk: the file, the bytes it needs, the room left."""
+    free = shutil.disk_usage(os.path.dirname(target)).free
+    return (f"cannot write {target}: {e.strerror} (it needs {size / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB free there); free some space there, or set CLIP_CACHE "
+            "to a folder on another disk")
 
 
 def _is_torchscript(path: str) -> bool:

@@ -358,6 +358,32 @@ def length_buckets(eot: torch.Tensor, group_cost: Optional[int] = None):
 # entries a checkpoint may carry besides the weights: OpenAI's TorchScript archives add the first
 # three; tiny checkpoints add the head counts, which cannot be read from the shapes
 EXTRA_KEYS = ("input_resolution", "context_length", "vocab_size", "vision_heads", "text_heads")
+# The widths of OpenAI's published ViT checkpoints (ViT-B/32 and B/16: vision 768, text 512;
+# ViT-L/14 and L/14@336px: vision 1024, text 768). Their heads are 64 wide (width / 64), the rule
+# OpenAI's build_model applies; any other width needs its head count stored in the state dict.
+OPENAI_WIDTHS = {"vision_heads": (768, 1024), "text_heads": (512, 768)}
+
+
+def head_count(sd: dict, key: str, width: int) -> int:
+    """The number of heads of a tower of `width`: the 0-dim whole number sd[key] when stored (it
+    must divide the width), else width / 64 for OpenAI's published widths. ValueError otherwise."""
+    tower = "vision" if key == "vision_heads" else "text"
+    if key not in sd:
+        if width in OPENAI_WIDTHS[key]:
+            return width // 64
+        raise ValueError(f"the state dict has no {key!r} entry and its {tower} width {width} is "
+                         f"none of OpenAI's {OPENAI_WIDTHS[key]} (whose heads are width/64), so "
+                         f"its number of heads cannot be known; add {key!r}: "
+                         "torch.tensor(HEADS) (a 0-dim integer) to it")
+    v = sd[key]
+    n = v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else None
+    if not isinstance(n, (int, float)) or isinstance(n, bool) or n != int(n) or n < 1:
+        raise ValueError(f"{key!r} must be a 0-dim tensor holding a positive whole number, "
+                         f"not {v!r}")
+    if width % int(n):
+        raise ValueError(f"{key!r} is {int(n)}, which does not divide the {tower} width {width}; "
+                         "the checkpoint's head count and its weights disagree")
+    return int(n)
 
 
 def infer_config(state_dict: dict) -> dict:
@@ -379,14 +405,13 @@ def infer_config(state_dict: dict) -> dict:
     text_width = sd["ln_final.weight"].shape[0]
     text_layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
 
-    def heads(key, width):
-        return int(sd[key]) if key in sd else width // 64  # released models use heads of size 64
-
     return dict(embed_dim=sd["text_projection"].shape[1], image_resolution=patch * grid,
                 vision_layers=vision_layers, vision_width=vision_width, vision_patch_size=patch,
                 context_length=sd["positional_embedding"].shape[0], vocab_size=sd["token_embedding.weight"].shape[0],
-                transformer_width=text_width, transformer_heads=heads("text_heads", text_width),
-                transformer_layers=text_layers, vision_heads=heads("vision_heads", vision_width))
+                transformer_width=text_width,
+                transformer_heads=head_count(sd, "text_heads", text_width),
+                transformer_layers=text_layers,
+                vision_heads=head_count(sd, "vision_heads", vision_width))
 
 
 def build_model(state_dict: dict) -> CLIP:

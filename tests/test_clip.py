@@ -1,4 +1,5 @@
 """Tests of the vendored CLIP: model math, seams, tokenizer, checkpoint loading and downloading."""
+import errno
 import hashlib
 import http.server
 import os
@@ -209,6 +210,31 @@ def test_build_model_infers_released_sizes_and_rejects_resnets():
         build_model({"visual.layer1.0.conv1.weight": torch.zeros(1), "visual.attnpool.c_proj.weight": torch.zeros(1)})
 
 
+def test_head_counts_are_stored_or_openais_and_never_guessed():
+    """A width that is none of OpenAI's needs its head count stored; a stored count must fit."""
+    sd = tiny_state_dict(seed=4, vision_width=128, text_width=128)  # the toy CLIP's: 4 heads each
+    assert build_model(sd).visual.heads == 4 and build_model(sd).transformer.heads == 4
+    for key in ("vision_heads", "text_heads"):  # width/64 would silently give 2 heads of 64
+        without = {k: v for k, v in sd.items() if k != key}
+        with pytest.raises(ValueError, match=rf"no '{key}' entry.*width 128.*add '{key}': torch"):
+            build_model(without)
+    bad_counts = (torch.tensor(3), torch.tensor(0), torch.tensor([4]), torch.tensor(2.5),
+                  torch.tensor(True))  # 3 does not divide 128; the others are no count of heads
+    for bad in bad_counts:
+        with pytest.raises(ValueError, match="'vision_heads'"):
+            build_model({**sd, "vision_heads": bad})
+    assert build_model({**sd, "vision_heads": torch.tensor(8)}).visual.heads == 8  # stored, fits
+    # OpenAI's published widths keep OpenAI's rule, heads of 64, with nothing stored (and ViT-B/16,
+    # L/14@336px in the tests below)
+    meta = lambda *s: torch.empty(*s, device="meta")
+    cfg = infer_config({"visual.proj": meta(768, 512), "visual.conv1.weight": meta(768, 3, 32, 32),
+                        "visual.positional_embedding": meta(50, 768),
+                        "text_projection": meta(512, 512), "positional_embedding": meta(77, 512),
+                        "token_embedding.weight": meta(49408, 512),
+                        "ln_final.weight": meta(512)})  # ViT-B/32
+    assert (cfg["vision_heads"], cfg["transformer_heads"]) == (12, 8)
+
+
 def _vit_b16_state_dict():
     """Random tensors under exactly the keys and shapes of OpenAI's ViT-B/16 checkpoint."""
     pool = torch.randn(26_000_000, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -304,6 +330,9 @@ class _Archive(nn.Module):
             self.register_parameter(name, p)
         for key, value in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408)):
             self.register_buffer(key, torch.tensor(value))
+        # width 64 is none of OpenAI's: the archive stores its head counts, as tiny checkpoints do
+        self.register_buffer("vision_heads", torch.tensor(model.visual.heads))
+        self.register_buffer("text_heads", torch.tensor(model.transformer.heads))
 
     def forward(self, x):
         return x * self.logit_scale.exp()
@@ -323,6 +352,8 @@ def test_load_torchscript_archive_and_plain_state_dicts(tmp_path):
     for k, v in ref.state_dict().items():  # the fp16-rounded weights of the reference
         assert torch.equal(m.state_dict()[k], v.half().float()), k
     assert m.sha256 == hashlib.sha256((tmp_path / "archive.pt").read_bytes()).hexdigest()
+    heads = (ref.visual.heads, ref.transformer.heads)
+    assert (m.visual.heads, m.transformer.heads) == heads == (4, 4)
 
     for name in ("plain.pt", "wrapped.pt"):
         m, _ = clip.load(str(tmp_path / name), device="cpu")
@@ -416,6 +447,25 @@ def test_download_mismatch_and_failure_raise_and_keep_nothing(tmp_path, server, 
     with pytest.raises(RuntimeError, match="download of .*nothing.pt failed"):
         clip.download(missing, str(cache))
     assert os.listdir(cache) == []
+
+
+def test_download_to_a_full_or_unusable_cache_names_the_file_and_the_fix(tmp_path, server,
+                                                                          monkeypatch):
+    url, _ = _publish(server, b"x" * 3 * 2**20)
+    cache = tmp_path / "cache"
+
+    def full(response, out, hasher, name):  # the disk fills after the first MiB
+        out.write(response.read(2**20))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(clip, "stream", full)
+    with pytest.raises(RuntimeError) as e:
+        clip.download(url, str(cache))
+    msg = str(e.value)
+    assert f"cannot write {cache / 'ViT-T-8.pt'}: No space left on device (it needs 3.0 MiB" in msg
+    assert "CLIP_CACHE" in msg and "network" not in msg and os.listdir(cache) == []
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RuntimeError, match=r"cache .*a_file/x cannot be created .*set CLIP_CACHE"):
+        clip.download(url, str(tmp_path / "a_file" / "x"))
 
 
 def test_cache_dir_and_available_models(tmp_path, monkeypatch):
