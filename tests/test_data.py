@@ -622,6 +622,141 @@ def test_check_on_a_missing_root_says_so_once(tmp_path, capsys):
     assert seen == [("eurosat", True), ("dtd", False)] and list(errors) == ["dtd"] and "dtd" in errors["dtd"]
 
 
+# ------------------------------------------------------------------------------------------- hostile folders
+
+def test_small_classes_each_get_a_test_image_or_stop(tmp_path, capsys):
+    """3 images per class: 2 train, 0 val, 1 test (the 50/20/30 rule gave 2/1/0: an empty test split, "0.00% of
+    0"); 2 images: 1/0/1; 1 image: nothing to test on, so the split stops and names the class."""
+    name = fruit_folder(tmp_path / "three", n=3)
+    ds = data.build_dataset(name, None)
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (6, 0, 3)
+    assert sorted(y for _, y, _ in ds.test) == [0, 1, 2]
+    two = data.build_dataset(fruit_folder(tmp_path / "two", n=2), None)
+    assert (len(two.train), len(two.val), len(two.test)) == (3, 0, 3)
+    one = fruit_folder(tmp_path / "one", classes=("pear", "plum"), n=1)
+    with pytest.raises(data.DataError, match=r"2 class folder\(s\) of .*one hold fewer than 2 images \(pear: 1, "
+                                             r"plum: 1; .*at least 2 per class"):
+        data.build_dataset(one, None)
+    assert not os.path.exists(tmp_path / "one" / "split_folder.json")   # nothing written
+    assert data.main(["check", one, "--no-images"]) == 2                 # data.py check says it too
+    assert "at least 2 per class" in capsys.readouterr().err
+
+
+def test_a_kept_split_without_test_images_stops(tmp_path, capsys):
+    """A split kept from before (2/1/0 for 3 images) is refused, naming the file to delete, in data.py check too."""
+    name = fruit_folder(tmp_path / "fruit", n=3)
+    split_file = tmp_path / "fruit" / "split_folder.json"
+    items = [(f"{c}/{i:02d}.png", y, c) for y, c in enumerate(("pear", "plum", "red_apple")) for i in range(3)]
+    split = {"train": [e for e in items if e[0].endswith(("00.png", "01.png"))],
+             "val": [e for e in items if e[0].endswith("02.png")], "test": []}
+    split_file.write_text(json.dumps(split))
+    for subsample in ("all", "novel"):
+        with pytest.raises(data.DataError, match=f"empty test split.*delete {split_file}"):
+            data.build_dataset(name, None, subsample=subsample)
+    split["test"], split["val"] = split["val"][:1], split["val"][1:]     # pear tested, plum and red apple not
+    split_file.write_text(json.dumps(split))
+    with pytest.raises(data.DataError, match=f"{split_file} gives 2 class.*no test image .plum, red_apple."):
+        data.build_dataset(name, None)
+    assert data.main(["check", name, "--no-images"]) == 2
+    assert "no test image" in capsys.readouterr().err
+
+
+def test_images_in_sub_folders_are_named(tmp_path, capsys):
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    for i in range(2):
+        make_image(str(tmp_path / "fruit" / "plum" / "old" / f"{i}.png"), seed=i)
+    ds = data.build_dataset(name, None)
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 12                 # the nested two are not read ...
+    want = (f"2 image(s) in sub-folders of the class folders of {tmp_path / 'fruit'} are left out "
+            f"(plum/old/0.png, plum/old/1.png)")
+    assert [w for w in ds.warnings if w.startswith(want)] and "move them up" in ds.warnings[-1]  # ... and named
+    assert "warning: " + want in capsys.readouterr().err
+    # a class whose images all sit in a sub-folder: say where they are, not "no images"
+    for i in range(3):
+        make_image(str(tmp_path / "more" / "kiwi" / "2020" / f"{i}.png"), seed=i)
+    fruit_folder(tmp_path / "more", classes=("pear",), n=4)
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(f"folder:{tmp_path / 'more'}", None)
+    assert f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in " \
+           f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+
+
+def test_a_class_named_like_the_fewshot_cache_is_refused(tmp_path):
+    """split_fewshot/ is where the few-shot subsets are cached: a class of that name was dropped from the split
+    and got the cache files written among its images."""
+    name = fruit_folder(tmp_path / "fruit", classes=("pear", "split_fewshot"), n=4)
+    with pytest.raises(data.DataError, match=r"split_fewshot holds images, but split_fewshot is the name of the "
+                                             r"few-shot cache's folder.*rename that class folder"):
+        data.build_dataset(name, None, shots=1)
+    assert not os.path.exists(tmp_path / "fruit" / "split_folder.json")
+    assert sorted(os.listdir(tmp_path / "fruit" / "split_fewshot")) == ["00.png", "01.png", "02.png", "03.png"]
+    os.rename(tmp_path / "fruit" / "split_fewshot", tmp_path / "fruit" / "fig")   # the fix the message names
+    assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
+    assert (tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json").exists()   # the cache, not a class
+    assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
+
+
+def test_an_empty_folder_path_is_refused(tmp_path, monkeypatch):
+    """`--dataset folder:$UNSET` read the current directory and wrote its split there."""
+    fruit_folder(tmp_path, n=4)
+    monkeypatch.chdir(tmp_path)
+    for name in ("folder:", "folder:  "):
+        with pytest.raises(data.DataError, match=r"folder: needs a path .*empty \(an unset variable\?\)"):
+            data.build_dataset(name, None)
+    assert not os.path.exists(tmp_path / "split_folder.json")
+
+
+def test_a_truncated_folder_split_says_delete_it(tmp_path):
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    data.build_dataset(name, None)
+    split_file = tmp_path / "fruit" / "split_folder.json"
+    split_file.write_text(split_file.read_text()[:40])                     # cut off
+    for text in (split_file.read_text(), '{"train": [["a.png", 0]], "val": [], "test": []}'):
+        split_file.write_text(text)
+        with pytest.raises(data.DataError) as err:
+            data.build_dataset(name, None)
+        assert f"delete {split_file} to split the folder anew" in str(err.value)
+        assert "download" not in str(err.value) and "github" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["broken link", "folder"])
+def test_entries_named_like_images_that_are_not_files_are_named(tmp_path, kind):
+    """A broken symlink or a folder called x.png: re-splitting would list it again, so the message names the
+    entry and says to fix or remove it, before any split is written."""
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    bad = tmp_path / "fruit" / "plum" / "x.png"
+    if kind == "broken link":
+        os.symlink(str(tmp_path / "gone.png"), bad)
+        why = f"a broken symbolic link (to {tmp_path / 'gone.png'})"
+    else:
+        bad.mkdir()
+        why = "a folder, not an image file"
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(name, None)
+    assert f"{bad} is {why}" in str(err.value) and "Fix or remove them" in str(err.value)
+    assert "split" not in str(err.value) and not os.path.exists(tmp_path / "fruit" / "split_folder.json")
+    # a split kept from before that lists it: name it the same way, not "split anew"
+    split = {"train": [["plum/x.png", 0, "plum"], ["plum/00.png", 0, "plum"]], "val": [],
+             "test": [["plum/01.png", 0, "plum"], ["plum/02.png", 0, "plum"], ["plum/03.png", 0, "plum"]]}
+    shutil.rmtree(tmp_path / "fruit" / "pear")
+    shutil.rmtree(tmp_path / "fruit" / "red_apple")
+    (tmp_path / "fruit" / "split_folder.json").write_text(json.dumps(split))
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(name, None)
+    assert f"image listed in the train split is {why}: {bad}; fix it, or remove it" in str(err.value)
+    assert "anew" not in str(err.value)
+
+
+def test_cli_refuses_shots_below_one_like_dear_py(tmp_path, capsys):
+    build_json_layout(str(tmp_path), "eurosat")
+    for shots in ("-1", "0"):
+        assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images", "--shots", shots]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --shots must be >= 1, got {shots}\n"
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0   # default: every image
+    assert "train 15 | val 9 | test 6" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------- downloads
 
 class Server:
