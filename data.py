@@ -503,12 +503,14 @@ def fewshot_split(folder, split, shots, seed, sample_val=True):
 
     CoOp seeds Python's random with the seed, then samples train and val in that order from one stream;
     random.Random(seed) is that stream without touching the global one. The result is cached as JSON
-    (relative paths) and reused only when it was made from exactly these split lists."""
+    (relative paths) and reused only when it was drawn from exactly these train and val lists, with these
+    shots and this seed (a file copied under another name is not taken for another draw)."""
     source = {"train": split["train"], "val": split["val"] if sample_val else []}
     sha = fingerprint(source)
     path = os.path.join(folder, FEWSHOT_DIR, f"shot_{shots}-seed_{seed}.json")
     cache = read_json(path)
-    if isinstance(cache, dict) and cache.get("format") == FEWSHOT_FORMAT and cache.get("split_sha256") == sha:
+    drawn = {"format": FEWSHOT_FORMAT, "shots": shots, "seed": seed, "split_sha256": sha}
+    if isinstance(cache, dict) and all(cache.get(k) == v for k, v in drawn.items()):
         train = [tuple(x) for x in cache["train"]]
         return train, ([tuple(x) for x in cache["val"]] if sample_val else split["val"])
     rng = random.Random(seed)

@@ -266,6 +266,57 @@ def test_fewshot_cache_is_portable_reused_and_rebuilt(tmp_path):
     assert len(first.train) == 9
 
 
+def test_fewshot_cache_key_covers_the_val_list_and_the_draw(tmp_path):
+    """The cached subsets are reused only for the very train and val lists (and shots, seed) they were drawn
+    from: a split file whose val list alone changed redraws val (a key over train only kept the stale val),
+    and a cache file copied under another seed's name is not taken for that seed's draw."""
+    entries, image_dir = build_uneven_dtd(str(tmp_path))
+    data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
+    split_path = tmp_path / "dtd" / "split_zhou_DescribableTextures.json"
+    split = json.loads(split_path.read_text())
+    split["val"] = split["val"][3:]                                       # train unchanged
+    split_path.write_text(json.dumps(split))
+    ds = data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
+    want_train, want_val = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 1)
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds.val] == [p for p, _, _ in want_val]
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds.train] == [p for p, _, _ in want_train]
+    cache = tmp_path / "dtd" / "split_fewshot"
+    shutil.copy(cache / "shot_2-seed_1.json", cache / "shot_2-seed_2.json")
+    ds2 = data.build_dataset("dtd", str(tmp_path), shots=2, seed=2)
+    want2, _ = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 2)
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds2.train] == [p for p, _, _ in want2]
+    assert want2 != want_train                                            # the seeds draw other subsets
+
+
+def test_fewshot_sample_groups_by_first_appearance_and_spends_no_draw_on_small_classes():
+    """Unequal classes in a label order that is not sorted (7, 2, 5): the output follows first appearance
+    (not sorted labels), a class with fewer than k items keeps them all without drawing, so the next class's
+    draw is the one the stream gives after the first class; k items exactly are drawn (rng.sample reorders)."""
+    order = [(7, 0), (2, 0), (5, 0), (7, 1), (5, 1), (2, 1), (7, 2), (5, 2), (7, 3), (7, 4)]
+    items = [(f"{y}-{i}", y) for y, i in order]                           # 5, 2 and 3 items
+    out = data.fewshot_sample(items, 3, random.Random(4))
+    assert [y for _, y in out] == [7, 7, 7, 2, 2, 5, 5, 5]
+    rng = random.Random(4)
+    sevens = rng.sample([it for it in items if it[1] == 7], 3)
+    fives = rng.sample([it for it in items if it[1] == 5], 3)             # 3 of 3: drawn, so reordered
+    assert out == sevens + [("2-0", 2), ("2-1", 2)] + fives
+    assert fives != [it for it in items if it[1] == 5]                    # a draw, not the items as listed
+    assert data.fewshot_sample(items, 3, random.Random(5)) != out         # another seed, other subsets
+
+
+def test_subsample_classes_ranks_sorted_labels_and_renumbers_them():
+    """Labels 9, 0, 5, 2, 7 (not contiguous, not in order): base = the ceil(5/2) = 3 smallest (0, 2, 5),
+    novel = 7, 9, renumbered by rank in every split; a first-appearance or floor rule gives other classes."""
+    train = [(f"t{y}", y, f"c{y}") for y in (9, 0, 5, 2, 7)]
+    test = [(f"s{y}", y, f"c{y}") for y in (7, 2, 9, 0, 5, 2)]
+    base = data.subsample_classes(train, [], test, "base")
+    novel = data.subsample_classes(train, [], test, "novel")
+    assert base[0] == [("t0", 0, "c0"), ("t5", 2, "c5"), ("t2", 1, "c2")]
+    assert base[2] == [("s2", 1, "c2"), ("s0", 0, "c0"), ("s5", 2, "c5"), ("s2", 1, "c2")]
+    assert novel[0] == [("t9", 1, "c9"), ("t7", 0, "c7")] and novel[2] == [("s7", 0, "c7"), ("s9", 1, "c9")]
+    assert data.subsample_classes(train, [], test, "all") == (train, [], test)
+
+
 def test_fewshot_leaves_global_random_alone(tmp_path):
     build_uneven_dtd(str(tmp_path))
     random.seed(123)
@@ -457,6 +508,57 @@ def test_transforms_shapes_normalisation_and_determinism():
     b = aug(rgb)
     c = aug(rgb)
     assert a.shape == (3, 32, 32) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _normalise(pil):
+    x = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0).permute(2, 0, 1)   # [3, H, W]
+    return (x - torch.tensor(data.CLIP_MEAN)[:, None, None]) / torch.tensor(data.CLIP_STD)[:, None, None]
+
+
+def test_test_transform_resizes_the_shorter_side_then_crops_the_centre():
+    """On a 60x40 image of noise with a bright left edge, CLIP's preprocess (shorter side to 32, bicubic, then
+    the central 32x32) is matched by hand; a squash to 32x32, a crop without resize, a bilinear resize and a
+    corner crop each give other pixels (on a uniform grey image they all agree)."""
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    pixels[:, :10] = 255                                                   # cut away by the centre crop
+    image = Image.fromarray(pixels)
+    x = data.test_transform(32)(image)
+    want = _normalise(image.resize((48, 32), Image.BICUBIC).crop((8, 0, 40, 32)))
+    assert torch.allclose(x, want, atol=1e-5)
+    wrong = {"squash": image.resize((32, 32), Image.BICUBIC),
+             "crop only": image.crop((14, 4, 46, 36)),
+             "bilinear": image.resize((48, 32), Image.BILINEAR).crop((8, 0, 40, 32)),
+             "left crop": image.resize((48, 32), Image.BICUBIC).crop((0, 0, 32, 32))}
+    for rule, pil in wrong.items():
+        assert (x - _normalise(pil)).abs().max() > 0.1, rule
+
+
+def test_train_transform_is_a_seeded_random_resized_crop_with_its_scale_and_a_flip():
+    """The train pipeline redone by hand from the same torch RNG: RandomResizedCrop's box drawn with scale
+    (min_scale, 1) and ratio (3/4, 4/3), a bicubic resize of that box, then a flip when torch.rand(1) < 0.5.
+    On a non-uniform image a wrong scale (0.08, torchvision's default), interpolation or flip rule gives other
+    pixels."""
+    from torchvision import transforms as TV
+    from torchvision.transforms import functional as F
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    flips = set()
+    for seed in range(6):
+        for min_scale in (0.7, 0.3):
+            torch.manual_seed(seed)
+            x = data.train_transform(32, min_scale=min_scale)(image)
+            torch.manual_seed(seed)
+            box = TV.RandomResizedCrop.get_params(image, scale=(min_scale, 1.0), ratio=(3 / 4, 4 / 3))
+            crop = F.resized_crop(image, *box, [32, 32], interpolation=TV.InterpolationMode.BICUBIC)
+            flip = bool(torch.rand(1) < 0.5)
+            flips.add(flip)
+            want = _normalise(crop.transpose(Image.FLIP_LEFT_RIGHT) if flip else crop)
+            assert torch.allclose(x, want, atol=1e-5), (seed, min_scale)
+            h, w = box[2], box[3]
+            assert min_scale * 0.99 <= h * w / (40 * 60) <= 1.0               # the area the scale allows
+            torch.manual_seed(seed)
+            other = TV.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+            assert other != box or min_scale == 0.08
+    assert flips == {True, False}                                          # both branches were seen
 
 
 def make_items(tmp_path, n=10):
