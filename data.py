@@ -202,15 +202,16 @@ def read_split_json(path, fix=""):
     fix = fix or f"download it again (see {COOP_GUIDE})"
     data = read_json(path)
     if data is None:
-        raise DataError(f"split file {path} is not valid JSON (cut off, or an HTML page saved in its "
-                        f"place?); {fix}")
+        raise DataError(f"split file {path} is not valid JSON (cut off, or an HTML page saved in "
+                        f"its place?); {fix}")
     out = {}
     try:
         for key in ("train", "val", "test"):
             out[key] = [(str(p), int(y), str(c)) for p, y, c in data[key]]
     except (TypeError, KeyError, ValueError) as e:
-        raise DataError(f"malformed split file {path} ({type(e).__name__}: {e}); expected a JSON object with "
-                        f"'train', 'val', 'test' lists of [relative path, label, classname]; {fix}") from None
+        raise DataError(f"malformed split file {path} ({type(e).__name__}: {e}); expected a JSON "
+                        f"object with 'train', 'val', 'test' lists of [relative path, label, "
+                        f"classname]; {fix}") from None
     return out
 
 
@@ -340,13 +341,15 @@ def folder_split_file(folder):
 
 
 def list_class_folders(folder):
-    """{class folder: its image paths relative to folder, sorted}. split_fewshot/ is the few-shot cache
-    (`fewshot_split`), so no class may have that name: one holding images is refused."""
-    listing = {c: [f"{c}/{im}" for im in list_images(os.path.join(folder, c))] for c in list_dirs(folder)}
+    """{class folder: its image paths relative to folder, sorted}. split_fewshot/ is the few-shot
+    cache (`fewshot_split`), so no class may have that name: one holding images is refused."""
+    listing = {c: [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
+               for c in list_dirs(folder)}
     if listing.pop(FEWSHOT_DIR, None):
-        raise DataError(f"{os.path.join(folder, FEWSHOT_DIR)} holds images, but {FEWSHOT_DIR} is the name of "
-                        f"the few-shot cache's folder, not a class name data.py can use: rename that class "
-                        f"folder (e.g. to {FEWSHOT_DIR}_class; the '_' reads as a space in its class name)")
+        raise DataError(f"{os.path.join(folder, FEWSHOT_DIR)} holds images, but {FEWSHOT_DIR} is "
+                        f"the name of the few-shot cache's folder, not a class name data.py can "
+                        f"use: rename that class folder (e.g. to {FEWSHOT_DIR}_class; the '_' reads "
+                        f"as a space in its class name)")
     return listing
 
 
@@ -361,18 +364,24 @@ def nested_images(class_dir):
     return out
 
 
+def some(paths, n=3):
+    """The first n paths, ", "-joined, with ", ..." when there are more."""
+    return ", ".join(paths[:n]) + (", ..." if len(paths) > n else "")
+
+
 def nested_warning(folder, listing):
-    """A warning naming the images that sit in sub-folders of class folders (they are not read), or ""."""
+    """A warning naming the images in sub-folders of class folders (they are not read), or ""."""
     nested = [os.path.join(c, p) for c in listing for p in nested_images(os.path.join(folder, c))]
     if not nested:
         return ""
-    some = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")
-    return (f"{len(nested)} image(s) in sub-folders of the class folders of {folder} are left out ({some}): "
-            f"a class is the images directly in its folder; move them up into it to use them")
+    return (f"{len(nested)} image(s) in sub-folders of the class folders of {folder} are left out "
+            f"({some(nested)}): a class is the images directly in its folder; move them up into it "
+            f"to use them")
 
 
 def bad_entry(path):
-    """Why a listed image path is not a readable file ("a broken symbolic link ...", "a folder"), or ""."""
+    """Why a listed image path is not a readable file ("a broken symbolic link (to X)", "a folder,
+    not an image file", "missing"), or "" when it is one."""
     if os.path.islink(path) and not os.path.exists(path):
         return f"a broken symbolic link (to {os.readlink(path)})"
     if os.path.isdir(path):
@@ -381,32 +390,33 @@ def bad_entry(path):
 
 
 def check_entries(folder, listing):
-    """Stop, naming them, when listed image names are broken links or folders (x.png/): a new split would
-    list them and fail on each run."""
+    """Stop, naming them, when listed image names are broken links or folders (x.png/): a new split
+    would list them and fail on each run."""
     bad = [(p, why) for paths in listing.values() for p in paths
            for why in [bad_entry(os.path.join(folder, p))] if why]
     if bad:
-        some = "; ".join(f"{os.path.join(folder, p)} is {why}" for p, why in bad[:3])
+        named = "; ".join(f"{os.path.join(folder, p)} is {why}" for p, why in bad[:3])
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise DataError(f"{len(bad)} entries of {folder} have image names but are not image files: {some}{more}. "
-                        f"Fix or remove them, then run again")
+        raise DataError(f"{len(bad)} entries of {folder} have image names but are not image files: "
+                        f"{named}{more}. Fix or remove them, then run again")
 
 
 def class_counts(folder, listing):
-    """Stop when class folders have fewer than 2 images (one to train on, one to test on), naming them; say
-    where the images of an empty one are when they sit in sub-folders."""
+    """Stop when class folders have fewer than 2 images (one to train on, one to test on), naming
+    them; say where the images of an empty one are when they sit in sub-folders."""
     small = [(c, len(images)) for c, images in listing.items() if len(images) < 2]
     for c, n in small:
-        nested = nested_images(os.path.join(folder, c))
+        path, nested = os.path.join(folder, c), nested_images(os.path.join(folder, c))
         if n == 0 and nested:
-            raise DataError(f"class folder {os.path.join(folder, c)} holds no images directly; its {len(nested)} "
-                            f"image(s) are in sub-folders ({', '.join(nested[:3])}{', ...' * (len(nested) > 3)}):"
-                            f" move them up into {os.path.join(folder, c)}, one folder per class")
+            raise DataError(f"class folder {path} holds no images directly; its {len(nested)} "
+                            f"image(s) are in sub-folders ({some(nested)}): move them up into "
+                            f"{path}, one folder per class")
     if small:
-        some = ", ".join(f"{c}: {n}" for c, n in small[:5]) + (", ..." if len(small) > 5 else "")
-        raise DataError(f"{len(small)} class folder(s) of {folder} hold fewer than 2 images ({some}; images are "
-                        f"{', '.join(IMAGE_EXTENSIONS)}); a folder dataset needs at least 2 per class (one to "
-                        f"train on, one to test on): add images, or remove those folders")
+        counts = some([f"{c}: {n}" for c, n in small], 5)
+        raise DataError(f"{len(small)} class folder(s) of {folder} hold fewer than 2 images "
+                        f"({counts}; images are {', '.join(IMAGE_EXTENSIONS)}); a folder dataset "
+                        f"needs at least 2 per class (one to train on, one to test on): add images, "
+                        f"or remove those folders")
 
 
 def check_folder_unchanged(folder, path, split, listing):
@@ -471,7 +481,7 @@ def read_folder(spec, folder, root):
         images = list(images)
         rng.shuffle(images)
         n_train = max(1, round(0.5 * len(images)))
-        n_val = min(round(0.2 * len(images)), len(images) - n_train - 1)  # >= 1 test image per class
+        n_val = min(round(0.2 * len(images)), len(images) - n_train - 1)  # >= 1 test image
         for key, part in (("train", images[:n_train]), ("val", images[n_train:n_train + n_val]),
                           ("test", images[n_train + n_val:])):
             split[key] += [(p, label, c) for p in part]
@@ -503,8 +513,8 @@ def fewshot_split(folder, split, shots, seed, sample_val=True):
 
     CoOp seeds Python's random with the seed, then samples train and val in that order from one stream;
     random.Random(seed) is that stream without touching the global one. The result is cached as JSON
-    (relative paths) and reused only when it was drawn from exactly these train and val lists, with these
-    shots and this seed (a file copied under another name is not taken for another draw)."""
+    (relative paths) and reused only when it was drawn from exactly these train and val lists, with
+    these shots and this seed (a file copied under another name is not taken for another draw)."""
     source = {"train": split["train"], "val": split["val"] if sample_val else []}
     sha = fingerprint(source)
     path = os.path.join(folder, FEWSHOT_DIR, f"shot_{shots}-seed_{seed}.json")
@@ -546,8 +556,8 @@ def check_files(items, what, spec):
         if not os.path.isfile(path):
             why = bad_entry(path)
             if why != "missing":  # a broken link or a folder: splitting anew would list it again
-                raise DataError(f"image listed in the {what} split is {why}: {path}; fix it, or remove it "
-                                f"(and its entry from the split file)")
+                raise DataError(f"image listed in the {what} split is {why}: {path}; fix it, or "
+                                f"remove it (and its entry from the split file)")
             if spec.reader == "folder":  # your own folder: no download to redo
                 raise DataError(f"image listed in the {what} split is missing on disk: {path}; restore it, or "
                                 f"split the folder anew by deleting {spec.split} (a new shuffle)")
@@ -578,8 +588,8 @@ def dataset_folder(name, root):
     if name.startswith("folder:"):
         path = name[len("folder:"):]
         if not path.strip():  # "" would read (and write split files into) the current directory
-            raise DataError("--dataset folder: needs a path after the colon (folder:PATH, a folder with one "
-                            "sub-folder per class); it is empty (an unset variable?)")
+            raise DataError("--dataset folder: needs a path after the colon (folder:PATH, a folder "
+                            "with one sub-folder per class); it is empty (an unset variable?)")
         return os.path.abspath(os.path.expanduser(path))
     spec = DATASETS.get(name)
     return os.path.join(os.path.abspath(os.path.expanduser(str(root))), spec.folder if spec else name)
@@ -650,17 +660,19 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
 
 
 def check_test_split(split, test, name, split_file):
-    """Stop when there is nothing to test on: an empty test split (e.g. after --subsample), or, in the split
-    of a folder dataset (split: as read, before few-shot sampling), a class without a test image (its accuracy
-    would never be measured)."""
+    """Stop when there is nothing to test on: an empty test split (e.g. after --subsample), or, in
+    the split of a folder dataset (split: as read, before few-shot sampling), a class without a test
+    image (its accuracy would never be measured)."""
     if not test:
-        fix = f"delete {split_file} to split the folder anew" if split_file else "check the split file"
+        fix = (f"delete {split_file} to split the folder anew" if split_file
+               else "check the split file")
         raise DataError(f"{name} has an empty test split: there is nothing to evaluate on; {fix}")
     if split_file:
-        untested = sorted({c for k in ("train", "val") for _, _, c in split[k]} - {c for _, _, c in split["test"]})
+        tested = {c for _, _, c in split["test"]}
+        untested = sorted({c for k in ("train", "val") for _, _, c in split[k]} - tested)
         if untested:
             raise DataError(f"the split {split_file} gives {len(untested)} class(es) no test image "
-                            f"({', '.join(untested[:3])}); delete it to split the folder anew (every class "
+                            f"({some(untested)}); delete it to split the folder anew (every class "
                             f"with 2 or more images then gets one)")
 
 
@@ -829,7 +841,8 @@ def main(argv=None):
                                                                  "folder:PATH")
     check.add_argument("--no-images", action="store_true", help="only read the split lists; do not open the images")
     check.add_argument("--root", default="data", help="folder holding the datasets (default: data)")
-    check.add_argument("--shots", type=int, default=None, help="training images per class, >= 1 (default: all)")
+    check.add_argument("--shots", type=int, default=None,
+                       help="training images per class, >= 1 (default: all)")
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--subsample", default="all", choices=["all", "base", "novel", "new"])
     down = sub.add_parser("download", help="download a dataset (and its split file) into --root")

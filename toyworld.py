@@ -252,8 +252,9 @@ def _code_names(code):
 
 
 def _drawing_functions():
-    """The functions that decide a dataset's pixels and items: render (the dataset's images), render_array (the
-    transfer sets'), dataset_items and every function of this module that they call, at any depth."""
+    """The functions that decide a dataset's pixels and items: render (the dataset's images),
+    render_array (the transfer sets'), dataset_items and every function of this module that they
+    call, at any depth."""
     found, todo = {}, [render, render_array, dataset_items]
     while todo:
         fn = todo.pop()
@@ -265,9 +266,10 @@ def _drawing_functions():
 
 
 def render_knobs():
-    """Every rendering knob: the module constants (UPPER_CASE) that the drawing functions read, and their keyword
-    defaults (render_array's noise, ...), found by walking the code, so that a new knob is recorded without
-    being listed by hand. Written beside a dataset (RENDER_FILE); JSON values (tuples as lists)."""
+    """Every rendering knob: the module constants (UPPER_CASE) that the drawing functions read, and
+    their keyword defaults (render_array's noise, ...), found by walking the code, so that a new
+    knob is recorded without being listed by hand. Written beside a dataset (RENDER_FILE); JSON
+    values (tuples as lists)."""
     knobs = {}
     for name, fn in sorted(_drawing_functions().items()):
         for g in sorted(_code_names(fn.__code__)):
@@ -280,9 +282,10 @@ def render_knobs():
     return json.loads(json.dumps(knobs))
 
 
-# The first render.json files (recipe v2) held only these four knobs; the others then had the values whose
-# fingerprint is UNRECORDED_V2. A file without them is read as drawn with those values while the code still
-# has them; once one of them changes, such a file no longer matches (no knob is ever assumed unchanged).
+# The first render.json files (recipe v2) held only these four knobs; the others then had the values
+# whose fingerprint is UNRECORDED_V2. A file without them is read as drawn with those values while
+# the code still has them; once one of them changes, such a file no longer matches (no knob is ever
+# assumed unchanged).
 RECORDED_V2 = ("saturation", "dark", "texture_on", "background_dark")
 UNRECORDED_V2 = "056257d4b5bcf933d2225e5998560c85bae9fc2bcf00c29e73d91a30d191bb0c"
 
@@ -313,8 +316,9 @@ def check_rendering(folder):
 
 
 def _user_mkdtemp(prefix, parent):
-    """A temporary folder in `parent` with the user's normal folder permissions (0777 less the umask, as
-    os.makedirs gives): mkdtemp makes it owner-only (0700), and it becomes the dataset folder by a rename."""
+    """A temporary folder in `parent` with the user's normal folder permissions (0777 less the
+    umask, as os.makedirs gives): mkdtemp makes it owner-only (0700), and it becomes the dataset
+    folder by a rename."""
     tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     mask = os.umask(0)
     os.umask(mask)
