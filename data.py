@@ -42,6 +42,7 @@ CHECK_LIMIT = 1000          # paths per split checked up front; the rest fail cl
 CUSTOM_SPLIT_SEED = 1       # folder:PATH datasets are split once, with this seed, and the split is kept
 FOLDER_SPLIT = "split_folder.json"
 FEWSHOT_FORMAT = "dear-fewshot/1"
+FEWSHOT_DIR = "split_fewshot"  # the few-shot cache's folder, beside a dataset's split
 IMAGENET_FORMAT = "dear-imagenet/1"
 COOP_GUIDE = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 
@@ -195,20 +196,22 @@ def download_hint(spec, root):
 # Each reader returns (image_dir, {"train": [...], "val": [...], "test": [...]}) with items
 # (relative path, label, raw classname); build_dataset joins the paths and cleans the names.
 
-def read_split_json(path):
-    """A CoOp split file: {"train"/"val"/"test": [[relative path, label, classname], ...]}."""
+def read_split_json(path, fix=""):
+    """A CoOp split file: {"train"/"val"/"test": [[relative path, label, classname], ...]}.
+    fix: what to do about a broken one (default: download it again, the fix for CoOp's files)."""
+    fix = fix or f"download it again (see {COOP_GUIDE})"
     data = read_json(path)
     if data is None:
-        raise DataError(f"split file {path} is not valid JSON (a cut-off download, or an HTML page saved in its "
-                        f"place?); download it again (see {COOP_GUIDE})")
+        raise DataError(f"split file {path} is not valid JSON (cut off, or an HTML page saved in "
+                        f"its place?); {fix}")
     out = {}
     try:
         for key in ("train", "val", "test"):
             out[key] = [(str(p), int(y), str(c)) for p, y, c in data[key]]
     except (TypeError, KeyError, ValueError) as e:
-        raise DataError(f"malformed split file {path} ({type(e).__name__}: {e}); expected a JSON object with "
-                        f"'train', 'val', 'test' lists of [relative path, label, classname]. "
-                        f"Re-download it (see {COOP_GUIDE}).") from None
+        raise DataError(f"malformed split file {path} ({type(e).__name__}: {e}); expected a JSON "
+                        f"object with 'train', 'val', 'test' lists of [relative path, label, "
+                        f"classname]; {fix}") from None
     return out
 
 
@@ -338,9 +341,82 @@ def folder_split_file(folder):
 
 
 def list_class_folders(folder):
-    """{class folder: its image paths relative to folder, sorted}; split_fewshot/ is the few-shot cache."""
-    return {c: [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
-            for c in list_dirs(folder) if c != "split_fewshot"}
+    """{class folder: its image paths relative to folder, sorted}. split_fewshot/ is the few-shot
+    cache (`fewshot_split`), so no class may have that name: one holding images is refused."""
+    listing = {c: [f"{c}/{im}" for im in list_images(os.path.join(folder, c))]
+               for c in list_dirs(folder)}
+    if listing.pop(FEWSHOT_DIR, None):
+        raise DataError(f"{os.path.join(folder, FEWSHOT_DIR)} holds images, but {FEWSHOT_DIR} is "
+                        f"the name of the few-shot cache's folder, not a class name data.py can "
+                        f"use: rename that class folder (e.g. to {FEWSHOT_DIR}_class; the '_' reads "
+                        f"as a space in its class name)")
+    return listing
+
+
+def nested_images(class_dir):
+    """Image files in the sub-folders of a class folder (any depth): paths relative to class_dir."""
+    out = []
+    for top in list_dirs(class_dir):
+        for here, dirs, files in os.walk(os.path.join(class_dir, top)):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            out += [os.path.relpath(os.path.join(here, f), class_dir) for f in sorted(files)
+                    if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    return out
+
+
+def some(paths, n=3):
+    """The first n paths, ", "-joined, with ", ..." when there are more."""
+    return ", ".join(paths[:n]) + (", ..." if len(paths) > n else "")
+
+
+def nested_warning(folder, listing):
+    """A warning naming the images in sub-folders of class folders (they are not read), or ""."""
+    nested = [os.path.join(c, p) for c in listing for p in nested_images(os.path.join(folder, c))]
+    if not nested:
+        return ""
+    return (f"{len(nested)} image(s) in sub-folders of the class folders of {folder} are left out "
+            f"({some(nested)}): a class is the images directly in its folder; move them up into it "
+            f"to use them")
+
+
+def bad_entry(path):
+    """Why a listed image path is not a readable file ("a broken symbolic link (to X)", "a folder,
+    not an image file", "missing"), or "" when it is one."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a broken symbolic link (to {os.readlink(path)})"
+    if os.path.isdir(path):
+        return "a folder, not an image file"
+    return "" if os.path.isfile(path) else "missing"
+
+
+def check_entries(folder, listing):
+    """Stop, naming them, when listed image names are broken links or folders (x.png/): a new split
+    would list them and fail on each run."""
+    bad = [(p, why) for paths in listing.values() for p in paths
+           for why in [bad_entry(os.path.join(folder, p))] if why]
+    if bad:
+        named = "; ".join(f"{os.path.join(folder, p)} is {why}" for p, why in bad[:3])
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise DataError(f"{len(bad)} entries of {folder} have image names but are not image files: "
+                        f"{named}{more}. Fix or remove them, then run again")
+
+
+def class_counts(folder, listing):
+    """Stop when class folders have fewer than 2 images (one to train on, one to test on), naming
+    them; say where the images of an empty one are when they sit in sub-folders."""
+    small = [(c, len(images)) for c, images in listing.items() if len(images) < 2]
+    for c, n in small:
+        path, nested = os.path.join(folder, c), nested_images(os.path.join(folder, c))
+        if n == 0 and nested:
+            raise DataError(f"class folder {path} holds no images directly; its {len(nested)} "
+                            f"image(s) are in sub-folders ({some(nested)}): move them up into "
+                            f"{path}, one folder per class")
+    if small:
+        counts = some([f"{c}: {n}" for c, n in small], 5)
+        raise DataError(f"{len(small)} class folder(s) of {folder} hold fewer than 2 images "
+                        f"({counts}; images are {', '.join(IMAGE_EXTENSIONS)}); a folder dataset "
+                        f"needs at least 2 per class (one to train on, one to test on): add images, "
+                        f"or remove those folders")
 
 
 def check_folder_unchanged(folder, path, split, listing):
@@ -393,19 +469,19 @@ def read_folder(spec, folder, root):
     listing = list_class_folders(folder)
     path = folder_split_file(folder)
     if path:
-        split = read_split_json(path)
+        split = read_split_json(path, fix=f"delete {path} to split the folder anew (a new shuffle)")
         check_folder_unchanged(folder, path, split, listing)
         return folder, split
     if not listing:
         raise DataError(f"{folder} has no class sub-folders.\nExpected layout: {spec.layout()}")
+    class_counts(folder, listing)
+    check_entries(folder, listing)
     rng, split = random.Random(CUSTOM_SPLIT_SEED), {"train": [], "val": [], "test": []}
     for label, (c, images) in enumerate(listing.items()):
-        if not images:
-            raise DataError(f"class folder {os.path.join(folder, c)} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
         images = list(images)
         rng.shuffle(images)
         n_train = max(1, round(0.5 * len(images)))
-        n_val = min(round(0.2 * len(images)), len(images) - n_train)
+        n_val = min(round(0.2 * len(images)), len(images) - n_train - 1)  # >= 1 test image
         for key, part in (("train", images[:n_train]), ("val", images[n_train:n_train + n_val]),
                           ("test", images[n_train + n_val:])):
             split[key] += [(p, label, c) for p in part]
@@ -437,12 +513,14 @@ def fewshot_split(folder, split, shots, seed, sample_val=True):
 
     CoOp seeds Python's random with the seed, then samples train and val in that order from one stream;
     random.Random(seed) is that stream without touching the global one. The result is cached as JSON
-    (relative paths) and reused only when it was made from exactly these split lists."""
+    (relative paths) and reused only when it was drawn from exactly these train and val lists, with
+    these shots and this seed (a file copied under another name is not taken for another draw)."""
     source = {"train": split["train"], "val": split["val"] if sample_val else []}
     sha = fingerprint(source)
-    path = os.path.join(folder, "split_fewshot", f"shot_{shots}-seed_{seed}.json")
+    path = os.path.join(folder, FEWSHOT_DIR, f"shot_{shots}-seed_{seed}.json")
     cache = read_json(path)
-    if isinstance(cache, dict) and cache.get("format") == FEWSHOT_FORMAT and cache.get("split_sha256") == sha:
+    drawn = {"format": FEWSHOT_FORMAT, "shots": shots, "seed": seed, "split_sha256": sha}
+    if isinstance(cache, dict) and all(cache.get(k) == v for k, v in drawn.items()):
         train = [tuple(x) for x in cache["train"]]
         return train, ([tuple(x) for x in cache["val"]] if sample_val else split["val"])
     rng = random.Random(seed)
@@ -476,6 +554,10 @@ def check_files(items, what, spec):
     DataError naming the file when the loader reaches them."""
     for path, _, _ in items[::max(1, len(items) // CHECK_LIMIT)]:
         if not os.path.isfile(path):
+            why = bad_entry(path)
+            if why != "missing":  # a broken link or a folder: splitting anew would list it again
+                raise DataError(f"image listed in the {what} split is {why}: {path}; fix it, or "
+                                f"remove it (and its entry from the split file)")
             if spec.reader == "folder":  # your own folder: no download to redo
                 raise DataError(f"image listed in the {what} split is missing on disk: {path}; restore it, or "
                                 f"split the folder anew by deleting {spec.split} (a new shuffle)")
@@ -504,7 +586,11 @@ def dataset_folder(name, root):
     """The absolute folder `build_dataset` reads a dataset from: a folder:PATH dataset's own path, else
     <root>/<its CoOp folder> (an unknown name: <root>/<name>)."""
     if name.startswith("folder:"):
-        return os.path.abspath(os.path.expanduser(name[len("folder:"):]))
+        path = name[len("folder:"):]
+        if not path.strip():  # "" would read (and write split files into) the current directory
+            raise DataError("--dataset folder: needs a path after the colon (folder:PATH, a folder "
+                            "with one sub-folder per class); it is empty (an unset variable?)")
+        return os.path.abspath(os.path.expanduser(path))
     spec = DATASETS.get(name)
     return os.path.join(os.path.abspath(os.path.expanduser(str(root))), spec.folder if spec else name)
 
@@ -543,6 +629,7 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
         if len(labels) == 1:
             raise DataError(f"base-to-novel needs at least 2 classes (base: the first half, novel: the rest); "
                             f"{name} has 1. Use --subsample all, or a dataset with more classes.")
+    read = dict(split)  # as read, before few-shot sampling
     if shots >= 1 and not spec.test_only:
         cache = os.path.dirname(split_file) if split_file else folder
         split["train"], split["val"] = fewshot_split(cache, split, shots, seed, sample_val=spec.reader != "imagenet")
@@ -562,11 +649,31 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     if missing:
         raise DataError(f"labels {missing[:5]} have no items in {folder}; the split file is inconsistent")
     classnames = [names[y] for y in range(len(names))]
+    check_test_split(read, test, name, split_file)
     ds = Dataset(name, train, val, test, classnames, spec.template, folder, split_file)
     ds.warnings = dataset_warnings(ds, shots, subsample, spec.test_only)
+    if spec.reader == "folder":
+        ds.warnings += [w for w in [nested_warning(folder, list_class_folders(folder))] if w]
     for w in ds.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return ds
+
+
+def check_test_split(split, test, name, split_file):
+    """Stop when there is nothing to test on: an empty test split (e.g. after --subsample), or, in
+    the split of a folder dataset (split: as read, before few-shot sampling), a class without a test
+    image (its accuracy would never be measured)."""
+    if not test:
+        fix = (f"delete {split_file} to split the folder anew" if split_file
+               else "check the split file")
+        raise DataError(f"{name} has an empty test split: there is nothing to evaluate on; {fix}")
+    if split_file:
+        tested = {c for _, _, c in split["test"]}
+        untested = sorted({c for k in ("train", "val") for _, _, c in split[k]} - tested)
+        if untested:
+            raise DataError(f"the split {split_file} gives {len(untested)} class(es) no test image "
+                            f"({some(untested)}); delete it to split the folder anew (every class "
+                            f"with 2 or more images then gets one)")
 
 
 def dataset_warnings(ds, shots, subsample, test_only):
@@ -734,7 +841,8 @@ def main(argv=None):
                                                                  "folder:PATH")
     check.add_argument("--no-images", action="store_true", help="only read the split lists; do not open the images")
     check.add_argument("--root", default="data", help="folder holding the datasets (default: data)")
-    check.add_argument("--shots", type=int, default=-1, help="images per class (-1: all)")
+    check.add_argument("--shots", type=int, default=None,
+                       help="training images per class, >= 1 (default: all)")
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--subsample", default="all", choices=["all", "base", "novel", "new"])
     down = sub.add_parser("download", help="download a dataset (and its split file) into --root")
@@ -747,6 +855,9 @@ def main(argv=None):
     import download  # the helper module that fetches and unpacks archives
     try:
         if args.command == "check":
+            if args.shots is not None and args.shots < 1:  # dear.py's rule and words
+                raise DataError(f"--shots must be >= 1, got {args.shots}")
+            args.shots = -1 if args.shots is None else args.shots  # build_dataset's "all images"
             def report(name, ds, error):
                 if ds:
                     print(summary(ds, args.shots, args.seed, args.subsample), flush=True)

@@ -35,6 +35,7 @@ B2N_DATASETS = ("imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxfor
 DG_TARGETS = ("imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r")
 XD_TARGETS = B2N_DATASETS[1:]   # cross-dataset: the ImageNet model on the other 10 datasets
 SHOTS = (1, 2, 4, 8, 16)
+TABLE_SHOTS = 16                # shots of the base-to-novel, transfer and ablation tables
 PAPER_BACKBONE = "ViT-B/16"     # published numbers are shown only next to runs of this backbone
 AVG = "average"                 # dataset key of the "Average" row/column in PUBLISHED
 
@@ -238,12 +239,16 @@ def average_cell(tables):
 # Reading runs
 
 
-# dear.py names a run folder after its non-default flags, "<field>-<value>" joined by "_" (fields may
-# contain "_" themselves, so the split needs the field names). Schedule fields (epochs, batch size, lr)
-# do not change the method: a run with only those is the method's row, and the notes say so.
-VARIANT_FIELDS = ("J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask", "attr_tokens",
-                  "novel_logits", "epochs", "batch_size", "lr", "roles_control", "roles")
-SCHEDULE_FIELDS = ("epochs", "batch_size", "lr")
+# dear.py names a run folder after its non-default flags, "<field>-<value>" joined by "_" (fields
+# may contain "_" themselves, so the split needs the field names). Schedule fields (epochs, batch
+# size, lr, ...) do not change the method, but they change its numbers: runs of one schedule make
+# one set of tables, and a run never fills a cell of another schedule (build). The backbone has its
+# own tables, so a backbone part names no ablation either.
+VARIANT_FIELDS = ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim",
+                  "mask", "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size",
+                  "lr", "warmup_epochs", "warmup_lr", "weight_decay", "crop_scale", "precision",
+                  "roles_control", "roles")
+SCHEDULE_FIELDS = ("epochs", "batch_size", "lr", "warmup_epochs", "warmup_lr", "weight_decay")
 _PART = re.compile(r"(%s)-(.*?)(?=_(?:%s)-|$)" % ("|".join(VARIANT_FIELDS), "|".join(VARIANT_FIELDS)))
 
 
@@ -255,41 +260,142 @@ def variant_parts(variant):
     return parts if "_".join(parts) == variant else [variant]   # unknown format: keep it whole
 
 
+def _field(part):
+    return part.split("-", 1)[0]
+
+
 def method_key(variant, baseline="default"):
-    """The ablation a variant stands for: its parts minus schedule parts minus the baseline's parts.
-    "" = the full method with its defaults."""
+    """The ablation a variant stands for: its parts minus schedule and backbone parts minus the
+    baseline's parts. "" = the full method with its defaults."""
     base = set(variant_parts(baseline))
     return "_".join(p for p in variant_parts(variant)
-                    if p.split("-", 1)[0] not in SCHEDULE_FIELDS and p not in base)
+                    if _field(p) not in SCHEDULE_FIELDS + ("backbone",) and p not in base)
 
 
-def load_runs(out, baseline="default"):
-    """Every results.json under `out` (the tables folder excluded), as dicts; broken files are reported.
-    Each run gets "_key" (method_key of its variant) and "_schedule" (its non-default schedule parts)."""
-    runs = []
+def schedule_of(variant):
+    """The schedule parts of a variant as one name: "" (dear.py's default schedule), "epochs-1"."""
+    return "_".join(p for p in variant_parts(variant) if _field(p) in SCHEDULE_FIELDS)
+
+
+def run_problem(run):
+    """Why a parsed results.json cannot fill a table cell, for a message ("" when it can)."""
+    if not isinstance(run, dict):
+        return f"holds {json.dumps(run)[:40]}, not a JSON object of results"
+    for field in ("protocol", "method", "dataset", "backbone"):
+        if not isinstance(run.get(field), str) or not run.get(field):
+            return f"has no {field}, so it belongs to no table"
+    if not (isinstance(run.get("variant", "default"), str) and isinstance(run.get("seed", 1), int)):
+        return "has a variant or seed that is not a name or a number"
+    evals = run.get("evals")
+    if not isinstance(evals, list) or not evals:
+        return "has no evals (no accuracy at all)"
+    for i, e in enumerate(evals):
+        if not (isinstance(e, dict) and isinstance(e.get("dataset"), str)
+                and isinstance(e.get("split"), str)):
+            return f"evals[{i}] names no dataset and split"
+        acc = e.get("accuracy")
+        if isinstance(acc, bool) or not isinstance(acc, (int, float)) or not math.isfinite(acc):
+            return (f"evals[{i}] ({e['dataset']} {e['split']}) has accuracy {json.dumps(acc)}, "
+                    f"not a number")
+    return ""
+
+
+def read_run(path, baseline):
+    """One results.json as a run dict with "_path", "_key" (method_key) and "_schedule"
+    (schedule_of); or a (path, reason) problem when it cannot be used."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        return path, f"cannot be read ({e})"
+    why = run_problem(run)
+    if why:
+        return path, why
+    variant = run.get("variant", "default")
+    run.update(_path=path, _key=method_key(variant, baseline), _schedule=schedule_of(variant))
+    return run
+
+
+def slots(run):
+    """The table slots a run fills, one per eval: (cell identity..., eval dataset, split, seed).
+    A zero-shot run is one cell whatever its shots and flags (neither changes zero-shot CLIP)."""
+    dear = run["method"] != "zeroshot"
+    ident = (run["backbone"], run["protocol"], run["method"], run["dataset"],
+             run["_schedule"] if dear else "", run["_key"] if dear else "",
+             run.get("shots") if dear else None)
+    return [ident + (e["dataset"], e["split"], run.get("seed", 1)) for e in run["evals"]]
+
+
+def model_folder(run):
+    """The run folder of the model a run evaluated: an --eval-only result sits in
+    <model run>/eval/<name>/; any other result in its own run folder."""
+    folder = os.path.dirname(run["_path"])
+    eval_only = (run.get("config") or {}).get("eval_only")
+    if eval_only and os.path.basename(os.path.dirname(folder)) == "eval":
+        return os.path.dirname(os.path.dirname(folder))
+    return folder
+
+
+def drop_duplicates(runs, problems):
+    """Two results for one table slot (a backup copy of a run, the same run under two roots): that
+    cell uses neither, and each is named in `problems`. An --eval-only result that repeats a slot of
+    the run whose model it loaded is no conflict: that run's own value is kept. Returns the runs
+    that still fill a cell."""
+    by_slot = {}
+    for r in runs:
+        for slot in slots(r):
+            by_slot.setdefault(slot, []).append(r)
+    clash = {}     # path -> the paths it clashes with
+    dropped = {}   # id(run) -> {(eval dataset, split)} it does not fill
+    for slot, rs in by_slot.items():
+        if len(rs) < 2:
+            continue
+        own = {model_folder(r) for r in rs if model_folder(r) == os.path.dirname(r["_path"])}
+        # re-evaluations of a model whose own run is here give way to it
+        again = [r for r in rs if model_folder(r) in own and os.path.dirname(r["_path"]) not in own]
+        rest = [r for r in rs if not any(r is x for x in again)]
+        if len(rest) > 1:
+            for r in rest:
+                clash.setdefault(r["_path"], set()).update(x["_path"] for x in rest if x is not r)
+        for r in again + (rest if len(rest) > 1 else []):
+            dropped.setdefault(id(r), set()).add(slot[-3:-1])
+    for path, others in sorted(clash.items()):
+        problems.append((path, "fills the same table cell(s) as " + ", ".join(sorted(others))
+                         + "; those cells use neither: move or delete the copy you do not want, "
+                         "then rerun tables.py"))
+    keep = []
+    for r in runs:
+        skip = dropped.get(id(r), ())
+        r["evals"] = [e for e in r["evals"] if (e["dataset"], e["split"]) not in skip]
+        if r["evals"]:
+            keep.append(r)
+    return keep
+
+
+def load_runs(out, baseline="default", problems=None):
+    """Every usable results.json under `out` (the tables folder excluded), as dicts (read_run), with
+    duplicates dropped (drop_duplicates). Each result that is not used is named on stderr and
+    appended to `problems` as (path, reason)."""
+    runs, found = [], []
     for folder, dirs, files in os.walk(out):
         dirs[:] = sorted(d for d in dirs if d != "tables")
         if "results.json" in files:
-            path = os.path.join(folder, "results.json")
-            try:
-                with open(path) as f:
-                    run = json.load(f)
-                run["_path"] = path
-                run["_key"] = method_key(run.get("variant", "default"), baseline)
-                run["_schedule"] = [p for p in variant_parts(run.get("variant", "default"))
-                                    if p.split("-", 1)[0] in SCHEDULE_FIELDS]
-                runs.append(run)
-            except (OSError, ValueError) as e:
-                print(f"tables.py: skipping unreadable {path}: {e}", file=sys.stderr)
+            got = read_run(os.path.join(folder, "results.json"), baseline)
+            (runs if isinstance(got, dict) else found).append(got)
+    runs = drop_duplicates(runs, found)
+    for path, why in found:
+        print(f"tables.py: not shown: {path} {why}", file=sys.stderr)
+    if problems is not None:
+        problems += found
     return runs
 
 
 def accuracies(runs, protocol, method, key="", shots=None, backbone=None):
-    """{(eval dataset, split): {seed: accuracy}} over the matching runs (key: see method_key).
-    Zero-shot runs match any shots and variant (neither changes zero-shot CLIP). When two runs fill the
-    same cell, the one with the default schedule wins."""
-    table = {}
-    for r in sorted(runs, key=lambda r: -len(r["_schedule"])):
+    """{(eval dataset, split): {seed: accuracy}} over the matching runs (key: see method_key), which
+    must be of one schedule (build splits them). Zero-shot runs match any shots and variant (neither
+    changes zero-shot CLIP). Each run used is marked "_used"."""
+    table, source = {}, {}
+    for r in runs:
         if (r.get("protocol"), r.get("method")) != (protocol, method):
             continue
         if backbone is not None and r.get("backbone") != backbone:
@@ -298,7 +404,12 @@ def accuracies(runs, protocol, method, key="", shots=None, backbone=None):
             continue
         for e in r.get("evals", []):
             # xd runs evaluate on their own source too: key it by the source name either way
-            table.setdefault((e["dataset"], e["split"]), {})[r.get("seed", 1)] = float(e["accuracy"])
+            slot = (e["dataset"], e["split"], r.get("seed", 1))
+            cell = table.setdefault(slot[:2], {})
+            if slot[2] in cell:   # load_runs drops duplicates, build splits schedules: never two
+                raise ValueError(f"{r['_path']} and {source[slot]} fill one cell")
+            cell[slot[2]], source[slot] = float(e["accuracy"]), r["_path"]
+            r["_used"] = True
     return table
 
 
@@ -326,7 +437,7 @@ def _delta(ours, paper):
 
 def table_b2n(runs, backbone):
     zs = accuracies(runs, "b2n", "zeroshot", backbone=backbone)
-    de = accuracies(runs, "b2n", "dear", backbone=backbone)
+    de = accuracies(runs, "b2n", "dear", shots=TABLE_SHOTS, backbone=backbone)
     found = {d for d, _ in list(zs) + list(de)}
     show_paper = backbone == PAPER_BACKBONE
     names = datasets_listed(B2N_DATASETS, found, always=show_paper)
@@ -374,7 +485,7 @@ def table_b2n(runs, backbone):
 def _transfer_table(runs, backbone, protocol, targets, title, source_col):
     """Shared by DG and XD: columns = (source,) + targets + average of the targets; all from xd runs."""
     zs = accuracies(runs, "xd", "zeroshot", backbone=backbone)
-    de = accuracies(runs, "xd", "dear", backbone=backbone)
+    de = accuracies(runs, "xd", "dear", shots=TABLE_SHOTS, backbone=backbone)
     sources = sorted({r["dataset"] for r in runs if r.get("protocol") == "xd"
                       and (backbone is None or r.get("backbone") == backbone)}) or ["imagenet"]
     found = {d for d, _ in list(zs) + list(de) if d not in sources}
@@ -472,6 +583,7 @@ def variant_label(key):
 
 def table_ablations(runs, backbone):
     mine = [r for r in runs if r.get("protocol") == "b2n" and r.get("method") == "dear"
+            and r.get("shots") == TABLE_SHOTS
             and (backbone is None or r.get("backbone") == backbone)]
     keys = sorted({r["_key"] for r in mine} - {""})
     if not keys:
@@ -480,7 +592,7 @@ def table_ablations(runs, backbone):
     names = sorted({r["dataset"] for r in mine if r["_key"]}, key=lambda d: (B2N_DATASETS + (d,)).index(d))
     rows, full_hm = [], None
     for key in [""] + keys:
-        acc = accuracies(runs, "b2n", "dear", key=key, backbone=backbone)
+        acc = accuracies(runs, "b2n", "dear", key=key, shots=TABLE_SHOTS, backbone=backbone)
         base = [acc.get((d, "base"), {}) for d in names]
         novel = [acc.get((d, "novel"), {}) for d in names]
         b, n = average_cell(base), average_cell(novel)
@@ -563,35 +675,86 @@ REFERENCE_HEADER = (
     + "); the notes under each table say more.")
 
 
+# (CSV name, the protocol of its DeAR runs), in table order
+MAKERS = [("table1_b2n", "b2n"), ("table2_dg", "xd"), ("table3_xd", "xd"),
+          ("table4_fewshot", "fewshot"), ("table5_ablations", "b2n")]
+
+
+def schedule_groups(runs):
+    """{schedule: runs}: the DeAR runs of each schedule ("" = the default first), each group with
+    every zero-shot run (zero-shot CLIP has no schedule). No DeAR run: one group, ""."""
+    zero = [r for r in runs if r["method"] == "zeroshot"]
+    names = sorted({r["_schedule"] for r in runs if r["method"] != "zeroshot"}) or [""]
+    return {g: [r for r in runs if r["method"] != "zeroshot" and r["_schedule"] == g] + zero
+            for g in names}
+
+
+def shown_in(groups, protocol):
+    """The schedules whose tables of `protocol` are drawn: those with a DeAR run of it; if none has
+    one, the first (for its zero-shot rows)."""
+    have = [g for g, rs in groups.items()
+            if any(r["method"] != "zeroshot" and r["protocol"] == protocol for r in rs)]
+    return have or list(groups)[:1]
+
+
+def unused_reason(r):
+    return (f"is in no table: tables.py has no cell for protocol {r['protocol']}, method "
+            f"{r['method']}, variant {r.get('variant', 'default')}, {r.get('shots')} shots")
+
+
+def not_shown_section(problems, unused):
+    """The results.json files that fill no cell, each with the reason (also printed on stderr)."""
+    lines = [f"{path} {why}" for path, why in problems]
+    lines += [f"{r['_path']} {unused_reason(r)}" for r in unused]
+    if not lines:
+        return ""
+    return "\n".join(["## Results not shown", ""] + [f"- {line}" for line in lines] + [""])
+
+
 def build(out, baseline="default"):
-    """Writes <out>/tables/tables.md and one CSV per table; returns the Markdown text."""
-    runs = load_runs(out, baseline)
+    """Writes <out>/tables/tables.md and one CSV per table and schedule; returns the Markdown."""
+    problems = []
+    runs = load_runs(out, baseline, problems)
     tables_dir = os.path.join(out, "tables")
     os.makedirs(tables_dir, exist_ok=True)
-    backbones = sorted({r.get("backbone", "?") for r in runs}) or [PAPER_BACKBONE]
+    backbones = sorted({r["backbone"] for r in runs}) or [PAPER_BACKBONE]
+    groups = schedule_groups(runs)
+    others = f" ({len(problems)} other results.json not shown: see the end)" if problems else ""
     parts = ["# DeAR reproduction: results", "",
-             f"{len(runs)} runs under `{out}`. Cells: mean ± std over seeds (n = number of seeds); "
-             "– = no result.", "", REFERENCE_HEADER, ""]
-    schedules = sorted({p for r in runs for p in r["_schedule"]})
+             f"{len(runs)} runs under `{out}`{others}. Cells: mean ± std over seeds "
+             "(n = number of seeds); – = no result.", "", REFERENCE_HEADER, ""]
+    schedules = [g for g in groups if g]
     if baseline != "default" or schedules:
         parts += [f"Non-default settings in these runs: baseline flags `{baseline}`"
                   + (f", schedule `{', '.join(schedules)}`" if schedules else "") + ".", ""]
+    if len(groups) > 1:
+        parts += ["Runs of different schedules (epochs, batch size, lr, ...) never share a table: "
+                  "each schedule has its own tables (zero-shot CLIP, which has none, is in each).",
+                  ""]
+    makers = dict(table1_b2n=table_b2n, table2_dg=table_dg, table3_xd=table_xd,
+                  table4_fewshot=table_fewshot, table5_ablations=table_ablations)
     csvs = {}
-    makers = [("table1_b2n", table_b2n), ("table2_dg", table_dg), ("table3_xd", table_xd),
-              ("table4_fewshot", table_fewshot), ("table5_ablations", table_ablations)]
     for bb in backbones:
         if len(backbones) > 1:
             parts += [f"# Backbone {bb}", ""]
-        for name, make in makers:
-            t = make(runs, bb)
-            if t is None:
-                continue
-            title, header, rows, notes = t
-            parts.append(markdown(f"{title} [{bb}]", header, rows, notes))
-            body = csv_text(title, header, rows, bb)
-            # one CSV per table; a second backbone appends its lines without repeating the header
-            csvs[name] = csvs[name] + body.split("\n", 1)[1] if name in csvs else body
+        for g, group in groups.items():
+            if len(groups) > 1:
+                parts += [f"## Schedule: {g or 'default'}", ""]
+            for name, protocol in MAKERS:
+                t = makers[name](group, bb) if g in shown_in(groups, protocol) else None
+                if t is None:
+                    continue
+                title, header, rows, notes = t
+                label = f"{title} [{bb}" + (f", schedule {g}]" if g else "]")
+                parts.append(markdown(label, header, rows, notes))
+                body, file = csv_text(title, header, rows, bb), name + (f"_{g}" if g else "")
+                # one CSV per table and schedule; another backbone appends its lines, no header
+                csvs[file] = csvs[file] + body.split("\n", 1)[1] if file in csvs else body
     parts.append(roles_section(out, tables_dir))
+    unused = [r for r in runs if not r.get("_used")]
+    for r in unused:
+        print(f"tables.py: not shown: {r['_path']} {unused_reason(r)}", file=sys.stderr)
+    parts.append(not_shown_section(problems, unused))
     text = "\n".join(parts)
     write_atomic(os.path.join(tables_dir, "tables.md"), text)
     for name, body in csvs.items():

@@ -34,6 +34,7 @@ Command line:
 """
 import argparse
 import hashlib
+import inspect
 import io
 import json
 import math
@@ -50,7 +51,7 @@ from PIL import Image
 
 import clip
 import util
-from util import fmt_time, write_atomic
+from util import fingerprint, fmt_time, write_atomic
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -245,9 +246,63 @@ def factor_labels(paths):
     return out
 
 
+def _code_names(code):
+    """Global names a code object reads, its nested code (comprehensions, lambdas) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+def _drawing_functions():
+    """The functions that decide a dataset's pixels and items: render (the dataset's images),
+    render_array (the transfer sets'), dataset_items and every function of this module that they
+    call, at any depth."""
+    found, todo = {}, [render, render_array, dataset_items]
+    while todo:
+        fn = todo.pop()
+        if fn.__name__ not in found:
+            found[fn.__name__] = fn
+            todo += [g for g in map(globals().get, _code_names(fn.__code__))
+                     if inspect.isfunction(g) and g.__module__ == __name__]
+    return found
+
+
 def render_knobs():
-    """The rendering knobs (module constants) that decide the pixels; written beside a dataset (RENDER_FILE)."""
-    return {"saturation": SATURATION, "dark": DARK, "texture_on": TEXTURE_ON, "background_dark": BACKGROUND_DARK}
+    """Every rendering knob: the module constants (UPPER_CASE) that the drawing functions read, and
+    their keyword defaults (render_array's noise, ...), found by walking the code, so that a new
+    knob is recorded without being listed by hand. Written beside a dataset (RENDER_FILE); JSON
+    values (tuples as lists)."""
+    knobs = {}
+    for name, fn in sorted(_drawing_functions().items()):
+        for g in sorted(_code_names(fn.__code__)):
+            value = globals().get(g)
+            if g.isupper() and not callable(value) and not inspect.ismodule(value):
+                knobs[g.lower()] = value
+        for arg, p in inspect.signature(fn).parameters.items():
+            if p.default is not inspect.Parameter.empty:
+                knobs[f"{name}.{arg}"] = p.default
+    return json.loads(json.dumps(knobs))
+
+
+# The first render.json files (recipe v2) held only these four knobs; the others then had the values
+# whose fingerprint is UNRECORDED_V2. A file without them is read as drawn with those values while
+# the code still has them; once one of them changes, such a file no longer matches (no knob is ever
+# assumed unchanged).
+RECORDED_V2 = ("saturation", "dark", "texture_on", "background_dark")
+UNRECORDED_V2 = "056257d4b5bcf933d2225e5998560c85bae9fc2bcf00c29e73d91a30d191bb0c"
+
+
+def drawn_knobs(path):
+    """The knobs a dataset was drawn with, from its RENDER_FILE (older files: see UNRECORDED_V2)."""
+    with open(path) as f:
+        drawn = json.load(f)
+    if isinstance(drawn, dict) and sorted(drawn) == sorted(RECORDED_V2):
+        rest = {k: v for k, v in sorted(render_knobs().items()) if k not in RECORDED_V2}
+        if fingerprint(rest) == UNRECORDED_V2:
+            drawn.update(rest)
+    return drawn
 
 
 def check_rendering(folder):
@@ -255,14 +310,24 @@ def check_rendering(folder):
     would not be the world the toy CLIP is pretrained on. A folder without RENDER_FILE is recipe v1's."""
     path = os.path.join(folder, RENDER_FILE)
     if os.path.isfile(path):
-        with open(path) as f:
-            drawn = json.load(f)
+        drawn = drawn_knobs(path)
     else:
         drawn = dict(render_knobs(), saturation=V1["SATURATION"], dark=V1["DARK"], texture_on="object")
     if drawn != render_knobs():
         raise ToyWorldError(f"{folder} was drawn with other rendering knobs ({drawn}) than this toy world "
                             f"(recipe {RECIPE}: {render_knobs()}); delete it (it is remade in seconds) or use "
                             f"another --root")
+
+
+def _user_mkdtemp(prefix, parent):
+    """A temporary folder in `parent` with the user's normal folder permissions (0777 less the
+    umask, as os.makedirs gives): mkdtemp makes it owner-only (0700), and it becomes the dataset
+    folder by a rename."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    return tmp
 
 
 def ensure_dataset(root):
@@ -279,7 +344,7 @@ def ensure_dataset(root):
         raise ToyWorldError(f"{final} exists but has no {SPLIT_FILE}; it is not a toy-world dataset. "
                             f"Move or delete it, then run again.")
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".toyworld-", dir=root)
+    tmp = _user_mkdtemp(".toyworld-", root)
     try:
         split = {"train": [], "val": [], "test": []}
         for it in dataset_items():
@@ -326,7 +391,7 @@ def ensure_transfer(root):
         if os.path.isdir(final):
             continue
         os.makedirs(base, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=base)
+        tmp = _user_mkdtemp(f".{name}-", base)
         try:
             first, second = kind.split()
             pairs = [(a, b) for a in FACTORS[first] for b in FACTORS[second]]

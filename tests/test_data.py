@@ -266,6 +266,61 @@ def test_fewshot_cache_is_portable_reused_and_rebuilt(tmp_path):
     assert len(first.train) == 9
 
 
+def test_fewshot_cache_key_covers_the_val_list_and_the_draw(tmp_path):
+    """The cached subsets are reused only for the very train and val lists (and shots, seed) they
+    were drawn from: a split file whose val list alone changed redraws val (a key over train only
+    kept the stale val), and a cache file copied under another seed's name is not taken for that
+    seed's draw."""
+    entries, image_dir = build_uneven_dtd(str(tmp_path))
+    data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
+    split_path = tmp_path / "dtd" / "split_zhou_DescribableTextures.json"
+    split = json.loads(split_path.read_text())
+    split["val"] = split["val"][3:]                                       # train unchanged
+    split_path.write_text(json.dumps(split))
+    ds = data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
+    want_train, want_val = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 1)
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds.val] == [p for p, _, _ in want_val]
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds.train] == [p for p, _, _ in want_train]
+    cache = tmp_path / "dtd" / "split_fewshot"
+    shutil.copy(cache / "shot_2-seed_1.json", cache / "shot_2-seed_2.json")
+    ds2 = data.build_dataset("dtd", str(tmp_path), shots=2, seed=2)
+    want2, _ = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 2)
+    assert [os.path.relpath(p, image_dir) for p, _, _ in ds2.train] == [p for p, _, _ in want2]
+    assert want2 != want_train                             # the seeds draw other subsets
+
+
+def test_fewshot_sample_groups_by_first_appearance_and_spends_no_draw_on_small_classes():
+    """Unequal classes in a label order that is not sorted (7, 2, 5): the output follows first
+    appearance (not sorted labels), a class with fewer than k items keeps them all without drawing,
+    so the next class's draw is the one the stream gives after the first class; k items exactly are
+    drawn (rng.sample reorders)."""
+    order = [(7, 0), (2, 0), (5, 0), (7, 1), (5, 1), (2, 1), (7, 2), (5, 2), (7, 3), (7, 4)]
+    items = [(f"{y}-{i}", y) for y, i in order]                           # 5, 2 and 3 items
+    out = data.fewshot_sample(items, 3, random.Random(4))
+    assert [y for _, y in out] == [7, 7, 7, 2, 2, 5, 5, 5]
+    rng = random.Random(4)
+    sevens = rng.sample([it for it in items if it[1] == 7], 3)
+    fives = rng.sample([it for it in items if it[1] == 5], 3)   # 3 of 3: drawn, so reordered
+    assert out == sevens + [("2-0", 2), ("2-1", 2)] + fives
+    assert fives != [it for it in items if it[1] == 5]          # a draw, not the items as listed
+    assert data.fewshot_sample(items, 3, random.Random(5)) != out   # another seed, other subsets
+
+
+def test_subsample_classes_ranks_sorted_labels_and_renumbers_them():
+    """Labels 9, 0, 5, 2, 7 (not contiguous, not in order): base = the ceil(5/2) = 3 smallest (0, 2,
+    5), novel = 7, 9, renumbered by rank in every split; a first-appearance or floor rule gives
+    other classes."""
+    train = [(f"t{y}", y, f"c{y}") for y in (9, 0, 5, 2, 7)]
+    test = [(f"s{y}", y, f"c{y}") for y in (7, 2, 9, 0, 5, 2)]
+    base = data.subsample_classes(train, [], test, "base")
+    novel = data.subsample_classes(train, [], test, "novel")
+    assert base[0] == [("t0", 0, "c0"), ("t5", 2, "c5"), ("t2", 1, "c2")]
+    assert base[2] == [("s2", 1, "c2"), ("s0", 0, "c0"), ("s5", 2, "c5"), ("s2", 1, "c2")]
+    assert novel[0] == [("t9", 1, "c9"), ("t7", 0, "c7")]
+    assert novel[2] == [("s7", 0, "c7"), ("s9", 1, "c9")]
+    assert data.subsample_classes(train, [], test, "all") == (train, [], test)
+
+
 def test_fewshot_leaves_global_random_alone(tmp_path):
     build_uneven_dtd(str(tmp_path))
     random.seed(123)
@@ -459,6 +514,60 @@ def test_transforms_shapes_normalisation_and_determinism():
     assert a.shape == (3, 32, 32) and torch.equal(a, b) and not torch.equal(a, c)
 
 
+def _normalise(pil):
+    x = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0).permute(2, 0, 1)   # [3, H, W]
+    mean, std = torch.tensor(data.CLIP_MEAN), torch.tensor(data.CLIP_STD)
+    return (x - mean[:, None, None]) / std[:, None, None]
+
+
+def test_test_transform_resizes_the_shorter_side_then_crops_the_centre():
+    """On a 60x40 image of noise with a bright left edge, CLIP's preprocess (shorter side to 32,
+    bicubic, then the central 32x32) is matched by hand; a squash to 32x32, a crop without resize, a
+    bilinear resize and a corner crop each give other pixels (on a uniform grey image they all
+    agree)."""
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    pixels[:, :10] = 255                                    # cut away by the centre crop
+    image = Image.fromarray(pixels)
+    x = data.test_transform(32)(image)
+    want = _normalise(image.resize((48, 32), Image.BICUBIC).crop((8, 0, 40, 32)))
+    assert torch.allclose(x, want, atol=1e-5)
+    wrong = {"squash": image.resize((32, 32), Image.BICUBIC),
+             "crop only": image.crop((14, 4, 46, 36)),
+             "bilinear": image.resize((48, 32), Image.BILINEAR).crop((8, 0, 40, 32)),
+             "left crop": image.resize((48, 32), Image.BICUBIC).crop((0, 0, 32, 32))}
+    for rule, pil in wrong.items():
+        assert (x - _normalise(pil)).abs().max() > 0.1, rule
+
+
+def test_train_transform_is_a_seeded_random_resized_crop_with_its_scale_and_a_flip():
+    """The train pipeline redone by hand from the same torch RNG: RandomResizedCrop's box drawn with
+    scale (min_scale, 1) and ratio (3/4, 4/3), a bicubic resize of that box, then a flip when
+    torch.rand(1) < 0.5. On a non-uniform image a wrong scale (0.08, torchvision's default),
+    interpolation or flip rule gives other pixels."""
+    from torchvision import transforms as TV
+    from torchvision.transforms import functional as F
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    flips = set()
+    for seed in range(6):
+        for min_scale in (0.7, 0.3):
+            torch.manual_seed(seed)
+            x = data.train_transform(32, min_scale=min_scale)(image)
+            torch.manual_seed(seed)
+            box = TV.RandomResizedCrop.get_params(image, scale=(min_scale, 1.0),
+                                                  ratio=(3 / 4, 4 / 3))
+            crop = F.resized_crop(image, *box, [32, 32], interpolation=TV.InterpolationMode.BICUBIC)
+            flip = bool(torch.rand(1) < 0.5)
+            flips.add(flip)
+            want = _normalise(crop.transpose(Image.FLIP_LEFT_RIGHT) if flip else crop)
+            assert torch.allclose(x, want, atol=1e-5), (seed, min_scale)
+            h, w = box[2], box[3]
+            assert min_scale * 0.99 <= h * w / (40 * 60) <= 1.0   # the area the scale allows
+            torch.manual_seed(seed)
+            other = TV.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+            assert other != box or min_scale == 0.08
+    assert flips == {True, False}                                          # both branches were seen
+
+
 def make_items(tmp_path, n=10):
     items = []
     for i in range(n):
@@ -620,6 +729,150 @@ def test_check_on_a_missing_root_says_so_once(tmp_path, capsys):
     seen = []
     errors = data.check_datasets(["eurosat", "dtd"], str(tmp_path), report=lambda n, ds, e: seen.append((n, bool(ds))))
     assert seen == [("eurosat", True), ("dtd", False)] and list(errors) == ["dtd"] and "dtd" in errors["dtd"]
+
+
+# ------------------------------------------------------------------------------- hostile folders
+
+def test_small_classes_each_get_a_test_image_or_stop(tmp_path, capsys):
+    """3 images per class: 2 train, 0 val, 1 test (the 50/20/30 rule gave 2/1/0: an empty test
+    split, "0.00% of 0"); 2 images: 1/0/1; 1 image: nothing to test on, so the split stops and names
+    the class."""
+    name = fruit_folder(tmp_path / "three", n=3)
+    ds = data.build_dataset(name, None)
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (6, 0, 3)
+    assert sorted(y for _, y, _ in ds.test) == [0, 1, 2]
+    two = data.build_dataset(fruit_folder(tmp_path / "two", n=2), None)
+    assert (len(two.train), len(two.val), len(two.test)) == (3, 0, 3)
+    one = fruit_folder(tmp_path / "one", classes=("pear", "plum"), n=1)
+    with pytest.raises(data.DataError, match=r"2 class folder\(s\) of .*one hold fewer than 2 "
+                                             r"images \(pear: 1, plum: 1; .*at least 2 per class"):
+        data.build_dataset(one, None)
+    assert not os.path.exists(tmp_path / "one" / "split_folder.json")   # nothing written
+    assert data.main(["check", one, "--no-images"]) == 2                 # data.py check says it too
+    assert "at least 2 per class" in capsys.readouterr().err
+
+
+def test_a_kept_split_without_test_images_stops(tmp_path, capsys):
+    """A split kept from before (2/1/0 for 3 images) is refused, naming the file to delete, in
+    data.py check too."""
+    name = fruit_folder(tmp_path / "fruit", n=3)
+    split_file = tmp_path / "fruit" / "split_folder.json"
+    items = [(f"{c}/{i:02d}.png", y, c) for y, c in enumerate(("pear", "plum", "red_apple"))
+             for i in range(3)]
+    split = {"train": [e for e in items if e[0].endswith(("00.png", "01.png"))],
+             "val": [e for e in items if e[0].endswith("02.png")], "test": []}
+    split_file.write_text(json.dumps(split))
+    for subsample in ("all", "novel"):
+        with pytest.raises(data.DataError, match=f"empty test split.*delete {split_file}"):
+            data.build_dataset(name, None, subsample=subsample)
+    split["test"], split["val"] = split["val"][:1], split["val"][1:]   # pear tested, the rest not
+    split_file.write_text(json.dumps(split))
+    with pytest.raises(data.DataError,
+                       match=f"{split_file} gives 2 class.*no test image .plum, red_apple."):
+        data.build_dataset(name, None)
+    assert data.main(["check", name, "--no-images"]) == 2
+    assert "no test image" in capsys.readouterr().err
+
+
+def test_images_in_sub_folders_are_named(tmp_path, capsys):
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    for i in range(2):
+        make_image(str(tmp_path / "fruit" / "plum" / "old" / f"{i}.png"), seed=i)
+    ds = data.build_dataset(name, None)
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 12    # the nested two are not read ...
+    want = (f"2 image(s) in sub-folders of the class folders of {tmp_path / 'fruit'} are left out "
+            f"(plum/old/0.png, plum/old/1.png)")
+    assert [w for w in ds.warnings if w.startswith(want)]      # ... and named
+    assert "move them up" in ds.warnings[-1]
+    assert "warning: " + want in capsys.readouterr().err
+    # a class whose images all sit in a sub-folder: say where they are, not "no images"
+    for i in range(3):
+        make_image(str(tmp_path / "more" / "kiwi" / "2020" / f"{i}.png"), seed=i)
+    fruit_folder(tmp_path / "more", classes=("pear",), n=4)
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(f"folder:{tmp_path / 'more'}", None)
+    assert f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in " \
+           f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+
+
+def test_a_class_named_like_the_fewshot_cache_is_refused(tmp_path):
+    """split_fewshot/ is where the few-shot subsets are cached: a class of that name was dropped
+    from the split and got the cache files written among its images."""
+    name = fruit_folder(tmp_path / "fruit", classes=("pear", "split_fewshot"), n=4)
+    with pytest.raises(data.DataError, match=r"split_fewshot holds images, but split_fewshot is the "
+                                             r"name of the few-shot cache's folder.*rename that "
+                                             r"class folder"):
+        data.build_dataset(name, None, shots=1)
+    assert not os.path.exists(tmp_path / "fruit" / "split_folder.json")
+    assert sorted(os.listdir(tmp_path / "fruit" / "split_fewshot")) == [f"0{i}.png" for i in range(4)]
+    os.rename(tmp_path / "fruit" / "split_fewshot", tmp_path / "fruit" / "fig")   # the fix named
+    assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
+    assert (tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json").exists()   # the cache
+    assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
+
+
+def test_an_empty_folder_path_is_refused(tmp_path, monkeypatch):
+    """`--dataset folder:$UNSET` read the current directory and wrote its split there."""
+    fruit_folder(tmp_path, n=4)
+    monkeypatch.chdir(tmp_path)
+    for name in ("folder:", "folder:  "):
+        with pytest.raises(data.DataError,
+                           match=r"folder: needs a path .*empty \(an unset variable\?\)"):
+            data.build_dataset(name, None)
+    assert not os.path.exists(tmp_path / "split_folder.json")
+
+
+def test_a_truncated_folder_split_says_delete_it(tmp_path):
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    data.build_dataset(name, None)
+    split_file = tmp_path / "fruit" / "split_folder.json"
+    split_file.write_text(split_file.read_text()[:40])                     # cut off
+    for text in (split_file.read_text(), '{"train": [["a.png", 0]], "val": [], "test": []}'):
+        split_file.write_text(text)
+        with pytest.raises(data.DataError) as err:
+            data.build_dataset(name, None)
+        assert f"delete {split_file} to split the folder anew" in str(err.value)
+        assert "download" not in str(err.value) and "github" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["broken link", "folder"])
+def test_entries_named_like_images_that_are_not_files_are_named(tmp_path, kind):
+    """A broken symlink or a folder called x.png: re-splitting would list it again, so the message
+    names the entry and says to fix or remove it, before any split is written."""
+    name = fruit_folder(tmp_path / "fruit", n=4)
+    bad = tmp_path / "fruit" / "plum" / "x.png"
+    if kind == "broken link":
+        os.symlink(str(tmp_path / "gone.png"), bad)
+        why = f"a broken symbolic link (to {tmp_path / 'gone.png'})"
+    else:
+        bad.mkdir()
+        why = "a folder, not an image file"
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(name, None)
+    assert f"{bad} is {why}" in str(err.value) and "Fix or remove them" in str(err.value)
+    assert "split" not in str(err.value)
+    assert not os.path.exists(tmp_path / "fruit" / "split_folder.json")
+    # a split kept from before that lists it: name it the same way, not "split anew"
+    split = {"train": [["plum/x.png", 0, "plum"], ["plum/00.png", 0, "plum"]], "val": [],
+             "test": [[f"plum/0{i}.png", 0, "plum"] for i in (1, 2, 3)]}
+    shutil.rmtree(tmp_path / "fruit" / "pear")
+    shutil.rmtree(tmp_path / "fruit" / "red_apple")
+    (tmp_path / "fruit" / "split_folder.json").write_text(json.dumps(split))
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(name, None)
+    assert f"image listed in the train split is {why}: {bad}; fix it, or remove" in str(err.value)
+    assert "anew" not in str(err.value)
+
+
+def test_cli_refuses_shots_below_one_like_dear_py(tmp_path, capsys):
+    build_json_layout(str(tmp_path), "eurosat")
+    for shots in ("-1", "0"):
+        args = ["check", "eurosat", "--root", str(tmp_path), "--no-images", "--shots", shots]
+        assert data.main(args) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --shots must be >= 1, got {shots}\n"
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0  # all
+    assert "train 15 | val 9 | test 6" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------- downloads

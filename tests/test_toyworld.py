@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import stat
 
 import numpy as np
 import pytest
@@ -194,6 +195,67 @@ def test_a_dataset_drawn_with_other_knobs_stops_the_run(tmp_path, capsys, monkey
     with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
         T.ensure_transfer(str(tmp_path / "t"))
     assert set(transfer) == set(T.TRANSFER)
+
+
+def test_every_knob_the_drawing_reads_is_recorded_and_compared(tmp_path, monkeypatch):
+    """render.json holds every constant and keyword default that the drawing code reads (found by
+    walking it): a palette or noise change stops the run like a saturation change does, and so does
+    a knob added later."""
+    knobs = T.render_knobs()
+    for name in ("palette", "saturation", "dark", "texture_on", "background_dark", "colors",
+                 "split_sizes", "render_array.noise", "render_array.scale", "render.size"):
+        assert name in knobs, name
+    folder = T.ensure_dataset(str(tmp_path / "data"))
+    changes = [("PALETTE", dict(T.PALETTE, red=(0.9, 0.1, 0.1))),
+               ("SPLIT_SIZES", dict(T.SPLIT_SIZES, test=31))]
+    for knob, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(T, knob, value)
+            with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+                T.ensure_dataset(str(tmp_path / "data"))
+    with monkeypatch.context() as m:                         # a keyword default of the drawing
+        m.setattr(T.render_array, "__defaults__", (32, 1.0, 0.03))
+        with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+            T.ensure_dataset(str(tmp_path / "data"))
+    # a knob added later, read by a helper of render_array: recorded without being listed anywhere
+    monkeypatch.setattr(T, "_real_texture_dark", T.texture_dark, raising=False)
+    ns = {}
+    exec("def texture_dark(texture, x, y, size, rng):\n"                 # a toyworld function
+         "    return _real_texture_dark(texture, x, y, size * GLOW, rng)\n", vars(T), ns)
+    texture_dark = ns["texture_dark"]
+    monkeypatch.setattr(T, "GLOW", 1.0, raising=False)
+    monkeypatch.setattr(T, "texture_dark", texture_dark)
+    assert T.render_knobs()["glow"] == 1.0
+    with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+        T.ensure_dataset(str(tmp_path / "data"))
+    monkeypatch.undo()
+    assert T.ensure_dataset(str(tmp_path / "data")) == folder
+
+
+def test_a_render_file_of_the_first_v2_datasets_is_still_read(tmp_path, monkeypatch):
+    """The first v2 datasets recorded four knobs; they are read as drawn with the values of the
+    others at that time, and refused once one of those changes."""
+    folder = pathlib.Path(T.ensure_dataset(str(tmp_path / "data")))
+    (folder / T.RENDER_FILE).write_text(json.dumps({k: T.render_knobs()[k] for k in T.RECORDED_V2}))
+    assert T.ensure_dataset(str(tmp_path / "data")) == str(folder)
+    monkeypatch.setattr(T, "PALETTE", dict(T.PALETTE, blue=(0.1, 0.1, 0.9)))
+    with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
+        T.ensure_dataset(str(tmp_path / "data"))
+
+
+def test_generated_folders_get_the_users_permissions(tmp_path):
+    """The dataset folders were owner-only (0700, from mkdtemp); now 0777 less the umask, as
+    os.makedirs gives."""
+    old = os.umask(0o022)
+    try:
+        folder = T.ensure_dataset(str(tmp_path / "data"))
+        transfer = T.ensure_transfer(str(tmp_path / "data"))
+    finally:
+        os.umask(old)
+    dirs = [folder, os.path.join(folder, "images"), os.path.join(folder, "images", "red_circle")]
+    dirs += [transfer[name] for name in T.TRANSFER] + [os.path.dirname(transfer["noisy"])]
+    for d in dirs:
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o755, d
 
 
 def test_split_json_has_the_coop_format(toy_root):
