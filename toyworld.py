@@ -35,6 +35,7 @@ import io
 import json
 import math
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import shutil
 import sys
 import tempfile

@@ -9,8 +9,12 @@ every test exercises the real loading path. The vocabulary has the real 49,408 e
 import os
 import sys
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (BENCH.md, "Sharing the CPU"): set before torch loads, and
+# inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Make the repository root importable (clip/, data.py, toyworld.py, ...) however pytest is run.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,6 +19,7 @@ LAYERS = {
     "runs": 5,                     # run folders: identity, lock, pinned roles
     "dear": 6,                     # the method and its command line
     "tables": 7, "bench": 7,       # reports
+    "jobs": 7,                     # run_all.sh's runner: naming, checks, GPU slots (dear.py by path)
 }
 
 
