@@ -649,13 +649,17 @@ def test_smoke_run_end_to_end(tmp_path, toy_cache):
     env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)  # the toy CLIP, pretrained once per pytest run
     for k in ("GPUS", "SEEDS", "DEAR_PY"):
         env.pop(k, None)
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
+    smoke = ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"]   # no --out: its own folder, runs-smoke
+    # two jobs at a time, one thread each (no GPU here: each slot is a CPU job), as the README's --toy example
+    p = subprocess.run(smoke, env=dict(env, GPUS="0 1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1")),
                        cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    md = open(tmp_path / "tmp" / "tables" / "tables.md").read()
+    assert "start   roles/Jdefault on GPU 0" in p.stdout and " on GPU 1  (log: " in p.stdout
+    assert os.listdir(tmp_path) == ["runs-smoke"]          # not runs/, the quick start's folder
+    md = open(tmp_path / "runs-smoke" / "tables" / "tables.md").read()
     for title in ("Table 1.", "Table 3.", "Table 4.", "Table 5.", "Table 6."):
         assert title in md
     assert "no role mask" in md and "no attribute tokens" in md
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(smoke, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "start " not in p.stdout   # a second run only skips
+    assert p.stdout.count("skip (done)") == 10             # 1 roles job and 9 runs, one after another
