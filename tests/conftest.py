@@ -66,8 +66,10 @@ def tiny_model():
 # The toy CLIP's pretraining (the slowest fixture) starts in a process of its own as soon as the collected tests are
 # known to need it, and runs beside the tests before the first that does; the fixture then waits for it.
 PRETRAIN = """
-import sys
+import os, sys, threading
 import toyworld
+# stdin is a pipe from the test session: at its end (the session is over, however it ended) stop too
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(1)), daemon=True).start()
 toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True))
 """
 _pretraining = {}   # "proc", "cache", "log": the background pretraining of this session
@@ -78,8 +80,8 @@ def pytest_collection_finish(session):
         return
     folder = tempfile.mkdtemp(prefix="toy-pretraining-")
     cache, log = os.path.join(folder, "clip_cache"), open(os.path.join(folder, "log.txt"), "w+")
-    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=log, stderr=subprocess.STDOUT)
     _pretraining.update(proc=proc, cache=cache, log=log, folder=folder)
 
 
