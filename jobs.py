@@ -399,6 +399,7 @@ def interrupt(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)   # in order with the jobs' and tables.py's output
+    args.dataset = list(dict.fromkeys(args.dataset))   # each once, in order
     specs = [job.split("\t", 1) for job in args.job]   # [(stage, flags)]
     jobs = name_jobs(load_dear(args.dear), args.launcher, specs) if specs else []
     roles, runs = plan(jobs, None if args.roles_before is None else (args.roles_before, args.roles_after))

@@ -4,12 +4,13 @@
 #   bash run_all.sh --root DATA                 # everything, seeds 1-3, one job after another
 #   GPUS="0 1 2 3" bash run_all.sh --root DATA  # the same, four jobs at a time, one per GPU
 #   bash run_all.sh --list --root DATA          # the job list only (for SLURM arrays / GNU parallel)
-#   bash run_all.sh --smoke --out smoke        # the whole pipeline on the toy world, on the CPU
-#   bash run_all.sh --toy --out toy            # every table in miniature on the toy world, 5 seeds, CPU
+#   bash run_all.sh --smoke                     # the whole pipeline on the toy world, CPU (runs-smoke/)
+#   bash run_all.sh --toy                       # every table in miniature on the toy world, 5 seeds (runs-toy/)
 #
 # Stages: roles -> b2n -> xd -> fewshot -> ablations -> tables (see --help). Every run is one call of
 # dear.py and gets its own folder under --out; a run whose results.json exists is skipped, an
-# interrupted one resumes from its checkpoint. Run `bash run_all.sh --help` for all options.
+# interrupted one resumes from its checkpoint. This file says which tables there are and which dear.py
+# jobs fill them; jobs.py names, checks and runs them. `bash run_all.sh --help` lists every option.
 set -euo pipefail
 
 usage() {
@@ -72,11 +73,7 @@ ALL_STAGES="roles,b2n,xd,fewshot,ablations,tables"
 STAGES="$ALL_STAGES"
 SKIP=""
 MODE="run"        # run | list | check
-CHECK=1
-SMOKE=0
-TOY=0
-SEEDS_SET=0
-ROOT_SET=0
+CHECK=1; SMOKE=0; TOY=0; SEEDS_SET=0; ROOT_SET=0
 EXTRA=()          # flags after "--", passed to every dear.py call
 
 while [[ $# -gt 0 ]]; do
@@ -129,11 +126,8 @@ if [[ $SMOKE == 1 ]]; then
     BACKBONE="toy"
     [[ $ROOT_SET == 1 ]] || ROOT="$OUT/data"
     SEEDS="1"
-    B2N_DATASETS=(toyworld)
-    XD_SOURCE=toyworld
-    DG_TARGETS=()
+    B2N_DATASETS=(toyworld); XD_SOURCE=toyworld; DG_TARGETS=(); ABLATION_DATASETS=(toyworld)
     SHOTS_LIST=(1 2)
-    ABLATION_DATASETS=(toyworld)
     ABLATIONS=("--mask none" "--no-attr-tokens")
     COMMON=(--epochs 1 --workers 0)
     [[ -n "${GPUS:-}" ]] || COMMON+=(--device cpu)
@@ -147,10 +141,7 @@ if [[ $TOY == 1 ]]; then
     BACKBONE="toy"
     [[ $ROOT_SET == 1 ]] || ROOT="$OUT/data"
     [[ $SEEDS_SET == 1 ]] || SEEDS="1 2 3 4 5"
-    B2N_DATASETS=(toyworld)
-    XD_SOURCE=toyworld
-    DG_TARGETS=()
-    ABLATION_DATASETS=(toyworld)
+    B2N_DATASETS=(toyworld); XD_SOURCE=toyworld; DG_TARGETS=(); ABLATION_DATASETS=(toyworld)
     ABLATIONS=("--mask generalization-only" "--mask none" "--no-attr-tokens" "--lambda-fusion 0"
                "--J 2" "--J 4" "--beta 0.5" "--beta 0.7" "--beta 0.9" "--novel-logits cls"
                "--roles-control random" "--roles-control oracle")
@@ -163,9 +154,9 @@ read -r -a SEED_LIST <<< "$SEEDS"
 [[ ${#SEED_LIST[@]} -gt 0 ]] || die "--seeds is empty"
 
 # ------------------------------------------------------------------------------------------------
-# The job list: JOB_STAGE[i], JOB_CMD[i] (one shell-quoted command line), JOB_ARGS[i] (its dear.py flags).
+# The job list: JOB_STAGE[i] and JOB_ARGS[i] (its dear.py flags, one shell-quoted line).
 
-JOB_STAGE=(); JOB_CMD=(); JOB_ARGS=()
+JOB_STAGE=(); JOB_ARGS=()
 
 # quote ARGS...: one shell command line; plain words stay as they are, the rest is quoted.
 quote() {
@@ -184,11 +175,7 @@ dear_job() {   # dear_job STAGE dear.py-flags...
     local full=(--root "$ROOT" --out "$OUT" --backbone "$BACKBONE" "${COMMON[@]}" "${args[@]}" "${EXTRA[@]}" --resume)
     JOB_STAGE+=("$1")
     JOB_ARGS+=("$(quote "${full[@]}")")
-    JOB_CMD+=("$(quote "$PYTHON" "$DEAR_PY" "${full[@]}")")
 }
-
-want_dear=0
-for s in b2n xd fewshot ablations; do want "$s" && want_dear=1; done
 
 if want b2n; then
     for ds in "${B2N_DATASETS[@]}"; do
@@ -227,14 +214,11 @@ fi
 # folder names) and which J needs head roles, adds one roles job per J, prints --list, makes the toy world,
 # checks the datasets, holds OUT for this run, runs the jobs (GPU slots or one after another), the tables.
 
-needed_datasets() {
-    local names=()
-    if want b2n || want fewshot; then names+=("${B2N_DATASETS[@]}"); fi
-    if want xd; then names+=("$XD_SOURCE" "${DG_TARGETS[@]}" "${B2N_DATASETS[@]}"); fi
-    if want ablations; then names+=("${ABLATION_DATASETS[@]}"); fi
-    if want roles; then names+=("${B2N_DATASETS[0]}"); fi
-    [[ ${#names[@]} -eq 0 ]] || printf '%s\n' "${names[@]}" | awk '!seen[$0]++'
-}
+NEED=()   # the datasets the stages read, for the check (jobs.py drops repeats)
+if want b2n || want fewshot; then NEED+=("${B2N_DATASETS[@]}"); fi
+if want xd; then NEED+=("$XD_SOURCE" "${DG_TARGETS[@]}" "${B2N_DATASETS[@]}"); fi
+if want ablations; then NEED+=("${ABLATION_DATASETS[@]}"); fi
+if want roles; then NEED+=("${B2N_DATASETS[0]}"); fi
 me="$(dirname "$0")"; here="${me%/}/"; [[ $me != . ]] || here=""   # commands in messages, as the user types them
 ARGS=("$MODE" "--out=$OUT" "--root=$ROOT" "--python=$PYTHON" "--dear=$DEAR_PY" "--here=$here"
       "--launcher=$(quote "$PYTHON" "$DEAR_PY")")
@@ -245,7 +229,7 @@ if want roles; then
     ARGS+=("--roles-before=$(quote "$PYTHON" "$DEAR_PY" --roles-only --dataset "${B2N_DATASETS[0]}" \
         --root "$ROOT" --out "$OUT" --backbone "$BACKBONE" "${COMMON[@]}")" "--roles-after=$(quote "${EXTRA[@]}")")
 fi
-while IFS= read -r name; do ARGS+=("--dataset=$name"); done < <(needed_datasets)
+for name in "${NEED[@]}"; do ARGS+=("--dataset=$name"); done
 [[ $SMOKE == 0 ]] || ARGS+=(--toyworld=smoke)
 [[ $TOY == 0 ]] || ARGS+=(--toyworld=toy)
 [[ $CHECK == 1 ]] || ARGS+=(--no-check)
