@@ -1,16 +1,16 @@
-"""jobs.py: what run_all.sh does with its job list. run_all.sh says which tables there are and which dear.py
-jobs fill them; this file does the rest, in one Python process:
+"""jobs.py: what run_all.sh does with its job list. run_all.sh says which tables there are and
+which dear.py jobs fill them; this file does the rest, in one Python process:
 
-  name_jobs      ask dear.py where each job writes (its own run_dir()) and which insertion layer J needs
-                 head roles, so skipping and de-duplicating use exactly dear.py's folder names
+  name_jobs      ask dear.py where each job writes (its own run_dir()) and which insertion layer J
+                 needs head roles, so skipping and de-duplicating use exactly dear.py's folder names
   plan           drop jobs that write an earlier job's folder; add one roles job per J
   check          look for every dataset the stages need, and name all missing ones at once
   OutLock        one run_all.sh per output folder
   Scheduler      run the jobs: one per GPU slot (GPUS="0 1 ..."), or one after another
   main           the order of it all: list, or make the toy world, check, lock, roles, runs, tables
 
-Called only by run_all.sh (`bash run_all.sh --help` is the user's documentation); its command line is
-run_all.sh's private interface. Messages start with "run_all.sh:", since that is what the user ran.
+Called only by run_all.sh (`bash run_all.sh --help` is the user's documentation); its command line
+is run_all.sh's private interface. Messages start with "run_all.sh:": that is what the user ran.
 """
 import argparse
 import errno
@@ -42,13 +42,15 @@ class Interrupted(BaseException):
 
 
 def quote(*words):
-    """One shell command line, as run_all.sh's quote() writes it: plain words as they are, the rest quoted."""
+    """One shell command line, as run_all.sh's quote() writes it: plain words as they are, the rest
+    quoted."""
     out = []
     for w in words:
         if PLAIN.fullmatch(w):
             out.append(w)
         elif "\n" in w:   # $'...\n...'
-            out.append("$'" + w.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'")
+            escaped = w.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+            out.append("$'" + escaped + "'")
         else:             # 'it'\''s'
             out.append("'" + w.replace("'", "'\\''") + "'")
     return " ".join(out)
@@ -69,7 +71,7 @@ class Job:
 
 
 def load_dear(path):
-    """The dear.py at `path` (run_all.sh's DEAR_PY), loaded as a module; its folder goes on sys.path."""
+    """The dear.py at `path` (run_all.sh's DEAR_PY) as a module; its folder goes on sys.path."""
     path = os.path.abspath(path)
     sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location("dear", path)
@@ -79,12 +81,13 @@ def load_dear(path):
 
 
 def name_job(dear, flags):
-    """(J, needs roles, run folder) of one job's dear.py flags; ("-", False, "") for a job dear.py refuses."""
+    """(J, needs roles, run folder) of one job's dear.py flags; ("-", False, "") for a job that
+    dear.py refuses."""
     try:
         c = dear.resolve(dear.parse_args(shlex.split(flags)))
         roles = c.method == "dear" and c.attr_tokens and c.mask != "none"
         return ("-" if c.J is None else str(c.J)), bool(roles), dear.run_dir(c)
-    except BaseException:   # argparse exits on a bad line: dear.py itself says what is wrong when the job runs
+    except BaseException:   # argparse exits on a bad line: dear.py says what is wrong when it runs
         return "-", False, ""
 
 
@@ -98,8 +101,9 @@ def name_jobs(dear, launcher, specs):
 
 
 def plan(jobs, roles_flags):
-    """(roles jobs, runs): runs without those that write an earlier run's folder (e.g. "--J 9" is the default
-    run); one roles job per J that some run needs (only when roles_flags = (before --J, after) is given)."""
+    """(roles jobs, runs): runs without those that write an earlier run's folder (e.g. "--J 9" is
+    the default run); one roles job per J that some run needs (only when roles_flags, the roles
+    command line (before --J, after it), is given)."""
     seen, runs = set(), []
     for job in jobs:
         if job.run_dir and job.run_dir in seen:
@@ -108,7 +112,7 @@ def plan(jobs, roles_flags):
         runs.append(job)
     if roles_flags is None:
         return [], runs
-    js = {job.J for job in runs if job.roles} if runs else {"-"}   # --stages roles alone: the default J
+    js = {job.J for job in runs if job.roles} if runs else {"-"}   # roles alone: the default J
     before, after = roles_flags
     roles = []
     for j in sorted(js, key=lambda j: -1 if j == "-" else int(j)):
@@ -127,20 +131,20 @@ def plural(n):
 
 
 def check(names, root, full, err=sys.stderr):
-    """True when every dataset is there. "full" (--check): one line per dataset and every fix; else one
-    summary with the fix of the first missing one."""
+    """True when every dataset is there. "full" (--check): one line per dataset and every fix;
+    else one summary with the fix of the first missing one."""
     import data   # here: the listing needs no torch, and --list needs no data.py
     where = os.path.abspath(os.path.expanduser(root))
-    if not os.path.isdir(where) and not any(n == "toyworld" or n.startswith("folder:") for n in names):
-        # no root at all: say so once, not once per dataset
-        print(f"data root not found: {where}, so the {plural(len(names))} the stages need are all missing",
-              file=err)
+    made_elsewhere = any(n == "toyworld" or n.startswith("folder:") for n in names)
+    if not os.path.isdir(where) and not made_elsewhere:   # no root: say so once, not per dataset
+        print(f"data root not found: {where}, so the {plural(len(names))} the stages need are all "
+              "missing", file=err)
         if full:
             print("where each one goes under --root DATA:", file=err)
             for n in names:
                 print(f"  {n:<16} DATA/{data.DATASETS[n].layout()}", file=err)
-        print("Pass --root DATA, the folder that holds the datasets in the layout of CoOp's DATASETS.md.",
-              file=err)
+        print("Pass --root DATA, the folder that holds the datasets in the layout of CoOp's "
+              "DATASETS.md.", file=err)
         return False
     missing = []
     for name in names:
@@ -164,13 +168,14 @@ def check(names, root, full, err=sys.stderr):
 
 
 def next_steps(full, here, python, root):
-    """Where to go after a failed check: the full list, the download command, the offline demo. `here`: the
-    folder of run_all.sh as the user typed it ("" for the current one)."""
-    lines = [""]
+    """Where to go after a failed check: the full list, the download command, the offline demo.
+    `here`: the folder of run_all.sh as the user typed it ("" for the current one)."""
+    lines, data_py, at_root = [""], here + "data.py", quote("--root", root)
     if not full:
-        lines.append(f"  every dataset with its fix:  bash {here}run_all.sh --check {quote('--root', root)}")
-    lines += [f"  get a dataset:               {quote(python, here + 'data.py', 'download')} NAME "
-              f"{quote('--root', root)}   ({quote(python, here + 'data.py')} --help lists the names)",
+        lines.append(f"  every dataset with its fix:  bash {here}run_all.sh --check {at_root}")
+    get = quote(python, data_py, "download")
+    lines += [f"  get a dataset:               {get} NAME {at_root}   "
+              f"({quote(python, data_py)} --help lists the names)",
               f"  try it offline first:        bash {here}run_all.sh --smoke --out smoke   "
               "(the toy world on the CPU, no download)",
               "  or leave stages out with --skip (e.g. --skip xd,fewshot)"]
@@ -186,7 +191,8 @@ def check_data(args, full):
         ok = check(args.dataset, args.root, full)
     except Exception:
         traceback.print_exc()
-        print("run_all.sh: the dataset check itself failed (see above); --no-check skips it", file=sys.stderr)
+        print("run_all.sh: the dataset check itself failed (see above); --no-check skips it",
+              file=sys.stderr)
         return False
     if not ok:
         print(next_steps(full, args.here, args.python, args.root), file=sys.stderr)
@@ -194,12 +200,13 @@ def check_data(args, full):
 
 
 def make_toyworld(kind, root, pretrain):
-    """The toy world is generated, not downloaded: write it (once) under root before the check looks for it;
-    --toy also the transfer sets and (pretrain) the toy CLIP, once, before parallel jobs need it."""
+    """The toy world is generated, not downloaded: write it (once) under root before the check looks
+    for it; --toy also the transfer sets and (pretrain) the toy CLIP, once, before parallel jobs
+    need it."""
     import toyworld
     try:
         with redirect_stdout(io.StringIO()):   # the folders it prints are not news
-            rc = toyworld.main(["dataset", "--root", root] + (["--transfer"] if kind == "toy" else []))
+            rc = toyworld.main(["dataset", "--root", root] + ["--transfer"] * (kind == "toy"))
         if rc == 0 and pretrain:
             rc = toyworld.main(["pretrain"])
     except Exception:
@@ -214,9 +221,9 @@ def make_toyworld(kind, root, pretrain):
 
 
 class OutLock:
-    """An flock on OUT/.run_all.lock, released by the OS when the process ends however it ends. A second
-    run_all.sh on the same --out stops at once, naming the first (both would run the same jobs and write the
-    same logs). Not inherited by the jobs (Python's files are not), so it dies with this process."""
+    """An flock on OUT/.run_all.lock, released by the OS when the process ends however it ends. A
+    second run_all.sh on the same --out stops at once, naming the first (both would run the same
+    jobs and write the same logs). The jobs do not inherit it (Python's files are not inherited)."""
 
     def __init__(self, out):
         self.out, self.path, self.file = out, os.path.join(out, ".run_all.lock"), None
@@ -227,7 +234,8 @@ class OutLock:
             os.makedirs(self.out, exist_ok=True)
             self.file = open(self.path, "a+")
         except OSError as e:
-            raise Stop(f"cannot write to --out {self.out} ({e.strerror}); choose a writable --out") from None
+            raise Stop(f"cannot write to --out {self.out} ({e.strerror}); choose a writable "
+                       "--out") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -236,8 +244,8 @@ class OutLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise Stop(f"{self.out} is in use by another run_all.sh ({holder}); wait for it to finish, "
-                       "or choose another --out") from None
+            raise Stop(f"{self.out} is in use by another run_all.sh ({holder}); wait for it to "
+                       "finish, or choose another --out") from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()}, "
@@ -318,7 +326,8 @@ class Scheduler:
         os.makedirs(os.path.dirname(task.log), exist_ok=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=slot) if self.parallel else None
         with open(task.log, "wb") as log:
-            return subprocess.Popen(["bash", "-c", task.cmd], stdout=log, stderr=subprocess.STDOUT, env=env)
+            return subprocess.Popen(["bash", "-c", task.cmd], stdout=log, stderr=subprocess.STDOUT,
+                                    env=env)
 
     def run(self, tasks):
         """True when every task finished (or was done already)."""
@@ -327,12 +336,12 @@ class Scheduler:
         running = {}                          # slot index -> (task, Popen)
         while queue or running:
             for k, slot in enumerate(self.slots):
-                if k in running and running[k][1].poll() is not None:   # a finished job frees its slot
+                if k in running and running[k][1].poll() is not None:   # done: the slot is free
                     task, proc = running.pop(k)
                     self.n_running -= 1
                     ok = self.finished(task, proc.returncode) and ok
                     self.summary()
-                while k not in running and queue:                       # the next job in a free slot
+                while k not in running and queue:                       # the next job in it
                     task = queue.pop(0)
                     self.n_left -= 1
                     if task.done and os.path.exists(task.done):
@@ -340,7 +349,8 @@ class Scheduler:
                         self.n_skip += 1
                         print(f"skip (done) {task.name}")
                         continue
-                    print(f"start   {task.name}{f' on GPU {slot}' if slot else ''}  (log: {task.log})")
+                    gpu = f" on GPU {slot}" if slot else ""
+                    print(f"start   {task.name}{gpu}  (log: {task.log})")
                     if self.parallel:
                         running[k] = (task, self.launch(task, slot))
                         self.n_running += 1
@@ -351,8 +361,8 @@ class Scheduler:
         return ok
 
     def run_here(self, task):
-        """One job in the foreground: Ctrl-C reaches dear.py, which keeps its checkpoint; this process waits
-        for it to end (as bash waits for its foreground job) and only then stops."""
+        """One job in the foreground: Ctrl-C reaches dear.py, which keeps its checkpoint; this
+        process waits for it to end (as bash waits for its foreground job) and only then stops."""
         self.n_running = 1
         self.summary()
         proc, stop = self.launch(task, ""), None
@@ -373,18 +383,18 @@ class Scheduler:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jobs.py", description="run_all.sh's job runner (see run_all.sh --help)")
+    p = argparse.ArgumentParser(prog="jobs.py", description="run_all.sh's runner (see its --help)")
     p.add_argument("mode", choices=("run", "list", "check"))
     p.add_argument("--out", required=True)
     p.add_argument("--root", required=True)
     p.add_argument("--python", required=True, help="the python of the jobs (for messages)")
     p.add_argument("--dear", required=True, help="the dear.py to ask for run folders")
     p.add_argument("--launcher", required=True, help="PYTHON DEAR_PY, shell-quoted")
-    p.add_argument("--here", default="", help="run_all.sh's folder as the user typed it, for messages")
+    p.add_argument("--here", default="", help="run_all.sh's folder as typed, for messages")
     # values may start with "-": run_all.sh passes every option as --name=VALUE
-    p.add_argument("--job", action="append", default=[], help="STAGE<tab>FLAGS: a dear.py job, its flags quoted")
-    p.add_argument("--roles-before", help="the roles stage: a roles job's command line before --J ...")
-    p.add_argument("--roles-after", default="", help="... and after it (the flags after run_all.sh's --)")
+    p.add_argument("--job", action="append", default=[], help="STAGE<tab>FLAGS (shell-quoted)")
+    p.add_argument("--roles-before", help="the roles stage: a roles command line before --J ...")
+    p.add_argument("--roles-after", default="", help="... and after it (run_all.sh's -- flags)")
     p.add_argument("--dataset", action="append", default=[], help="a dataset the stages need")
     p.add_argument("--toyworld", choices=("smoke", "toy"), help="make the toy world first")
     p.add_argument("--no-check", dest="check", action="store_false")
@@ -401,14 +411,21 @@ def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)   # in order with the jobs' and tables.py's output
     args.dataset = list(dict.fromkeys(args.dataset))   # each once, in order
     specs = [job.split("\t", 1) for job in args.job]   # [(stage, flags)]
-    jobs = name_jobs(load_dear(args.dear), args.launcher, specs) if specs else []
-    roles, runs = plan(jobs, None if args.roles_before is None else (args.roles_before, args.roles_after))
+    try:
+        jobs = name_jobs(load_dear(args.dear), args.launcher, specs) if specs else []
+    except Exception:
+        traceback.print_exc()
+        print(f"run_all.sh: could not ask {args.dear} for its run folders (see the error above)",
+              file=sys.stderr)
+        return 2
+    roles_flags = None if args.roles_before is None else (args.roles_before, args.roles_after)
+    roles, runs = plan(jobs, roles_flags)
     if args.mode == "list":   # roles jobs first: they must finish before the others start
         for job in roles + runs:
             print(job.cmd)
         if roles:
-            print(f"# the first {len(roles)} line(s) compute head roles: run them before the others",
-                  file=sys.stderr)
+            print(f"# the first {len(roles)} line(s) compute head roles: run them before the "
+                  "others", file=sys.stderr)
         return 0
     if args.mode == "check":
         if args.toyworld:
@@ -423,8 +440,9 @@ def main(argv=None):
         print(f"run_all.sh: {e}", file=sys.stderr)
         return 2
     except Interrupted:
-        print("\ninterrupted: rerun the same command; finished runs are skipped, interrupted ones resume",
-              file=sys.stderr)
+        print()
+        print("interrupted: rerun the same command; finished runs are skipped, interrupted ones "
+              "resume", file=sys.stderr)
         return 130
 
 
@@ -440,10 +458,12 @@ def run(args, roles, runs):
           f"(GPUs: {gpus or 'none, sequential'})")
     if roles:
         print("== roles")
-        tasks = [Task(f"roles/{job.run_dir}", job.cmd, log_name(args.out, f"{args.out}/roles/{job.run_dir}"),
-                      f"{args.out}/roles/{job.run_dir}/roles.json") for job in roles]
+        folders = [f"{args.out}/roles/{job.run_dir}" for job in roles]   # run_dir: J<J>
+        tasks = [Task(f"roles/{job.run_dir}", job.cmd, log_name(args.out, d), f"{d}/roles.json")
+                 for job, d in zip(roles, folders)]
         if not s.run(tasks):
-            print("the roles stage failed: every run needs the head roles; see the log above", file=sys.stderr)
+            print("the roles stage failed: every run needs the head roles; see the log above",
+                  file=sys.stderr)
             return 1
     if runs:
         print("== runs")

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 
-# Idle OpenMP threads sleep instead of spinning (BENCH.md, "Sharing the CPU"): set before torch loads, and
-# inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
+# Idle OpenMP threads sleep instead of spinning (BENCH.md, "Sharing the CPU"): set before torch
+# loads, and inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
@@ -63,8 +63,9 @@ def tiny_model():
     return tiny_clip()
 
 
-# The toy CLIP's pretraining (the slowest fixture) starts in a process of its own as soon as the collected tests are
-# known to need it, and runs beside the tests before the first that does; the fixture then waits for it.
+# The toy CLIP's pretraining (the slowest fixture) starts in a process of its own as soon as the
+# collected tests are known to need it, and runs beside the tests before the first that does; the
+# fixture then waits for it.
 PRETRAIN = """
 import os, sys, threading
 import toyworld
@@ -80,8 +81,8 @@ def pytest_collection_finish(session):
         return
     folder = tempfile.mkdtemp(prefix="toy-pretraining-")
     cache, log = os.path.join(folder, "clip_cache"), open(os.path.join(folder, "log.txt"), "w+")
-    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
     _pretraining.update(proc=proc, cache=cache, log=log, folder=folder)
 
 

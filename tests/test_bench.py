@@ -22,11 +22,12 @@ def table_rows(text):
 
 def test_tiny_bench_writes_every_row(tmp_path):
     out = tmp_path / "bench.md"
-    # one intra-op thread: the test suite shares a small machine, where spinning threads only slow it down.
-    # In this process (its command line, main() and all): a subprocess would only add torch's start-up.
+    # one intra-op thread: the test suite shares a small machine, where spinning threads only slow
+    # it down. In this process (command line, main() and all): a subprocess adds only torch's start-up.
     threads = torch.get_num_threads()
     try:
-        bench.main(["--tiny", "--repeats", "1", "--short-repeats", "1", "--threads", "1", "--out", str(out)])
+        bench.main(["--tiny", "--repeats", "1", "--short-repeats", "1", "--threads", "1",
+                    "--out", str(out)])
     finally:
         torch.set_num_threads(threads)   # bench sets it for the whole process
     text = out.read_text()
