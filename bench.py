@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import ctypes.util
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import platform
 import statistics
 import sys

@@ -29,9 +29,7 @@ import sys
 import time
 
 import numpy as np
-import torch
 from PIL import Image
-from torchvision import transforms as T
 
 from util import fingerprint, progress, read_json, write_json_atomic
 
@@ -705,6 +703,7 @@ def to_rgb(image):
 
 def train_transform(size=224, min_scale=0.5):
     """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(min_scale, 1), bicubic) + flip."""
+    from torchvision import transforms as T  # imported here: listing folders needs no torch
     return T.Compose([T.Lambda(to_rgb),
                       T.RandomResizedCrop(size, scale=(min_scale, 1.0), interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
@@ -712,12 +711,14 @@ def train_transform(size=224, min_scale=0.5):
 
 def test_transform(size=224):
     """CLIP's preprocess: resize the shorter side to `size` (bicubic), center crop, normalise."""
+    from torchvision import transforms as T
     return T.Compose([T.Lambda(to_rgb), T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),
                       T.CenterCrop(size), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 
-class ImageList(torch.utils.data.Dataset):
-    """Items (path, label, ...) + transform -> (image tensor [3, size, size], label)."""
+class ImageList:
+    """Items (path, label, ...) + transform -> (image tensor [3, size, size], label); a map-style dataset
+    for torch's DataLoader (which needs only __len__ and __getitem__)."""
 
     def __init__(self, items, transform=None):
         self.items, self.transform = list(items), transform
@@ -771,6 +772,7 @@ def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None,
     with num_workers=0 augmentation draws from torch's global RNG, which the training script seeds.
     drop_last defaults to Dassl's train rule: drop the last partial batch when shuffling a set that
     holds at least one full batch."""
+    import torch
     dataset = ImageList(items, transform)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if drop_last is None:

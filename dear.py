@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import sys
 import time
 from dataclasses import dataclass

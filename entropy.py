@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import random
 import sys
 import time

@@ -39,6 +39,7 @@ import io
 import json
 import math
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import shutil
 import sys
 import tempfile

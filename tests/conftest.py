@@ -7,10 +7,17 @@ every test exercises the real loading path. The vocabulary has the real 49,408 e
 `clip.tokenize` output can be fed straight in.
 """
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (BENCH.md, "Sharing the CPU"): set before torch
+# loads, and inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Make the repository root importable (clip/, data.py, toyworld.py, ...) however pytest is run.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,14 +63,55 @@ def tiny_model():
     return tiny_clip()
 
 
+# The toy CLIP's pretraining (the slowest fixture) starts in a process of its own as soon as the
+# collected tests are known to need it, and runs beside the tests before the first that does; the
+# fixture then waits for it.
+PRETRAIN = """
+import os, sys, threading
+import toyworld
+# stdin is a pipe from the test session: at its end (the session is over, however it ended) stop too
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(1)), daemon=True).start()
+toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True))
+"""
+_pretraining = {}   # "proc", "cache", "log": the background pretraining of this session
+
+
+def pytest_collection_finish(session):
+    if not any("toy_pretraining" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    folder = tempfile.mkdtemp(prefix="toy-pretraining-")
+    cache, log = os.path.join(folder, "clip_cache"), open(os.path.join(folder, "log.txt"), "w+")
+    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+    _pretraining.update(proc=proc, cache=cache, log=log, folder=folder)
+
+
+def pytest_sessionfinish(session):
+    proc = _pretraining.get("proc")
+    if proc is None:
+        return
+    if proc.poll() is None:   # stopped early (-x, Ctrl-C): do not leave it running
+        proc.kill()
+        proc.wait()
+    _pretraining["log"].close()
+    shutil.rmtree(_pretraining["folder"], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def toy_pretraining(tmp_path_factory):
     """(cache folder, log lines): the toy CLIP, pretrained once per test session with the default recipe (what
     `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what pretraining logged."""
-    import toyworld
-    cache, lines = tmp_path_factory.mktemp("clip_cache"), []
-    toyworld.ensure_pretrained(str(cache), log=lines.append)
-    return str(cache), lines
+    if not _pretraining:  # not started at collection (a plugin or a direct call): pretrain here
+        import toyworld
+        cache, lines = tmp_path_factory.mktemp("clip_cache"), []
+        toyworld.ensure_pretrained(str(cache), log=lines.append)
+        return str(cache), lines
+    proc, log = _pretraining["proc"], _pretraining["log"]
+    proc.wait()
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert proc.returncode == 0, "toy pretraining failed:\n" + "\n".join(lines[-20:])
+    return _pretraining["cache"], lines
 
 
 @pytest.fixture(scope="session")

@@ -399,7 +399,8 @@ def server(tmp_path):
             pass
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    # a short poll: shutdown() waits for the loop to look (0.5 s by default, per test)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     yield types.SimpleNamespace(www=www, hits=hits, url=f"http://127.0.0.1:{httpd.server_address[1]}")
     httpd.shutdown()

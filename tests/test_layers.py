@@ -19,6 +19,7 @@ LAYERS = {
     "runs": 5,                     # run folders: identity, lock, pinned roles
     "dear": 6,                     # the method and its command line
     "tables": 7, "bench": 7,       # reports
+    "jobs": 7,                     # run_all.sh's runner: naming, checks, GPU slots (dear.py by path)
 }
 
 
@@ -78,3 +79,43 @@ def test_the_checker_sees_a_planted_upward_import(tmp_path, monkeypatch):
     planted = tmp_path / "data.py"
     planted.write_text("def f():\n    import toyworld\n    from util import read_json\n")
     assert project_imports(str(planted)) == {"toyworld", "util"}
+
+
+def top_level_imports(path):
+    """[(statement index, {top-level module names})] of a file's top-level import statements."""
+    body = ast.parse(open(os.path.join(ROOT, path)).read(), path).body
+    out = []
+    for i, node in enumerate(body):
+        if isinstance(node, ast.Import):
+            out.append((i, {a.name.split(".")[0] for a in node.names}))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((i, {node.module.split(".")[0]}))
+    return body, out
+
+
+def test_entry_scripts_ask_for_passive_waiting_before_torch_loads():
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads its thread pool: every script that loads torch
+    sets the default (with setdefault, so a user's own setting wins) before its first import that loads it."""
+    files = {m: paths[0] for m, paths in project_files().items() if m != "clip"}
+    loads = {}
+
+    def loads_torch(module):   # through top-level imports (a lazy one loads torch when it is needed)
+        if module not in loads:
+            loads[module] = False
+            names = set().union(*(n for _, n in top_level_imports(files[module])[1]))
+            loads[module] = bool(names & {"torch", "torchvision", "clip"}) or any(
+                loads_torch(n) for n in names & set(files))
+        return loads[module]
+    checked = []
+    for module, path in files.items():
+        source = open(os.path.join(ROOT, path)).read()
+        if '__name__ == "__main__"' not in source or not loads_torch(module):
+            continue
+        body, imports = top_level_imports(path)
+        first = min(i for i, names in imports if names & {"torch", "torchvision", "clip"}
+                    or any(loads_torch(n) for n in names & set(files)))
+        sets = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and
+                ast.unparse(node) == "os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')"]
+        assert sets and sets[0] < first, f"{path}: setdefault OMP_WAIT_POLICY before torch loads"
+        checked.append(module)
+    assert {"dear", "entropy", "toyworld", "bench"} <= set(checked)

@@ -6,14 +6,18 @@ that writes a results.json with made-up accuracies and records every call, so th
 """
 import json
 import os
+import shlex
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import jobs  # noqa: E402
 import tables  # noqa: E402
 
 B2N = tables.B2N_DATASETS
@@ -331,6 +335,10 @@ FAKE_DEAR = textwrap.dedent('''
             f.write(json.dumps({"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
         if os.environ.get("FAKE_FAIL") == c.dataset:
             sys.exit("simulated crash")
+        if os.environ.get("FAKE_SLEEP") == c.dataset:    # a job that lasts until FAKE_WAKE exists
+            import time
+            while not os.path.exists(os.environ["FAKE_WAKE"]):
+                time.sleep(0.05)
         if c.roles_only:  # like dear.py --roles-only: the roles files, copied to OUT/roles/J<J>/
             d = os.path.join(c.out, "roles", f"J{c.J or 'default'}")
             os.makedirs(d, exist_ok=True)
@@ -528,6 +536,116 @@ def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tm
     assert p.returncode == 2 and "4 of 4 datasets missing" in p.stderr   # 3 ablation datasets + the roles probe
 
 
+def test_two_run_all_on_one_out_the_second_stops_at_once_naming_the_first(fake, tmp_path):
+    env, calls_file = fake
+    out = tmp_path / "out"
+    args = ["bash", os.path.join(ROOT, "run_all.sh"), "--stages", "b2n", "--seeds", "1",
+            "--no-check", "--out", str(out)]
+    wake = tmp_path / "wake"
+    first = subprocess.Popen(args, env=dict(env, FAKE_SLEEP="imagenet", FAKE_WAKE=str(wake)),
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        while not calls(calls_file):                     # the first one's first job is running
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.05)
+        logs = sorted(os.listdir(out / "logs"))
+        p = run_all(args[2:], env, tmp_path)
+        assert p.returncode == 2 and p.stdout == ""
+        holder = f"pid {first.pid} on {socket.gethostname()}, started "
+        assert p.stderr == (f"run_all.sh: {out} is in use by another run_all.sh ({holder}"
+                            + p.stderr.split(", started ")[1])
+        assert p.stderr.endswith("; wait for it to finish, or choose another --out\n")
+        assert len(calls(calls_file)) == 1 and sorted(os.listdir(out / "logs")) == logs   # no job
+    finally:
+        wake.touch()
+        stdout, _ = first.communicate(timeout=120)
+    assert first.returncode == 0 and "done 22 (skipped 0)" in stdout
+    p = run_all(args[2:], env, tmp_path)                 # the lock ends with its process
+    assert p.returncode == 0 and p.stdout.count("skip (done)") == 22, p.stderr
+
+
+def test_toy_schedules_have_their_own_default_folders(fake, tmp_path):
+    """--smoke (1 epoch) and --toy (10 epochs) without --out never write into runs/, the folder of
+    the quick start (python dear.py --dataset toyworld, 20 epochs): a table cell compares runs of
+    one schedule."""
+    env, _ = fake
+    for flag, out in (("--smoke", "runs-smoke"), ("--toy", "runs-toy"), ("--seeds", "runs")):
+        p = run_all([flag] + ["1"] * (flag == "--seeds") + ["--list"], env, tmp_path)
+        assert p.returncode == 0, p.stderr
+        lines = p.stdout.splitlines()
+        assert lines and all(f"--out {out} " in line for line in lines), (flag, lines[:2])
+        if flag != "--seeds":
+            assert all(f"--root {out}/data " in line for line in lines)
+    p = run_all(["--smoke", "--list", "--out", "mine"], env, tmp_path)
+    assert all("--out mine " in line for line in p.stdout.splitlines())
+
+
+# ----------------------------------------------------------------------------------------------
+# jobs.py, run_all.sh's runner, on its own
+
+
+def test_plan_drops_repeated_folders_and_adds_one_roles_job_per_J_in_order():
+    J = jobs.Job
+    runs = [J("b2n", "c1", "o/a", "11", True), J("b2n", "c2", "o/b", "-", True),
+            J("ablations", "c3", "o/a", "11", True), J("ablations", "c4", "o/c", "7", True),
+            J("ablations", "c5", "o/d", "5", False), J("b2n", "c6", "", "-", False),
+            J("b2n", "c7", "", "-", False)]
+    roles, kept = jobs.plan(runs, ("python dear.py --roles-only", "--epochs 2"))
+    assert [j.cmd for j in kept] == ["c1", "c2", "c4", "c5", "c6", "c7"]   # o/a once; unnamed: all
+    cmd = "python dear.py --roles-only"
+    assert [(j.run_dir, j.cmd) for j in roles] == [   # numeric order, default first; no J = 5
+        ("Jdefault", f"{cmd} --epochs 2"), ("J7", f"{cmd} --J 7 --epochs 2"),
+        ("J11", f"{cmd} --J 11 --epochs 2")]
+    assert jobs.plan(runs, None)[0] == []                          # no roles stage
+    assert [j.cmd for j in jobs.plan([], ("x", ""))[0]] == ["x"]   # roles alone: the default J
+
+
+def test_quote_and_log_names_are_the_shell_ones():
+    assert jobs.quote("python", "a b", "it's", "--x=1,2", "") == \
+        "python 'a b' 'it'\\''s' --x=1,2 ''"
+    for words in (["a b", "it's", "$HOME", "x"], ["--targets", "folder:/tmp/a b,folder:c"]):
+        assert shlex.split(jobs.quote(*words)) == words
+    assert jobs.log_name("out", "out/b2n/dtd/dear-default-shots16-seed1") == \
+        os.path.join("out", "logs", "b2n__dtd__dear-default-shots16-seed1.log")
+    assert jobs.log_name("out", "elsewhere/x") == os.path.join("out", "logs", "elsewhere__x.log")
+
+
+def test_scheduler_fills_free_slots_skips_done_ones_and_shows_a_failure(tmp_path, capsys):
+    done = tmp_path / "done"
+    done.touch()
+    seen = tmp_path / "gpus"
+
+    def task(name, cmd, finished=""):
+        return jobs.Task(name, cmd, str(tmp_path / "logs" / f"{name}.log"), finished)
+    tasks = [task("a", f"echo $CUDA_VISIBLE_DEVICES >> {seen}"), task("b", "exit 9", str(done)),
+             task("c", f"echo $CUDA_VISIBLE_DEVICES >> {seen}; "
+                       "for i in 1 2 3 4 5 6 7; do echo line$i; done; exit 3"),
+             task("d", f"sleep 0.3; echo $CUDA_VISIBLE_DEVICES >> {seen}")]
+    s = jobs.Scheduler(["4", "6"])
+    assert s.run(tasks) is False
+    out = capsys.readouterr().out
+    assert "skip (done) b" in out and "start   a on GPU 4  (log: " in out and "ok      d" in out
+    assert "FAILED  c (log: " + str(tmp_path / "logs" / "c.log") + "); last lines:\n" + \
+        "".join(f"    line{i}\n" for i in range(3, 8)) in out           # the last 5 lines
+    gpus = open(seen).read().split()
+    assert len(gpus) == 3 and set(gpus) == {"4", "6"}                  # one job per slot at a time
+    assert (s.n_done, s.n_skip, s.n_failed, s.n_left, s.n_running) == (3, 1, 1, 0, 0)
+    assert s.failed == [f"c  (log: {tmp_path / 'logs' / 'c.log'})"]
+    last = out.rstrip().splitlines()[-1].split("] ")[1]
+    assert last.startswith("done 3 (skipped 1) | running 0 | failed 1 | left 0")
+
+
+def test_out_lock_names_its_holder_and_ends_with_it(tmp_path):
+    with jobs.OutLock(str(tmp_path / "out")):
+        in_use = rf"out is in use by another run_all.sh \(pid {os.getpid()} on "
+        with pytest.raises(jobs.Stop, match=in_use):
+            with jobs.OutLock(str(tmp_path / "out")):
+                pass
+    with jobs.OutLock(str(tmp_path / "out")):            # released on exit
+        pass
+
+
 # ----------------------------------------------------------------------------------------------
 # The whole pipeline on the toy world (real dear.py, entropy.py, data.py, toyworld.py)
 
@@ -540,13 +658,17 @@ def test_smoke_run_end_to_end(tmp_path, toy_cache):
     env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)  # the toy CLIP, pretrained once per pytest run
     for k in ("GPUS", "SEEDS", "DEAR_PY"):
         env.pop(k, None)
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
-                       cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    smoke = ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"]   # no --out: runs-smoke
+    # two jobs at a time, one thread each (without a GPU each slot is a CPU job; README, --toy)
+    two = dict(env, GPUS="0 1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    p = subprocess.run(smoke, env=two, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    md = open(tmp_path / "tmp" / "tables" / "tables.md").read()
+    assert "start   roles/Jdefault on GPU 0" in p.stdout and " on GPU 1  (log: " in p.stdout
+    assert os.listdir(tmp_path) == ["runs-smoke"]          # not runs/, the quick start's folder
+    md = open(tmp_path / "runs-smoke" / "tables" / "tables.md").read()
     for title in ("Table 1.", "Table 3.", "Table 4.", "Table 5.", "Table 6."):
         assert title in md
     assert "no role mask" in md and "no attribute tokens" in md
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_all.sh"), "--smoke", "--out", "tmp"], env=env,
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(smoke, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "start " not in p.stdout   # a second run only skips
+    assert p.stdout.count("skip (done)") == 10             # 1 roles job and 9 runs, sequentially
