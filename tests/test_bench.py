@@ -1,6 +1,8 @@
 """bench.py runs end to end on the tiny model and writes a table with every row (no timing asserts)."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
