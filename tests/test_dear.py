@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_clip
+import config
 import dear
+import runs
 import train
 from dear import ATTRIBUTES, K, DeAR, role_mask
 
@@ -293,9 +295,9 @@ def test_loss_terms_on_hand_set_features():
 
 
 def test_harmonic_mean_by_hand():
-    assert dear.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
-    assert dear.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
-    assert dear.harmonic_mean(100.0, 0.0) == 0.0 and dear.harmonic_mean(0.0, 0.0) == 0.0
+    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
+    assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
+    assert runs.harmonic_mean(100.0, 0.0) == 0.0 and runs.harmonic_mean(0.0, 0.0) == 0.0
 
 
 def test_fusion_weights_and_loss_terms():
@@ -402,14 +404,14 @@ def test_xd_targets_get_mmrl_pp_test_time_beta():
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
     assert set(ours.values()) == set(dear.data.DG_TARGETS + dear.data.B2N_DATASETS) - {"imagenet"}
     for name, beta in published.items():
-        assert dear.eval_beta(xd, ours[name]) == beta, name
-    assert dear.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
-    assert dear.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
+        assert config.eval_beta(xd, ours[name]) == beta, name
+    assert config.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
+    assert config.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
     source = dear.resolve(dear.Config(dataset="imagenet", protocol="xd", beta=0.6, target_beta="source"))
-    assert all(dear.eval_beta(source, n) == 0.6 for n in ours.values())
+    assert all(config.eval_beta(source, n) == 0.6 for n in ours.values())
     b2n = dear.resolve(dear.Config(dataset="dtd"))
-    assert dear.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
-    assert dear.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
+    assert config.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
+    assert runs.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
 
 
 def test_schedule_values():
@@ -445,13 +447,13 @@ def test_bad_values_are_refused():
 
 def test_variant_names_separate_ablations():
     base = dear.Config(dataset="dtd")
-    assert dear.variant_name(base) == "default"
-    assert dear.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
-    assert dear.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
-    assert dear.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
-    assert dear.variant_name(dear.Config(dataset="dtd", backbone="ViT-L/14")) == "backbone-ViT-L-14"
-    assert dear.variant_name(dear.Config(dataset="toyworld", backbone="toy")) == "default"
-    assert [dear.default_J(n) for n in (12, 4, 24)] == [9, 3, 18]
+    assert runs.variant_name(base) == "default"
+    assert runs.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
+    assert runs.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
+    assert runs.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
+    assert runs.variant_name(dear.Config(dataset="dtd", backbone="ViT-L/14")) == "backbone-ViT-L-14"
+    assert runs.variant_name(dear.Config(dataset="toyworld", backbone="toy")) == "default"
+    assert [config.default_J(n) for n in (12, 4, 24)] == [9, 3, 18]
 
 
 def test_epoch_batches_are_seeded_and_drop_last():
@@ -501,12 +503,12 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     results = json.loads((rdir / "results.json").read_text())
     assert [(e["split"], e["n"]) for e in results["evals"]] == [("base", 18), ("novel", 18)]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
-    assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
+    assert results["hm"] == pytest.approx(runs.harmonic_mean(base, novel))
     w = torch.load(rdir / "model.pt")["w"]  # the trained fusion weights: alpha = softmax(w), by hand here
     assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
     assert list(results["fusion_weights"].values()) == pytest.approx((w.exp() / w.exp().sum()).tolist(), abs=1e-6)
     assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)  # trained away from the start
-    sha = dear.runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
+    sha = runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
     assert "epoch 2/2" in (rdir / "log.txt").read_text()
@@ -617,16 +619,16 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     root = world[0]
     target = tmp_path / "target"
     shutil.copytree(root / "colors", target)
-    monkeypatch.setitem(dear.XD_TARGET_BETA, f"folder:{target}", 0.3)
+    monkeypatch.setitem(config.XD_TARGET_BETA, f"folder:{target}", 0.3)
     roles = tmp_path / "roles.json"
     roles.write_text(json.dumps(fake_roles_doc(model_name=world[1])))
     seen = []
-    real_evaluate = dear.evaluate
+    real_evaluate = runs.evaluate
 
     def evaluate(model, *args, **kw):  # the beta the model really has during each evaluation
         seen.append(model.beta)
         return real_evaluate(model, *args, **kw)
-    monkeypatch.setattr(dear, "evaluate", evaluate)
+    monkeypatch.setattr(runs, "evaluate", evaluate)
     args = cli(world, tmp_path / "runs", "--protocol", "xd", "--targets", f"folder:{target}", "--roles", str(roles),
                "--device", "cpu")
     dear.main(args)
