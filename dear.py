@@ -170,56 +170,122 @@ class DeAR(nn.Module):
         return dict(zip(("cls",) + ATTRIBUTES, self.alpha().tolist()))
 
     def set_beta(self, beta: float):
-        """The token mixing beta of the next forward passes (an evaluation may use another beta than training:
-        the xd targets); nothing is rebuilt, encode_images / encode_classes read self.beta."""
+        """The token mixing beta of the next forward passes (an evaluation may use another beta than
+        training: the xd targets); nothing is rebuilt, the token blocks read self.beta."""
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1], got {beta}")
         self.beta = float(beta)
 
-    # --- text side -------------------------------------------------------------------------------
+    # --- the forward pass: Figure 2 ---------------------------------------------------------------
+    def forward(self, images, t=None, with_frozen=False):
+        """Figure 2, one step a line. images [B, 3, R, R]; t [C, E]: the class features, if already computed
+        (an evaluation computes them once), else encode_classes(). with_frozen: also f^0 (for the loss).
+        Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the fused logits [B, C]
+        and the features the loss reads. The towers may run under autocast; the head is fp32."""
+        t = self.encode_classes() if t is None else t               # [C, E]  t, text tokens in blocks J..L
+        x = self.frozen_prefix(images)                              # [B, 1+P, D]  blocks 1..J-1, frozen
+        f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
+        if not self.use_tokens:                                     # zero-shot CLIP: f^0 alone
+            logits, feats, t = cosine_logits(f0.unsqueeze(1), t, self.clip.logit_scale)  # [B, 1, C]
+            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(), "t": t}
+        x = self.token_blocks(x)                                    # [B, 1+K, D]  tokens from J, role masks
+        f_cls, f_attr = self.image_features(x)                      # [B, E], [B, K, E]
+        feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)          # [B, 1+K, E]
+        logits, feats, t = cosine_logits(feats, t, self.clip.logit_scale)  # [B, 1+K, C]  six logit sets
+        fused = fuse(logits, self.alpha())                          # [B, C]  sum_k alpha_k logits_k
+        return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": feats[:, 1:],
+                "f0": None if f0 is None else f0.float(), "t": t}
+
+    # --- the image side ----------------------------------------------------------------------------
+    @torch.no_grad()  # blocks 1..J-1 never change: no autograd
+    def frozen_prefix(self, images):
+        """Embedding and blocks 1..J-1 of the frozen vision tower: [B, 3, R, R] -> [B, 1+P, D]."""
+        visual = self.clip.visual
+        return visual.run_blocks(visual.embed(images), 0, self.first)
+
+    @torch.no_grad()
+    def frozen_feature(self, x):
+        """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x (shortcut 1:
+        the last block computes CLS alone), normalised. The stream keeps the prefix's dtype."""
+        visual = self.clip.visual
+        cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
+        return F.normalize(visual.head(cls), dim=-1)
+
+    def token_blocks(self, x):
+        """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta from J+1,
+        each block under its role mask. [B, 1+P, D] -> [B, 1+K, D] (CLS and the K tokens: shortcut 1, the
+        last block computes only these rows). As in MMRL the tokens are fp32 and so is the stream from
+        block J on (under autocast the matmuls still run in half precision; residual adds and LayerNorm
+        inputs are fp32), whatever the prefix's dtype."""
+        x = x.float()
+        for i, b in enumerate(range(self.first, self.L)):
+            fresh = self.tokens.vision(i).float()                       # [K, D]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
+            rows = slice(0, 1 + K) if b == self.L - 1 else None         # the last block: [B, 1+K, D]
+            mask = getattr(self, f"mask_{i}")                           # [H, 1+K+P, 1+K+P] or None
+            x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=mask, rows=rows)
+        return x
+
+    def image_features(self, x):
+        """f_cls [B, E] (CLS through the frozen ln_post and proj) and f_attr [B, K, E] (the K tokens
+        through ln_post and the trainable P_attr), normalised. x [B, 1+K, D]."""
+        f_cls = self.clip.visual.head(x[:, 0])                          # [B, E]
+        f_attr = self.clip.visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
+        return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
+
+    def encode_images(self, images, with_frozen=False):
+        """The image tower of forward alone: f_cls, f_attr and f^0 (None unless with_frozen)."""
+        x = self.frozen_prefix(images)
+        f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None
+        if not self.use_tokens:
+            return f0, None, f0
+        return (*self.image_features(self.token_blocks(x)), f0)
+
+    # --- the text side -----------------------------------------------------------------------------
     @torch.no_grad()
     def set_classes(self, classnames, template):
-        """Everything class-dependent that never changes: the text prefix (blocks 1..J-1 of every class
-        prompt) and the frozen CLIP text features t^0. Computed once per class list.
+        """Everything class-dependent that never changes, computed once per class list: the prompts'
+        token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features t^0.
 
-        The prefix is kept in the form encode_classes runs fastest, with the same result:
-        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT and
-          the template's first words). Under the causal mask their states are the same for every class, so
-          blocks J..L run them once, and every class attends to them.
-        - text_groups: the rest of each prompt in groups padded to their longest (length_buckets; exact, causal):
-          [(indices, [c, n, W], rows [r]: the group's EOT positions in x, pick [c]: each prompt's row in rows)].
+        Blocks 1..J-1 are kept in the form encode_classes runs fastest, with the same result:
+        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT
+          and the template's first words). Under the causal mask their states are the same for every
+          class, so blocks J..L run them once, and every class attends to them (shortcut 2).
+        - text_groups: the rest of each prompt in groups padded to their longest (shortcut 3;
+          length_buckets): [(indices, [c, n, W], rows [r]: the group's EOT positions, pick [c]: each
+          prompt's row in rows)]; the last block computes only the EOT rows (shortcut 1).
         """
         prompts = [template.format(c.replace("_", " ")) for c in classnames]
         device = self.P_attr.device
         tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
         eot = tokens.argmax(-1)                                         # [C] EOT has the largest id
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while every prompt agrees
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while all prompts agree
         S = min(int(same.sum()), int(eot.min()))                        # keep at least EOT per class
         groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):                  # EOTs at rows [r] (<= n); pick [c]
+        for n, idx, rows, pick in length_buckets(eot):                  # EOTs at rows [r] (<= n)
             x = self.clip.run_text_blocks(self.clip.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
             frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
             t0.append(self.clip.text_head(frozen, pick))                # [c, E]
-            groups.append((idx, x[:, S:], rows - S, pick))              # [c, n + 1 - S, W], rows in x[:, S:]
+            groups.append((idx, x[:, S:], rows - S, pick))              # [c, n + 1 - S, W]
             order.append(idx)
             self.text_shared = x[:1, :S]                                # [1, S, W], equal in every group
         self.text_groups = groups
         self.text_order = torch.cat(order).argsort()                    # group order -> class order
         self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
-        self.classnames = list(classnames)
+        self.prompt_tokens, self.classnames = tokens, list(classnames)
 
     def encode_classes(self) -> torch.Tensor:
-        """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]
-        The shared start runs once per block and every class group attends to it (causal: the start never
-        sees the class name); the last block computes only EOT."""
+        """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L, normalised.
+        The shared start runs once per block and every class group attends to it (causal: the start
+        never sees the class name); the last block computes only EOT."""
         if not self.use_tokens:
             return self.t0
         shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
-        parts = [x for _, x, _, _ in self.text_groups]                   # [c, n, W]: the rest of each prompt
+        parts = [x for _, x, _, _ in self.text_groups]                   # [c, n, W]: the rest of a prompt
         for i, b in enumerate(range(self.first_text, self.Lt)):
             fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
             shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
-            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see the tokens
+            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see them
             last = b == self.Lt - 1
             parts = [self.clip.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
                      for x, g in zip(parts, self.text_groups)]           # causal over [shared, x]
@@ -228,59 +294,81 @@ class DeAR(nn.Module):
         t = torch.cat([self.clip.text_head(x, g[3]) for x, g in zip(parts, self.text_groups)])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
-    # --- image side ------------------------------------------------------------------------------
-    def encode_images(self, images, with_frozen=False):
-        """f_cls [B, E] (frozen proj) and f_attr [B, K, E] (P_attr), normalised; with_frozen also returns the
-        frozen CLIP feature f^0 [B, E], which reuses the prefix (it is needed only for the loss).
-        The last block computes only the rows read afterwards: CLS for f^0, CLS and the K tokens otherwise."""
-        visual = self.clip.visual
-        with torch.no_grad():  # blocks 1..J-1 never change: no autograd
-            x = visual.run_blocks(visual.embed(images), 0, self.first)  # [B, 1+P, D]
-            f0 = None
-            if with_frozen or not self.use_tokens:
-                cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
-                f0 = F.normalize(visual.head(cls), dim=-1)
-        if not self.use_tokens:
-            return f0, None, f0
-        for i, b in enumerate(range(self.first, self.L)):
-            fresh = self.tokens.vision(i).to(x.dtype)                    # [K, D]
-            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]: [CLS, attr_1..attr_K, patches]
-            rows = slice(0, 1 + K) if b == self.L - 1 else None          # last block: [B, 1+K, D]
-            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"), rows=rows)  # role mask of b
-        f_cls = visual.head(x[:, 0])                                  # [B, E]
-        f_attr = visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
-        return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0
 
-    def forward(self, images, t=None, with_frozen=False):
-        """Six logit sets [B, 1+K, C] (class first, then the K attribute tokens) and the fused logits [B, C].
-        The towers may run under autocast; the head (cosine logits, alpha fusion) is always fp32 (fp32_head)."""
-        t = self.encode_classes() if t is None else t
-        f_cls, f_attr, f0 = self.encode_images(images, with_frozen)
-        feats = f_cls.unsqueeze(1) if f_attr is None else torch.cat([f_cls.unsqueeze(1).float(), f_attr.float()], 1)
-        logits, fused, feats, t = fp32_head(feats, t, self.clip.logit_scale, None if f_attr is None else self.w)
-        f0 = None if f0 is None else f0.float()
-        out = {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f0": f0, "t": t}
-        if f_attr is not None:
-            out["f_attr"] = feats[:, 1:]
-        return out
-
-
-def fp32_head(feats, t, logit_scale, w=None):
-    """The final head in fp32, outside autocast, in training and evaluation alike.
-
-    feats [B, S, E] (S = 1 + K: f_cls then f_attr, or S = 1: f_cls alone), t [C, E]: features that may come out
-    of autocast in half precision; they are cast to fp32 and normalised again. logits = s * cos(f, t) [B, S, C]
-    with s = exp(logit_scale); fused = sum_k alpha_k logits_k with alpha = softmax(w) ([B, C]; w None: the class
-    logits alone). CLIP's logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03):
-    computed in half precision, close classes would tie or swap. Returns logits, fused and the fp32 features."""
+def cosine_logits(feats, t, logit_scale):
+    """logits = s * cos(f, t) [B, S, C], s = exp(logit_scale), in fp32 outside autocast, in training and
+    evaluation alike. feats [B, S, E] (f_cls then f_attr, or f_cls alone), t [C, E]: features that may come
+    out of autocast in half precision, cast to fp32 and normalised again: CLIP's logits are about 100 cos,
+    20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half precision close classes would
+    tie or swap. Returns the logits and the fp32 features."""
     with torch.autocast(feats.device.type, enabled=False):
         feats = F.normalize(feats.float(), dim=-1)                # [B, S, E]
         t = F.normalize(t.float(), dim=-1)                        # [C, E]
-        logits = logit_scale.float().exp() * feats @ t.t()        # [B, S, C]
-        if w is None:
-            return logits, logits[:, 0], feats, t
-        fused = torch.einsum("k,bkc->bc", w.float().softmax(0), logits)  # sum_k alpha_k logits_k
-    return logits, fused, feats, t
+        return logit_scale.float().exp() * feats @ t.t(), feats, t  # [B, S, C]
+
+
+def fuse(logits, alpha):
+    """The fused logits sum_k alpha_k logits_k [B, C] of the six logit sets [B, 1+K, C], in fp32."""
+    with torch.autocast(logits.device.type, enabled=False):
+        return torch.einsum("k,bkc->bc", alpha.float(), logits.float())
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain computation: forward without any shortcut
+
+# forward computes exactly what reference_forward computes (tests/test_pruning.py), taking four shortcuts
+# that change no result: 1. the last block computes only the rows read afterwards (CLS and the K tokens;
+# CLS for f^0; EOT for text); 2. the start shared by every prompt (SOT and the template's first words)
+# runs once per block; 3. prompts run in groups of similar length, padded only to their group's longest;
+# 4. blocks 1..J-1 run once for f^0 and f_cls (images) and once per class list (text, set_classes).
+
+
+def reference_forward(model, images, with_frozen=True):
+    """What forward computes, written plainly: every block computes every position, every prompt runs
+    whole, padded to the context length, through every block; f^0 and t^0 are computed from scratch.
+    Returns forward's dict, plus "t0"."""
+    t, t0 = reference_classes(model)
+    f_cls, f_attr, f0 = reference_images(model, images)
+    if not model.use_tokens:
+        logits, feats, t = cosine_logits(f0.unsqueeze(1), t0, model.clip.logit_scale)
+        return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t, "t0": t0}
+    logits, feats, t = cosine_logits(torch.cat([f_cls.unsqueeze(1), f_attr], 1), t, model.clip.logit_scale)
+    return {"logits": logits, "fused": fuse(logits, model.alpha()), "f_cls": feats[:, 0],
+            "f_attr": feats[:, 1:], "f0": f0 if with_frozen else None, "t": t, "t0": t0}
+
+
+def reference_images(model, images):
+    """f_cls [B, E], f_attr [B, K, E] and f^0 [B, E], normalised: every block on every position."""
+    visual = model.clip.visual
+    x = visual.embed(images)                                            # [B, 1+P, D]
+    f0 = F.normalize(visual.head(visual.run_blocks(x, 0, model.L)[:, 0]), dim=-1)
+    for b in range(model.L):
+        i = b - model.first                                             # < 0: before block J
+        if i >= 0:
+            x = insert(x.float(), model.tokens.vision(i).float()) if i == 0 else \
+                mix(x, model.tokens.vision(i).float(), model.beta)      # [B, 1+K+P, D]
+        x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(model, f"mask_{i}") if i >= 0 else None)
+    if not model.use_tokens:
+        return f0, None, f0
+    f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
+    f_attr = F.normalize(visual.ln_post(x[:, 1:1 + K]) @ model.P_attr, dim=-1)
+    return f_cls, f_attr, f0
+
+
+def reference_classes(model):
+    """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context length,
+    through every text block on every position (causal), the K tokens after SOT from block J on."""
+    m, tokens = model.clip, model.prompt_tokens                        # [C, T]
+    x = m.embed_text(tokens)                                            # [C, T, W]
+    t0 = F.normalize(m.text_head(m.run_text_blocks(x, 0, model.Lt), tokens.argmax(-1)), dim=-1)
+    for b in range(model.Lt):
+        i = b - model.first_text
+        if i >= 0 and model.use_tokens:
+            fresh = model.tokens.text(i).to(x.dtype)                    # [K, W]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, model.beta)  # [C, T + K, W]
+        x = m.run_text_blocks(x, b, b + 1)
+    shift = K if model.use_tokens else 0                                # the tokens move EOT K places
+    return F.normalize(m.text_head(x, tokens.argmax(-1) + shift), dim=-1), t0
 
 
 # ----------------------------------------------------------------------------------------------

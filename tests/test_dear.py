@@ -338,7 +338,7 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     with torch.no_grad():
         model.clip.logit_scale.fill_(math.log(100.0))  # CLIP's trained scale
         model.w.copy_(torch.randn(1 + K, generator=g))
-    monkeypatch.setattr(model, "encode_images", lambda images, with_frozen=False: (f_cls, f_attr, None))
+    monkeypatch.setattr(model, "image_features", lambda x: (f_cls, f_attr))  # what the towers give
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.zeros(B, 3, 32, 32), t=t.bfloat16())
     # by hand, in fp64: 100 * cos of each feature set with each class, fused with alpha = softmax(w)
@@ -644,3 +644,26 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     with pytest.raises(SystemExit) as stop:
         dear.main(args + ["--precision", "fp16", "--force"])
     assert stop.value.code == 2 and "fp16 needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
+    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast standing
+    in for CUDA's) with the frozen weights in half precision, the stream entering blocks J..L with the
+    tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix and the f^0 path keep
+    the half-precision stream they had."""
+    torch.manual_seed(0)
+    model = DeAR(tiny_clip(text_layers=3), mixed_roles(), J=3)  # tokens in blocks 3 and 4 of 4
+    seen = []
+    for b, block in enumerate(model.clip.visual.transformer.resblocks):  # (block, positions, dtype)
+        block.register_forward_pre_hook(lambda m, a, b=b: seen.append((b, a[0].shape[1], a[0].dtype)))
+    model.clip.visual.ln_post.register_forward_pre_hook(
+        lambda m, a: seen.append(("ln_post", a[0].shape[1:-1], a[0].dtype)))  # [B, K, D]: f_attr
+    model.set_classes(["cat", "dog"], "a photo of a {}.")
+    with torch.no_grad(), train.frozen_weights_in(dtype, model.clip), torch.autocast("cpu", dtype=dtype):
+        model(torch.randn(2, 3, 32, 32), with_frozen=True)
+    half, f32, n = dtype, torch.float32, 1 + P  # n: CLS and patches
+    assert seen == [(0, n, half), (1, n, half),                     # the frozen prefix, blocks 1..J-1
+                    (2, n, half), (3, n, half), ("ln_post", (), half),   # f^0 as before
+                    (2, n + K, f32), (3, n + K, f32),               # blocks J..L with the tokens
+                    ("ln_post", (), f32), ("ln_post", (K,), f32)]   # f_cls, f_attr
