@@ -5,23 +5,23 @@ to bottom:
 
   1. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
   2. role_mask: the role-based per-head attention mask of one vision block
-  3. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion alpha
-  4. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
+  3. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion
+     alpha
+  4. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log
+     alpha_cls
   5. The command line: a Config (config.py) from the flags, handed to runs.run with the method
 
 Layers, from the top: dear.py (the method, the CLI) -> runs.py (one run: its folder, what it reads,
 results.json; the method is handed to it as `make_model` / `make_loss`) -> config.py (Config, the
-per-dataset tables, resolve) -> train.py (MMRL's training loop and evaluation, nothing DeAR-specific)
-and entropy.py (the head roles, Concept Entropy).
+per-dataset tables, resolve) -> train.py (MMRL's training loop and evaluation, nothing
+DeAR-specific) and entropy.py (the head roles, Concept Entropy).
 
-The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the roles
-file. Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and
-`block_masks` reads the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open is a
-flag; see README.md, "Where this reproduction had to choose".
+The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the
+roles file. Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and
+`block_masks` reads the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
+is a flag; see README.md, "Where this reproduction had to choose".
 """
-import argparse
 import copy
-import dataclasses
 import json
 import sys
 
@@ -34,7 +34,7 @@ import data
 import runs
 import toyworld
 from clip.model import length_buckets
-from config import CHOICES, Config, data_root, resolve
+from config import Config, parse_args, resolve  # noqa: F401  (resolve: run_all.sh's dear.resolve)
 from runs import run_dir  # noqa: F401  run_all.sh asks dear.py where a run writes (dear.run_dir)
 from train import RunError
 
@@ -46,11 +46,11 @@ K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this or
 
 
 class AttributeTokens(nn.Module):
-    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in J..L,
-    a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W.
-    Vision and text tokens are projections of the same R, which couples the two modalities.
-    As in MMRL, one aligner of each kind is initialised and copied to every block: all F_v^l start identical,
-    and so do all F_t^l (they are trained apart)."""
+    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in
+    J..L, a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W. Vision and
+    text tokens are projections of the same R, which couples the two modalities. As in MMRL, one
+    aligner of each kind is initialised and copied to every block: all F_v^l start identical, and so
+    do all F_t^l (they are trained apart)."""
 
     def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
         super().__init__()
@@ -67,13 +67,15 @@ class AttributeTokens(nn.Module):
 
 
 def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Put the K tokens right after the first token (CLS, or SOT on the text side): [B, 1 + K + rest, D]."""
+    """Put the K tokens right after the first token (CLS, or SOT on the text side): [B, 1 + K +
+    rest, D]."""
     return torch.cat([x[:, :1], fresh.unsqueeze(0).expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
 
 
 def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
-    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of block l-1).
-    x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays simple)."""
+    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of
+    block l-1). x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays
+    simple)."""
     tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1:1 + K]  # [B, K, D]
     return torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
 
@@ -86,11 +88,11 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
     """The additive mask [H, L, L] of one vision block, L = 1 + K + num_patches, token order
     [CLS, attr_1..attr_K, patches]; row = query, column = key; 0 = allowed, -inf = blocked.
 
-    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of the
-      five): the originals (CLS, patches) and the attribute tokens never see each other; each attribute
-      token sees only itself. These heads compute exactly what the frozen CLIP computes.
-    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token sees only
-      itself and nobody sees it.
+    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of
+      the five): the originals (CLS, patches) and the attribute tokens never see each other; each
+      attribute token sees only itself. These heads compute exactly what the frozen CLIP computes.
+    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token
+      sees only itself and nobody sees it.
     - mixed head: no restriction.
     variant "generalization-only": attribute heads act as mixed; "none": no mask at all (all zeros).
     """
@@ -116,7 +118,8 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
 
 
 def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
-    """One [H, L, L] mask per block first..num_layers-1 (0-based), or None where nothing is masked."""
+    """One [H, L, L] mask per block first..num_layers-1 (0-based), or None where nothing is
+    masked."""
     if variant == "none":
         return [None] * (num_layers - first)
     return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]  # roles: 1-based
@@ -127,7 +130,8 @@ def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: s
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + attribute tokens from block J + role masks + a trainable P_attr + fusion weights w."""
+    """Frozen CLIP + attribute tokens from block J + role masks + a trainable P_attr + fusion
+    weights w."""
 
     def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
                  alpha_cls=0.7):
@@ -146,7 +150,8 @@ class DeAR(nn.Module):
             raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}")
         self.tokens = AttributeTokens(n, rep_dim, visual.transformer.width, clip_model.transformer.width)
         self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], initialised as a copy of proj
-        # fusion weights: alpha = softmax(w), initialised to alpha_cls for the class logits, the rest shared
+        # fusion weights: alpha = softmax(w), initialised to alpha_cls for the class logits, the
+        # rest shared
         w = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log()
         self.w = nn.Parameter(w)
         masks = block_masks(roles, self.first, L, visual.num_patches, mask) if attr_tokens else [None] * n
@@ -178,10 +183,11 @@ class DeAR(nn.Module):
 
     # --- the forward pass: Figure 2 ---------------------------------------------------------------
     def forward(self, images, t=None, with_frozen=False):
-        """Figure 2, one step a line. images [B, 3, R, R]; t [C, E]: the class features, if already computed
-        (an evaluation computes them once), else encode_classes(). with_frozen: also f^0 (for the loss).
-        Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the fused logits [B, C]
-        and the features the loss reads. The towers may run under autocast; the head is fp32."""
+        """Figure 2, one step a line. images [B, 3, R, R]; t [C, E]: the class features, if already
+        computed (an evaluation computes them once), else encode_classes(). with_frozen: also f^0
+        (for the loss). Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the
+        fused logits [B, C] and the features the loss reads. The towers may run under autocast; the
+        head is fp32."""
         t = self.encode_classes() if t is None else t               # [C, E]  t, text tokens in blocks J..L
         x = self.frozen_prefix(images)                              # [B, 1+P, D]  blocks 1..J-1, frozen
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
@@ -205,18 +211,19 @@ class DeAR(nn.Module):
 
     @torch.no_grad()
     def frozen_feature(self, x):
-        """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x (shortcut 1:
-        the last block computes CLS alone), normalised. The stream keeps the prefix's dtype."""
+        """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x
+        (shortcut 1: the last block computes CLS alone), normalised. The stream keeps the prefix's
+        dtype."""
         visual = self.clip.visual
         cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
         return F.normalize(visual.head(cls), dim=-1)
 
     def token_blocks(self, x):
-        """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta from J+1,
-        each block under its role mask. [B, 1+P, D] -> [B, 1+K, D] (CLS and the K tokens: shortcut 1, the
-        last block computes only these rows). As in MMRL the tokens are fp32 and so is the stream from
-        block J on (under autocast the matmuls still run in half precision; residual adds and LayerNorm
-        inputs are fp32), whatever the prefix's dtype."""
+        """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta
+        from J+1, each block under its role mask. [B, 1+P, D] -> [B, 1+K, D] (CLS and the K tokens:
+        shortcut 1, the last block computes only these rows). As in MMRL the tokens are fp32 and so
+        is the stream from block J on (under autocast the matmuls still run in half precision;
+        residual adds and LayerNorm inputs are fp32), whatever the prefix's dtype."""
         x = x.float()
         for i, b in enumerate(range(self.first, self.L)):
             fresh = self.tokens.vision(i).float()                       # [K, D]
@@ -245,12 +252,13 @@ class DeAR(nn.Module):
     @torch.no_grad()
     def set_classes(self, classnames, template):
         """Everything class-dependent that never changes, computed once per class list: the prompts'
-        token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features t^0.
+        token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features
+        t^0.
 
         Blocks 1..J-1 are kept in the form encode_classes runs fastest, with the same result:
-        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT
-          and the template's first words). Under the causal mask their states are the same for every
-          class, so blocks J..L run them once, and every class attends to them (shortcut 2).
+        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt
+          (SOT and the template's first words). Under the causal mask their states are the same for
+          every class, so blocks J..L run them once, and every class attends to them (shortcut 2).
         - text_groups: the rest of each prompt in groups padded to their longest (shortcut 3;
           length_buckets): [(indices, [c, n, W], rows [r]: the group's EOT positions, pick [c]: each
           prompt's row in rows)]; the last block computes only the EOT rows (shortcut 1).
@@ -275,9 +283,9 @@ class DeAR(nn.Module):
         self.prompt_tokens, self.classnames = tokens, list(classnames)
 
     def encode_classes(self) -> torch.Tensor:
-        """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L, normalised.
-        The shared start runs once per block and every class group attends to it (causal: the start
-        never sees the class name); the last block computes only EOT."""
+        """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L,
+        normalised. The shared start runs once per block and every class group attends to it
+        (causal: the start never sees the class name); the last block computes only EOT."""
         if not self.use_tokens:
             return self.t0
         shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
@@ -285,7 +293,8 @@ class DeAR(nn.Module):
         for i, b in enumerate(range(self.first_text, self.Lt)):
             fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
             shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
-            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see them
+            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see
+            # them
             last = b == self.Lt - 1
             parts = [self.clip.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
                      for x, g in zip(parts, self.text_groups)]           # causal over [shared, x]
@@ -296,11 +305,11 @@ class DeAR(nn.Module):
 
 
 def cosine_logits(feats, t, logit_scale):
-    """logits = s * cos(f, t) [B, S, C], s = exp(logit_scale), in fp32 outside autocast, in training and
-    evaluation alike. feats [B, S, E] (f_cls then f_attr, or f_cls alone), t [C, E]: features that may come
-    out of autocast in half precision, cast to fp32 and normalised again: CLIP's logits are about 100 cos,
-    20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half precision close classes would
-    tie or swap. Returns the logits and the fp32 features."""
+    """logits = s * cos(f, t) [B, S, C], s = exp(logit_scale), in fp32 outside autocast, in training
+    and evaluation alike. feats [B, S, E] (f_cls then f_attr, or f_cls alone), t [C, E]: features
+    that may come out of autocast in half precision, cast to fp32 and normalised again: CLIP's
+    logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half
+    precision close classes would tie or swap. Returns the logits and the fp32 features."""
     with torch.autocast(feats.device.type, enabled=False):
         feats = F.normalize(feats.float(), dim=-1)                # [B, S, E]
         t = F.normalize(t.float(), dim=-1)                        # [C, E]
@@ -316,17 +325,18 @@ def fuse(logits, alpha):
 # ----------------------------------------------------------------------------------------------
 # The plain computation: forward without any shortcut
 
-# forward computes exactly what reference_forward computes (tests/test_pruning.py), taking four shortcuts
-# that change no result: 1. the last block computes only the rows read afterwards (CLS and the K tokens;
-# CLS for f^0; EOT for text); 2. the start shared by every prompt (SOT and the template's first words)
-# runs once per block; 3. prompts run in groups of similar length, padded only to their group's longest;
-# 4. blocks 1..J-1 run once for f^0 and f_cls (images) and once per class list (text, set_classes).
+# forward computes exactly what reference_forward computes (tests/test_pruning.py), taking four
+# shortcuts that change no result: 1. the last block computes only the rows read afterwards (CLS and
+# the K tokens; CLS for f^0; EOT for text); 2. the start shared by every prompt (SOT and the
+# template's first words) runs once per block; 3. prompts run in groups of similar length, padded
+# only to their group's longest; 4. blocks 1..J-1 run once for f^0 and f_cls (images) and once per
+# class list (text, set_classes).
 
 
 def reference_forward(model, images, with_frozen=True):
-    """What forward computes, written plainly: every block computes every position, every prompt runs
-    whole, padded to the context length, through every block; f^0 and t^0 are computed from scratch.
-    Returns forward's dict, plus "t0"."""
+    """What forward computes, written plainly: every block computes every position, every prompt
+    runs whole, padded to the context length, through every block; f^0 and t^0 are computed from
+    scratch. Returns forward's dict, plus "t0"."""
     t, t0 = reference_classes(model)
     f_cls, f_attr, f0 = reference_images(model, images)
     if not model.use_tokens:
@@ -356,8 +366,9 @@ def reference_images(model, images):
 
 
 def reference_classes(model):
-    """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context length,
-    through every text block on every position (causal), the K tokens after SOT from block J on."""
+    """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context
+    length, through every text block on every position (causal), the K tokens after SOT from block J
+    on."""
     m, tokens = model.clip, model.prompt_tokens                        # [C, T]
     x = m.embed_text(tokens)                                            # [C, T, W]
     t0 = F.normalize(m.text_head(m.run_text_blocks(x, 0, model.Lt), tokens.argmax(-1)), dim=-1)
@@ -376,9 +387,9 @@ def reference_classes(model):
 
 
 def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
-    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion * -log alpha_cls,
-    in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the device: reading them waits
-    for it, which the training loop does only at log lines)."""
+    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion *
+    -log alpha_cls, in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the
+    device: reading them waits for it, which the training loop does only at log lines)."""
     with torch.autocast(labels.device.type, enabled=False):
         ce = F.cross_entropy(out["fused"].float(), labels)
         reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
@@ -404,106 +415,6 @@ def make_loss(cfg: Config):
 
 # ----------------------------------------------------------------------------------------------
 # 5. The command line
-
-
-def parse_args(argv=None) -> Config:
-    d = Config()
-    p = argparse.ArgumentParser(
-        description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention masks.",
-        epilog="Examples:\n"
-               "  python dear.py --dataset toyworld                # offline demo, tiny CLIP, minutes on a CPU\n"
-               "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, ViT-B/16\n"
-               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 datasets",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("what to run")
-    g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) +
-                   ", or folder:PATH (default: %(default)s)")
-    g.add_argument("--root", default=data_root(),
-                   help="folder holding the datasets in the CoOp layout (default: $DATA or data)")
-    g.add_argument("--protocol", default=d.protocol, choices=CHOICES["protocol"],
-                   help="b2n: train on the base classes, test base and novel; fewshot: all classes; xd: "
-                        "train on the source (ImageNet), test it and --targets (default: %(default)s)")
-    g.add_argument("--method", default=d.method, choices=CHOICES["method"],
-                   help="zeroshot: frozen CLIP with the dataset's template, through the same code "
-                        "(default: %(default)s)")
-    g.add_argument("--shots", type=int, default=d.shots,
-                   help="training images per class (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the few-shot subset and the run (default: %(default)s)")
-    g.add_argument("--backbone", default=None,
-                   help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
-                        ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
-                   "(default: the 4 ImageNet variants and the other 10 datasets)")
-    g.add_argument("--out", default=d.out,
-                   help="output root; every run gets its own folder (default: %(default)s)")
-    g = p.add_argument_group("the method (the paper's names)")
-    g.add_argument("--J", type=int, default=None,
-                   help="attribute tokens enter block J (1-based) and stay to the last block (default: 9 "
-                        "of 12 blocks; the last quarter of the blocks in general)")
-    g.add_argument("--beta", type=float, default=None,
-                   help="token mixing (default: per-dataset table, 0.9 otherwise)")
-    g.add_argument("--lambda-reg", type=float, default=None,
-                   help="self-regularisation weight (default: per-dataset table)")
-    g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion,
-                   help="weight of -log alpha_cls (default: %(default)s)")
-    g.add_argument("--alpha-cls", type=float, default=d.alpha_cls,
-                   help="initial fusion weight of the class logits; each attribute gets (1 - it) / 5 "
-                        "(default: %(default)s)")
-    g.add_argument("--rep-dim", type=int, default=d.rep_dim,
-                   help="width of the shared token matrix R (default: %(default)s)")
-    g.add_argument("--mask", default=d.mask, choices=CHOICES["mask"],
-                   help="role-based per-head mask, or an ablation variant (default: %(default)s)")
-    g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false",
-                   help="ablation: no attribute tokens at all (the model is then frozen CLIP)")
-    g.add_argument("--novel-logits", default=d.novel_logits, choices=CHOICES["novel_logits"],
-                   help="logits on novel classes and target datasets; cls is MMRL's class-only rule "
-                        "(default: %(default)s)")
-    g.add_argument("--target-beta", default=d.target_beta, choices=CHOICES["target_beta"],
-                   help="xd: beta of each target dataset; table: MMRL++'s test-time beta per target "
-                        "(ImageNet-V2 0.9 ... Food101 0.3), source: the source's beta for every target "
-                        "(default: %(default)s)")
-    g.add_argument("--roles", default=None,
-                   help="roles JSON written by entropy.py (default: computed once and cached)")
-    g.add_argument("--roles-control", default=d.roles_control, choices=CHOICES["roles_control"],
-                   help="control for Concept Entropy: random = each block's roles shuffled among its "
-                        "heads (seeded by --seed; role counts kept); oracle = roles from the toy world's "
-                        "ground-truth probes (default: %(default)s)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=None,
-                   help="default: 10 (b2n), 20 (b2n toyworld), 50 (fewshot), 5 (ImageNet b2n and "
-                        "fewshot), 1 (xd)")
-    g.add_argument("--batch-size", type=int, default=None,
-                   help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
-    g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
-    g.add_argument("--crop-scale", type=float, default=None,
-                   help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
-    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
-                   help="(default: %(default)s)")
-    g.add_argument("--workers", type=int, default=None,
-                   help="data-loading processes (default: 4, or fewer on a machine with fewer CPUs)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--precision", default=d.precision, choices=CHOICES["precision"],
-                   help="amp: MMRL's PREC amp, autocast fp16 + GradScaler on CUDA, fp32 on CPU; fp16: the "
-                        "same, CUDA only; bf16: autocast bf16 (CUDA, or CPU autocast); fp32: no autocast. "
-                        "Parameters stay fp32 and the logits, fusion and loss are fp32 in every mode; "
-                        "config.json records the precision used (default: %(default)s)")
-    g = p.add_argument_group("runs")
-    g.add_argument("--eval-only", action="store_true",
-                   help="evaluate the model of --load on --dataset / --protocol")
-    g.add_argument("--load", default=None,
-                   help="a finished run folder (holding model.pt and config.json)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from its last checkpoint")
-    g.add_argument("--force", action="store_true",
-                   help="redo a finished run, or restart an interrupted one")
-    g.add_argument("--roles-only", action="store_true",
-                   help="only compute (or find) the head roles and copy them to OUT/roles/J<J>/ "
-                        "(run_all.sh's roles stage)")
-    args = p.parse_args(argv)
-    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
-                     if hasattr(args, f.name)})
 
 
 def main(argv=None):

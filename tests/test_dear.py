@@ -426,12 +426,25 @@ def test_schedule_values():
     assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
     assert train.lr_at(0, xd) == pytest.approx(1e-3)
     assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
-    # few-shot: ImageNet 5 epochs / batch 32 (MMRL's few-shot script: vit_b16_imagenet), the others 50 / 32
+    # few-shot: MMRL++'s vit_b16_few_shot (100 epochs, batch 32, lr 2e-3, warm-up 1) with its beta /
+    # lambda table; ImageNet keeps vit_b16_imagenet (5 epochs, batch 32, lr 1e-3)
     imagenet_fs = dear.resolve(dear.Config(dataset="imagenet", protocol="fewshot"))
-    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs) == (5, 32, 1)
-    for name in ("dtd", "eurosat", "food101"):
+    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs, imagenet_fs.lr) == \
+        (5, 32, 1, 1e-3)
+    for name, beta, lam in (("dtd", 0.9, 7.0), ("eurosat", 0.2, 0.01), ("food101", 0.1, 1.0)):
         fs = dear.resolve(dear.Config(dataset=name, protocol="fewshot"))
-        assert (fs.epochs, fs.batch_size, fs.warmup_epochs) == (50, 32, 1)
+        assert (fs.epochs, fs.batch_size, fs.warmup_epochs, fs.lr, fs.beta, fs.lambda_reg) == \
+            (100, 32, 1, 2e-3, beta, lam)
+        assert train.lr_at(1, fs) == 2e-3 and train.lr_at(0, fs) == 1e-5
+    assert dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4  # --lr wins
+    assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
+    assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
+    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3; the toy world keeps its tables' recipe
+    for c in (dict(dataset="dtd"), dict(dataset="imagenet"), dict(dataset="imagenet", protocol="xd")):
+        assert dear.resolve(dear.Config(**c)).lr == 1e-3, c
+    toy = dear.resolve(dear.Config(dataset="toyworld", protocol="fewshot"))
+    assert (toy.epochs, toy.batch_size, toy.lr) == (50, 32, 1e-3)
+    assert runs.variant_name(dear.Config(dataset="dtd", protocol="fewshot", lr=2e-3)) == "default"
 
 
 def test_bad_values_are_refused():

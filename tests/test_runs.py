@@ -189,3 +189,36 @@ def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path
     cfg = dear.resolve(dear.Config(dataset=dataset, root=str(root), backbone=ckpt, J=3))
     _, used = runs.load_roles(cfg, model, torch.device("cpu"), log=lambda msg: None)
     assert used == path
+
+
+# ------------------------------------------------------------------------------------------- E: precision
+
+
+def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, monkeypatch):
+    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds the
+    run folder taken by a run of another precision, and stops instead of reusing or resuming it. Both
+    precisions are recorded; asking for a half-precision evaluation gets its own folder."""
+    root, ckpt, dataset = world
+    args = cli(world, tmp_path / "runs", "--protocol", "fewshot", "--epochs", "1",
+               "--roles", write_roles(tmp_path / "roles.json", ckpt))
+    dear.main(args)
+    (results,) = (tmp_path / "runs").rglob("results.json")
+    done = json.loads(results.read_text())
+    assert done["precisions"] == {"train": "fp32", "eval": "fp32"}
+    assert (done["config"]["precision"], done["config"]["eval_precision"]) == ("fp32", "fp32")
+    assert json.loads((results.parent / "config.json").read_text())["precisions"] == done["precisions"]
+    real = runs.resolve_precision
+
+    def on_cuda(precision, device):  # what amp resolves to on a CUDA device
+        return "fp16" if precision == "amp" else real(precision, device)
+    monkeypatch.setattr(runs, "resolve_precision", on_cuda)
+    capsys.readouterr()
+    err = stop_message(args, capsys)  # a finished run of another precision: not "done already"
+    assert "different configuration" in err and "precisions" in err and "fp16" in err
+    results.unlink()  # now as an interrupted run: its checkpoint is not resumed in another precision
+    torch.save({"model": {}}, results.parent / "checkpoint.pt")
+    err = stop_message(args + ["--resume"], capsys)
+    assert "interrupted run of a different configuration" in err and "precisions" in err
+    monkeypatch.setattr(runs, "resolve_precision", real)
+    bf16 = runs.run_dir(dear.parse_args(args + ["--eval-precision", "bf16"]))
+    assert bf16 != str(results.parent) and "eval_precision-bf16" in bf16
