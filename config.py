@@ -36,7 +36,7 @@ DATASET_DEFAULTS = {
     "eurosat":        (0.2, 0.01),
     "food101":        (0.1, 1.0),
 }
-XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source model (cross-dataset / domain gen.)
+XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source of cross-dataset / domain gen.
 # MMRL++'s test-time beta of each target of cross-dataset / domain generalisation: the ImageNet
 # model is evaluated on each target with this beta. --target-beta source uses the source's beta
 # instead.
@@ -93,7 +93,7 @@ class Config:
     backbone: str = None              # a clip.available_models() name or a checkpoint path; None =
                                       # ViT-B/16 ("toy": toyworld.py's tiny CLIP, default for
                                       # toyworld)
-    targets: str = ""                 # xd: comma-separated targets ("" = the 4 variants + 10 datasets)
+    targets: str = ""                 # xd: comma-separated targets ("": 4 variants + 10 datasets)
     out: str = "runs"
     # the method (paper names)
     J: int = None                     # tokens enter block J (1-based) and live in blocks J..L;
@@ -101,35 +101,35 @@ class Config:
     beta: float = None                # token mixing; None = the DATASET_DEFAULTS table
     lambda_reg: float = None          # self-regularisation weight; None = the table
     lambda_fusion: float = 1.0        # weight of -log alpha_cls
-    alpha_cls: float = 0.7            # initial fusion weight of the class logits (the rest: 5 tokens)
+    alpha_cls: float = 0.7            # initial fusion weight of the class logits (rest: tokens)
     rep_dim: int = 512                # width of the shared token matrix R
     mask: str = "role"                # role | generalization-only | none
     attr_tokens: bool = True          # False: no tokens at all (ablation); the model is frozen CLIP
-    novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
-    target_beta: str = "table"        # xd targets: table (XD_TARGET_BETA) | source (the source's beta)
+    novel_logits: str = "fused"       # fused | cls: the logits of novel classes and xd targets
+    target_beta: str = "table"        # xd targets: table (XD_TARGET_BETA) | source (its beta)
     roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
     roles_control: str = "none"       # none | random | oracle: controls for Concept Entropy
     # optimisation
     epochs: int = None                # None = SCHEDULES
     batch_size: int = None
     warmup_epochs: int = None
-    crop_scale: float = None          # smallest crop area of the training augmentation; None = table
+    crop_scale: float = None          # smallest crop area of the augmentation; None = table
     lr: float = None                  # None = SCHEDULES (1e-3; few-shot 2e-3, ImageNet 1e-3)
     warmup_lr: float = 1e-5
     weight_decay: float = 5e-4
     eval_batch_size: int = 100
-    workers: int = None               # data-loading processes; None = min(4, CPUs this process may use)
+    workers: int = None               # data loaders; None = min(4, CPUs this process may use)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
-    precision: str = "amp"            # amp (fp16 + GradScaler on CUDA, fp32 on CPU) | fp16 | bf16 | fp32;
-                                      # runs.run records the one used (fp16, bf16 or fp32)
-    eval_precision: str = "fp32"      # fp32 (as MMRL's test()) | fp16 | bf16: autocast, frozen weights
-                                      # in that dtype; runs.run records the one used
+    precision: str = "amp"            # amp (fp16 + GradScaler on CUDA, fp32 on CPU) | fp16 | bf16 |
+                                      # fp32; runs.run records the one used (fp16, bf16 or fp32)
+    eval_precision: str = "fp32"      # fp32 (as MMRL's test()) | fp16 | bf16: autocast, frozen
+                                      # weights in that dtype; runs.run records the one used
     # bookkeeping
     eval_only: bool = False
     load: str = None
     resume: bool = False
     force: bool = False
-    roles_only: bool = False          # only compute/find the head roles, copy them to <out>/roles/J<J>/
+    roles_only: bool = False          # only find the head roles, copy them to <out>/roles/J<J>/
 
 
 def resolve(cfg: Config) -> Config:
@@ -213,11 +213,15 @@ def eval_beta(c: Config, dataset: str) -> float:
 def parse_args(argv=None) -> Config:
     d = Config()
     p = argparse.ArgumentParser(
-        description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention masks.",
+        description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention "
+                    "masks.",
         epilog="Examples:\n"
-               "  python dear.py --dataset toyworld                # offline demo, tiny CLIP, minutes on a CPU\n"
-               "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, ViT-B/16\n"
-               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 datasets",
+               "  python dear.py --dataset toyworld                # offline demo, tiny CLIP, "
+               "minutes on a CPU\n"
+               "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, "
+               "ViT-B/16\n"
+               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 "
+               "datasets",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) +
@@ -225,8 +229,9 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--root", default=data_root(),
                    help="folder holding the datasets in the CoOp layout (default: $DATA or data)")
     g.add_argument("--protocol", default=d.protocol, choices=CHOICES["protocol"],
-                   help="b2n: train on the base classes, test base and novel; fewshot: all classes; xd: "
-                        "train on the source (ImageNet), test it and --targets (default: %(default)s)")
+                   help="b2n: train on the base classes, test base and novel; fewshot: all "
+                        "classes; xd: train on the source (ImageNet), test it and --targets "
+                        "(default: %(default)s)")
     g.add_argument("--method", default=d.method, choices=CHOICES["method"],
                    help="zeroshot: frozen CLIP with the dataset's template, through the same code "
                         "(default: %(default)s)")
@@ -243,8 +248,8 @@ def parse_args(argv=None) -> Config:
                    help="output root; every run gets its own folder (default: %(default)s)")
     g = p.add_argument_group("the method (the paper's names)")
     g.add_argument("--J", type=int, default=None,
-                   help="attribute tokens enter block J (1-based) and stay to the last block (default: 9 "
-                        "of 12 blocks; the last quarter of the blocks in general)")
+                   help="attribute tokens enter block J (1-based) and stay to the last block "
+                        "(default: 9 of 12 blocks; the last quarter of the blocks in general)")
     g.add_argument("--beta", type=float, default=None,
                    help="token mixing (default: per-dataset table, 0.9 otherwise)")
     g.add_argument("--lambda-reg", type=float, default=None,
@@ -252,8 +257,8 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion,
                    help="weight of -log alpha_cls (default: %(default)s)")
     g.add_argument("--alpha-cls", type=float, default=d.alpha_cls,
-                   help="initial fusion weight of the class logits; each attribute gets (1 - it) / 5 "
-                        "(default: %(default)s)")
+                   help="initial fusion weight of the class logits; each attribute gets (1 - it) / "
+                        "5 (default: %(default)s)")
     g.add_argument("--rep-dim", type=int, default=d.rep_dim,
                    help="width of the shared token matrix R (default: %(default)s)")
     g.add_argument("--mask", default=d.mask, choices=CHOICES["mask"],
@@ -261,45 +266,50 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false",
                    help="ablation: no attribute tokens at all (the model is then frozen CLIP)")
     g.add_argument("--novel-logits", default=d.novel_logits, choices=CHOICES["novel_logits"],
-                   help="logits on novel classes and target datasets; cls is MMRL's class-only rule "
-                        "(default: %(default)s)")
+                   help="logits on novel classes and target datasets; cls is MMRL's class-only "
+                        "rule (default: %(default)s)")
     g.add_argument("--target-beta", default=d.target_beta, choices=CHOICES["target_beta"],
-                   help="xd: beta of each target dataset; table: MMRL++'s test-time beta per target "
-                        "(ImageNet-V2 0.9 ... Food101 0.3), source: the source's beta for every target "
-                        "(default: %(default)s)")
+                   help="xd: beta of each target dataset; table: MMRL++'s test-time beta per "
+                        "target (ImageNet-V2 0.9 ... Food101 0.3), source: the source's beta for "
+                        "every target (default: %(default)s)")
     g.add_argument("--roles", default=None,
                    help="roles JSON written by entropy.py (default: computed once and cached)")
     g.add_argument("--roles-control", default=d.roles_control, choices=CHOICES["roles_control"],
-                   help="control for Concept Entropy: random = each block's roles shuffled among its "
-                        "heads (seeded by --seed; role counts kept); oracle = roles from the toy world's "
-                        "ground-truth probes (default: %(default)s)")
+                   help="control for Concept Entropy: random = each block's roles shuffled among "
+                        "its heads (seeded by --seed; role counts kept); oracle = roles from the "
+                        "toy world's ground-truth probes (default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=None,
-                   help="default: 10 (b2n), 20 (b2n toyworld), 100 (fewshot: MMRL++'s few-shot config), "
-                        "5 (ImageNet b2n and fewshot), 1 (xd)")
+                   help="default: 10 (b2n), 20 (b2n toyworld), 100 (fewshot: MMRL++'s few-shot "
+                        "config), 5 (ImageNet b2n and fewshot), 1 (xd)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
     g.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate (default: per protocol, 1e-3; 2e-3 for fewshot, as MMRL++'s "
-                        "few-shot config; 1e-3 for ImageNet fewshot, as vit_b16_imagenet)")
+                   help="AdamW learning rate (default: per protocol, 1e-3; 2e-3 for fewshot, as "
+                        "MMRL++'s few-shot config; 1e-3 for ImageNet fewshot, as vit_b16_imagenet)")
     g.add_argument("--crop-scale", type=float, default=None,
-                   help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+                   help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for "
+                        "toyworld)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: "
+                                                                              "%(default)s)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
                    help="(default: %(default)s)")
     g.add_argument("--workers", type=int, default=None,
-                   help="data-loading processes (default: 4, or fewer on a machine with fewer CPUs)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+                   help="data-loading processes (default: 4, or fewer on a machine with fewer "
+                        "CPUs)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: "
+                                                      "%(default)s)")
     g.add_argument("--precision", default=d.precision, choices=CHOICES["precision"],
-                   help="training precision. amp: MMRL's PREC amp, autocast fp16 + GradScaler on CUDA, fp32 "
-                        "on CPU; fp16: autocast fp16 + GradScaler, on CUDA or CPU; bf16: autocast bf16 "
-                        "(CUDA, or CPU autocast); fp32: no autocast. Parameters stay fp32 and the logits, "
-                        "fusion and loss are fp32 in every mode; the precision used is part of the run's "
-                        "identity and recorded in config.json and results.json (default: %(default)s)")
+                   help="training precision. amp: MMRL's PREC amp, autocast fp16 + GradScaler on "
+                        "CUDA, fp32 on CPU; fp16: autocast fp16 + GradScaler, on CUDA or CPU; "
+                        "bf16: autocast bf16 (CUDA, or CPU autocast); fp32: no autocast. "
+                        "Parameters stay fp32 and the logits, fusion and loss are fp32 in every "
+                        "mode; the precision used is part of the run's identity and recorded in "
+                        "config.json and results.json (default: %(default)s)")
     g.add_argument("--eval-precision", default=d.eval_precision, choices=CHOICES["eval_precision"],
-                   help="evaluation runs in fp32 as MMRL's test(), whatever the training precision; "
-                        "fp16/bf16 evaluate under autocast with the frozen weights in that dtype, faster "
-                        "on a GPU, only when asked (default: %(default)s)")
+                   help="evaluation runs in fp32 as MMRL's test(), whatever the training "
+                        "precision; fp16/bf16 evaluate under autocast with the frozen weights in "
+                        "that dtype, faster on a GPU, only when asked (default: %(default)s)")
     g = p.add_argument_group("runs")
     g.add_argument("--eval-only", action="store_true",
                    help="evaluate the model of --load on --dataset / --protocol")

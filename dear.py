@@ -1,19 +1,17 @@
 """DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles (CVPR 2026).
 
-A reference reproduction in plain PyTorch. This file is the method and its command line; read it top
-to bottom:
+A reference reproduction in plain PyTorch. This file is the method; read it top to bottom:
 
   1. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
   2. role_mask: the role-based per-head attention mask of one vision block
-  3. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion
-     alpha
-  4. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log
-     alpha_cls
-  5. The command line: a Config (config.py) from the flags, handed to runs.run with the method
+  3. The DeAR module: DeAR.forward is the paper's Figure 2, one named step a line, and
+     reference_forward the same computation written plainly (no shortcut), side by side
+  4. The loss: CE(fused) + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
+  5. The command line: `main` reads a Config (config.py) and hands it to runs.run with the method
 
-Layers, from the top: dear.py (the method, the CLI) -> runs.py (one run: its folder, what it reads,
+Layers, from the top: dear.py (the method, `main`) -> runs.py (one run: its folder, what it reads,
 results.json; the method is handed to it as `make_model` / `make_loss`) -> config.py (Config, the
-per-dataset tables, resolve) -> train.py (MMRL's training loop and evaluation, nothing
+per-dataset tables, resolve, the flags) -> train.py (MMRL's training loop and evaluation, nothing
 DeAR-specific) and entropy.py (the head roles, Concept Entropy).
 
 The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the
@@ -55,7 +53,8 @@ class AttributeTokens(nn.Module):
     def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
         super().__init__()
         self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
-        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)  # nn.Linear's default init
+        # nn.Linear's default initialisation
+        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)
         self.F_v = nn.ModuleList([copy.deepcopy(F_v) for _ in range(n_blocks)])
         self.F_t = nn.ModuleList([copy.deepcopy(F_t) for _ in range(n_blocks)])
 
@@ -67,15 +66,13 @@ class AttributeTokens(nn.Module):
 
 
 def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Put the K tokens right after the first token (CLS, or SOT on the text side): [B, 1 + K +
-    rest, D]."""
+    """Put the K tokens right after the first token (CLS, or SOT): [B, 1 + K + rest, D]."""
     return torch.cat([x[:, :1], fresh.unsqueeze(0).expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
 
 
 def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
     """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of
-    block l-1). x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays
-    simple)."""
+    block l-1). x: [B, L, D]; fresh: [K, D]. A new tensor (no in-place write, simple autograd)."""
     tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1:1 + K]  # [B, K, D]
     return torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
 
@@ -103,7 +100,8 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
     eye = torch.eye(K, dtype=torch.bool)
     for h, entry in enumerate(head_roles):
         role = entry["role"]
-        if variant == "none" or role == "mixed" or (variant == "generalization-only" and role == "attribute"):
+        as_mixed = variant == "generalization-only" and role == "attribute"
+        if variant == "none" or role == "mixed" or as_mixed:
             continue
         a = allowed[h]
         a[attr[:, None], :] = False                  # attribute rows: nothing ...
@@ -118,11 +116,11 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
 
 
 def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
-    """One [H, L, L] mask per block first..num_layers-1 (0-based), or None where nothing is
-    masked."""
+    """One [H, L, L] mask per block first..num_layers-1 (0-based); None where nothing is masked."""
     if variant == "none":
         return [None] * (num_layers - first)
-    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]  # roles: 1-based
+    # roles count blocks from 1
+    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,8 +128,13 @@ def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: s
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + attribute tokens from block J + role masks + a trainable P_attr + fusion
-    weights w."""
+    """Frozen CLIP + attribute tokens from block J + role masks + trainable P_attr + fusion w.
+
+    forward computes what reference_forward computes, with four shortcuts that change no result:
+    1. the last block computes only the rows read afterwards (CLS and the K tokens; CLS for f^0;
+       EOT for text); 2. the start shared by every prompt (SOT and the template's first words) runs
+    once per block; 3. prompts run in groups of similar length, padded only to their group's
+    longest; 4. blocks 1..J-1 run once for f^0 and f_cls, and once per class list for the text."""
 
     def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
                  alpha_cls=0.7):
@@ -142,20 +145,23 @@ class DeAR(nn.Module):
         visual, L = clip_model.visual, clip_model.visual.transformer.layers
         if not 1 <= J <= L:
             raise ValueError(f"J must lie in 1..{L} (the backbone has {L} blocks), got {J}")
-        self.J, self.first, self.L, self.beta, self.use_tokens = J, J - 1, L, beta, attr_tokens  # first: 0-based
-        n = L - self.first  # blocks that carry tokens: J..L in the vision tower, the last n in the text tower
+        self.J, self.first, self.L = J, J - 1, L  # first: block J, counted from 0
+        self.beta, self.use_tokens = beta, attr_tokens
+        n = L - self.first  # blocks with tokens: J..L of the vision tower, the text tower's last n
         self.Lt = clip_model.transformer.layers
         self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
         if self.first_text < 0:
-            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}")
-        self.tokens = AttributeTokens(n, rep_dim, visual.transformer.width, clip_model.transformer.width)
-        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], initialised as a copy of proj
-        # fusion weights: alpha = softmax(w), initialised to alpha_cls for the class logits, the
-        # rest shared
+            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has {self.Lt}")
+        widths = visual.transformer.width, clip_model.transformer.width
+        self.tokens = AttributeTokens(n, rep_dim, *widths)
+        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
+        # fusion weights w, alpha = softmax(w): alpha_cls for the class logits, the rest shared
         w = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log()
         self.w = nn.Parameter(w)
-        masks = block_masks(roles, self.first, L, visual.num_patches, mask) if attr_tokens else [None] * n
-        for i, m in enumerate(masks):  # buffers, so .to(device) moves them; not saved in checkpoints
+        masks = [None] * n
+        if attr_tokens:
+            masks = block_masks(roles, self.first, L, visual.num_patches, mask)
+        for i, m in enumerate(masks):  # buffers: .to(device) moves them; not saved in checkpoints
             self.register_buffer(f"mask_{i}", m, persistent=False)
         if not attr_tokens:  # nothing but the fusion weights would remain: the model is frozen CLIP
             for p in self.trainable():
@@ -188,21 +194,23 @@ class DeAR(nn.Module):
         (for the loss). Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the
         fused logits [B, C] and the features the loss reads. The towers may run under autocast; the
         head is fp32."""
-        t = self.encode_classes() if t is None else t               # [C, E]  t, text tokens in blocks J..L
-        x = self.frozen_prefix(images)                              # [B, 1+P, D]  blocks 1..J-1, frozen
+        scale = self.clip.logit_scale
+        t = self.encode_classes() if t is None else t       # [C, E]     t: text tokens in J..L
+        x = self.frozen_prefix(images)                      # [B, 1+P, D]  blocks 1..J-1, frozen
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
-        if not self.use_tokens:                                     # zero-shot CLIP: f^0 alone
-            logits, feats, t = cosine_logits(f0.unsqueeze(1), t, self.clip.logit_scale)  # [B, 1, C]
-            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(), "t": t}
-        x = self.token_blocks(x)                                    # [B, 1+K, D]  tokens from J, role masks
-        f_cls, f_attr = self.image_features(x)                      # [B, E], [B, K, E]
-        feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)          # [B, 1+K, E]
-        logits, feats, t = cosine_logits(feats, t, self.clip.logit_scale)  # [B, 1+K, C]  six logit sets
-        fused = fuse(logits, self.alpha())                          # [B, C]  sum_k alpha_k logits_k
+        if not self.use_tokens:                             # zero-shot CLIP: f^0 alone
+            logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
+            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(),
+                    "t": t}
+        x = self.token_blocks(x)                            # [B, 1+K, D]  tokens from J, role masks
+        f_cls, f_attr = self.image_features(x)              # [B, E], [B, K, E]
+        feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
+        logits, feats, t = cosine_logits(feats, t, scale)   # [B, 1+K, C]  the six logit sets
+        fused = fuse(logits, self.alpha())                  # [B, C]       sum_k alpha_k logits_k
         return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": feats[:, 1:],
                 "f0": None if f0 is None else f0.float(), "t": t}
 
-    # --- the image side ----------------------------------------------------------------------------
+    # --- the image side --------------------------------------------------------------------------
     @torch.no_grad()  # blocks 1..J-1 never change: no autograd
     def frozen_prefix(self, images):
         """Embedding and blocks 1..J-1 of the frozen vision tower: [B, 3, R, R] -> [B, 1+P, D]."""
@@ -228,7 +236,7 @@ class DeAR(nn.Module):
         for i, b in enumerate(range(self.first, self.L)):
             fresh = self.tokens.vision(i).float()                       # [K, D]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
-            rows = slice(0, 1 + K) if b == self.L - 1 else None         # the last block: [B, 1+K, D]
+            rows = slice(0, 1 + K) if b == self.L - 1 else None         # last block: [B, 1+K, D]
             mask = getattr(self, f"mask_{i}")                           # [H, 1+K+P, 1+K+P] or None
             x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=mask, rows=rows)
         return x
@@ -248,7 +256,7 @@ class DeAR(nn.Module):
             return f0, None, f0
         return (*self.image_features(self.token_blocks(x)), f0)
 
-    # --- the text side -----------------------------------------------------------------------------
+    # --- the text side ---------------------------------------------------------------------------
     @torch.no_grad()
     def set_classes(self, classnames, template):
         """Everything class-dependent that never changes, computed once per class list: the prompts'
@@ -265,18 +273,19 @@ class DeAR(nn.Module):
         """
         prompts = [template.format(c.replace("_", " ")) for c in classnames]
         device = self.P_attr.device
-        tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
-        eot = tokens.argmax(-1)                                         # [C] EOT has the largest id
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while all prompts agree
-        S = min(int(same.sum()), int(eot.min()))                        # keep at least EOT per class
+        m = self.clip
+        tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
+        eot = tokens.argmax(-1)                                   # [C] EOT has the largest id
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)    # [T] 1 while all prompts agree
+        S = min(int(same.sum()), int(eot.min()))                  # keep at least EOT per class
         groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):                  # EOTs at rows [r] (<= n)
-            x = self.clip.run_text_blocks(self.clip.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
-            frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
-            t0.append(self.clip.text_head(frozen, pick))                # [c, E]
-            groups.append((idx, x[:, S:], rows - S, pick))              # [c, n + 1 - S, W]
+        for n, idx, rows, pick in length_buckets(eot):            # EOTs at rows [r] (<= n)
+            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
+            frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
+            t0.append(m.text_head(frozen, pick))                  # [c, E]
+            groups.append((idx, x[:, S:], rows - S, pick))        # [c, n + 1 - S, W]
             order.append(idx)
-            self.text_shared = x[:1, :S]                                # [1, S, W], equal in every group
+            self.text_shared = x[:1, :S]                          # [1, S, W], equal in every group
         self.text_groups = groups
         self.text_order = torch.cat(order).argsort()                    # group order -> class order
         self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
@@ -288,19 +297,20 @@ class DeAR(nn.Module):
         (causal: the start never sees the class name); the last block computes only EOT."""
         if not self.use_tokens:
             return self.t0
-        shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
-        parts = [x for _, x, _, _ in self.text_groups]                   # [c, n, W]: the rest of a prompt
+        m, groups = self.clip, self.text_groups
+        shared = self.text_shared                                 # [1, S, W]: [SOT, common words]
+        parts = [x for _, x, _, _ in groups]                      # [c, n, W]: the rest of a prompt
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
-            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
-            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see
-            # them
+            fresh = self.tokens.text(i).to(shared.dtype)          # [K, W]
+            # [1, S + K, W]: [SOT, t_1..t_K, common words]; the tokens see SOT and earlier tokens,
+            # the words after them see them
+            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)
             last = b == self.Lt - 1
-            parts = [self.clip.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
-                     for x, g in zip(parts, self.text_groups)]           # causal over [shared, x]
+            parts = [m.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
+                     for x, g in zip(parts, groups)]              # causal over [shared, x]
             if not last:
-                shared = self.clip.run_text_blocks(shared, b, b + 1)
-        t = torch.cat([self.clip.text_head(x, g[3]) for x, g in zip(parts, self.text_groups)])  # [C, E]
+                shared = m.run_text_blocks(shared, b, b + 1)
+        t = torch.cat([m.text_head(x, g[3]) for x, g in zip(parts, groups)])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
 
@@ -323,14 +333,7 @@ def fuse(logits, alpha):
 
 
 # ----------------------------------------------------------------------------------------------
-# The plain computation: forward without any shortcut
-
-# forward computes exactly what reference_forward computes (tests/test_pruning.py), taking four
-# shortcuts that change no result: 1. the last block computes only the rows read afterwards (CLS and
-# the K tokens; CLS for f^0; EOT for text); 2. the start shared by every prompt (SOT and the
-# template's first words) runs once per block; 3. prompts run in groups of similar length, padded
-# only to their group's longest; 4. blocks 1..J-1 run once for f^0 and f_cls (images) and once per
-# class list (text, set_classes).
+# The plain computation: forward without its shortcuts (tests/test_pruning.py: they change nothing)
 
 
 def reference_forward(model, images, with_frozen=True):
@@ -341,8 +344,10 @@ def reference_forward(model, images, with_frozen=True):
     f_cls, f_attr, f0 = reference_images(model, images)
     if not model.use_tokens:
         logits, feats, t = cosine_logits(f0.unsqueeze(1), t0, model.clip.logit_scale)
-        return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t, "t0": t0}
-    logits, feats, t = cosine_logits(torch.cat([f_cls.unsqueeze(1), f_attr], 1), t, model.clip.logit_scale)
+        return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t,
+                "t0": t0}
+    feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)                  # [B, 1+K, E]
+    logits, feats, t = cosine_logits(feats, t, model.clip.logit_scale)
     return {"logits": logits, "fused": fuse(logits, model.alpha()), "f_cls": feats[:, 0],
             "f_attr": feats[:, 1:], "f0": f0 if with_frozen else None, "t": t, "t0": t0}
 
@@ -357,7 +362,8 @@ def reference_images(model, images):
         if i >= 0:
             x = insert(x.float(), model.tokens.vision(i).float()) if i == 0 else \
                 mix(x, model.tokens.vision(i).float(), model.beta)      # [B, 1+K+P, D]
-        x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(model, f"mask_{i}") if i >= 0 else None)
+        mask = getattr(model, f"mask_{i}") if i >= 0 else None
+        x = visual.run_blocks(x, b, b + 1, attn_mask=mask)              # every position
     if not model.use_tokens:
         return f0, None, f0
     f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
@@ -378,7 +384,7 @@ def reference_classes(model):
             fresh = model.tokens.text(i).to(x.dtype)                    # [K, W]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, model.beta)  # [C, T + K, W]
         x = m.run_text_blocks(x, b, b + 1)
-    shift = K if model.use_tokens else 0                                # the tokens move EOT K places
+    shift = K if model.use_tokens else 0                                # tokens move EOT K places
     return F.normalize(m.text_head(x, tokens.argmax(-1) + shift), dim=-1), t0
 
 
@@ -429,10 +435,12 @@ def main(argv=None):
     except runs.Interrupted as e:
         print(f"\n{e}", file=sys.stderr)
         sys.exit(130)
-    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining before any run)
-        print("\ninterrupted: nothing was kept; rerun the same command to start again", file=sys.stderr)
+    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining)
+        print("\ninterrupted: nothing was kept; rerun the same command to start again",
+              file=sys.stderr)
         sys.exit(130)
-    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}))
+    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2)
+                      for e in results["evals"]}))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,28 @@
 """Runs: one run of a method from its Config to results.json, in a folder that is its identity.
 
-`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder,
-stop or reuse if it is taken, load the backbone, the head roles and the datasets, build the model,
-train it (train.train, with the method's loss), evaluate every split of the protocol and write
-results.json. The method itself is handed in from above (dear.py: `make_model` builds the DeAR model
-of a config, `make_loss` gives its loss in train.train's form), so this file knows nothing of tokens
-or masks.
+`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder, stop
+or reuse if it is taken, load the backbone, the head roles and the datasets, build the model, train it
+(train.train, with the method's loss), evaluate every split of the protocol and write results.json.
+The method itself is handed in from above (dear.py: `make_model` builds the DeAR model of a config,
+`make_loss` gives its loss in train.train's form), so this file knows nothing of tokens or masks.
 
-A run folder is a run's identity. Everything that changes a result must either change the folder's
-name or stop the run before it reuses, resumes or mixes someone else's work:
+A run folder is a run's identity. Everything that changes a result must either change the folder's name
+or stop the run before it reuses, resumes or mixes someone else's work:
 
-  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the
-    defaults and the short hashes of the inputs that flags do not spell out.
-  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the
-    content hash of a --roles file; all of them are recorded in config.json.
-  - `check_same`: a finished or interrupted run is reused only if its config.json matches the
-    current one field by field; otherwise the run stops and names the differences.
+  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the defaults
+    and the short hashes of the inputs that flags do not spell out.
+  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the content
+    hash of a --roles file; all of them are recorded in config.json.
+  - `check_same`: a finished or interrupted run is reused only if its config.json matches the current
+    one field by field (the precisions used included: amp is fp16 on CUDA, fp32 on a CPU);
+    otherwise the run stops and names the differences.
   - `RunLock`: one process writes a run folder at a time; a second one stops and names the first.
-  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256
-    and probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds
-    later.
+  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256 and
+    probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds later.
 
-It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the
-head roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and
-the datasets of its protocol (`build_eval_sets`, every one checked before anything is written).
+It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the head
+roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and the datasets
+of its protocol (`build_eval_sets`, every one checked before anything is written).
 
 Used by dear.py; imports clip, config, data, entropy, toyworld, train and util.
 """
@@ -46,20 +45,19 @@ from train import (RunError, atomic_save, evaluate, pick_device, resolve_precisi
                    train)
 from util import read_json, write_atomic
 
-# Fields of the config that do not change a result: where it is written, how fast, and what to do
-# with an existing folder. Every other field of config.json must match for a run folder to be
-# reused.
+# Fields of the config that do not change a result: where it is written, how fast, and what to do with an
+# existing folder. Every other field of config.json must match for a run folder to be reused.
 BOOKKEEPING = ("out", "workers", "eval_batch_size", "device", "eval_only", "load", "resume", "force", "roles_only")
-# Fields compared through `inputs` instead (by content: two paths to the same data are the same
-# run), and what a run found out itself (the resolved J, the roles it pinned).
+# Fields compared through `inputs` instead (by content: two paths to the same data are the same run), and what a
+# run found out itself (the resolved J, the roles it pinned).
 BY_CONTENT = ("root", "backbone", "roles", "resolved", "roles_used")
 
 _sha_cache = {}
 
 
 def file_sha256(path: str) -> str:
-    """SHA256 of a file's content, remembered per (path, size, mtime) so that run_all.sh's one
-    process that names hundreds of runs reads each checkpoint once."""
+    """SHA256 of a file's content, remembered per (path, size, mtime) so that run_all.sh's one process that
+    names hundreds of runs reads each checkpoint once."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _sha_cache:
@@ -72,15 +70,13 @@ def short(digest: str) -> str:
 
 
 def dataset_folder(name: str, root: str) -> str:
-    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too): its
-    identity."""
+    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too): its identity."""
     return os.path.realpath(data.dataset_folder(name, root))
 
 
 def backbone_sha256(backbone: str) -> str:
-    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from
-    the recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a
-    file."""
+    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from the
+    recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a file."""
     if backbone in clip.MODELS:
         return clip.MODELS[backbone].split("/")[-2]
     if backbone == toyworld.BACKBONE:
@@ -102,17 +98,15 @@ def roles_sha256(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Naming: one folder per distinct run
 
-# The Config fields that name a variant when they differ from the defaults of the dataset and
-# protocol.
+# The Config fields that name a variant when they differ from the defaults of the dataset and protocol.
 VARIANT_FIELDS = ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                   "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr",
                   "crop_scale", "precision", "eval_precision", "roles_control")
 
 
 def variant_name(c: Config) -> str:
-    """A short name for the non-default method flags, so each ablation gets its own run folder.
-    Files are named by content: a checkpoint or a roles file gets the first 8 hex digits of its
-    SHA256 in the name."""
+    """A short name for the non-default method flags, so each ablation gets its own run folder. Files are
+    named by content: a checkpoint or a roles file gets the first 8 hex digits of its SHA256 in the name."""
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     parts = [f"{f}-{getattr(c, f)}" for f in VARIANT_FIELDS if getattr(c, f) != getattr(base, f)]
     known = clip.available_models() + [toyworld.BACKBONE]
@@ -126,15 +120,14 @@ def variant_name(c: Config) -> str:
 
 
 def run_dir(c: Config) -> str:
-    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct
-    run."""
+    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run."""
     name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
     return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
 
 
 def dataset_tag(name: str) -> str:
-    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short
-    hash of its resolved path, so two folders with the same last name never share runs."""
+    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short hash
+    of its resolved path, so two folders with the same last name never share runs."""
     if name.startswith("folder:"):
         path = dataset_folder(name, None)
         return f"folder-{os.path.basename(path)}-{short(hashlib.sha256(path.encode()).hexdigest())}"
@@ -142,8 +135,7 @@ def dataset_tag(name: str) -> str:
 
 
 def inputs(cfg, targets=()) -> dict:
-    """What the run reads that its flags do not spell out. `targets`: the xd target dataset
-    names."""
+    """What the run reads that its flags do not spell out. `targets`: the xd target dataset names."""
     found = {"dataset_folder": dataset_folder(cfg.dataset, cfg.root),
              "backbone_sha256": backbone_sha256(cfg.backbone),
              "roles_file_sha256": roles_sha256(cfg.roles) if cfg.roles else None}
@@ -173,8 +165,8 @@ def check_same(rdir: str, current: dict, what: str):
 
 
 class RunLock:
-    """An exclusive lock on a run folder (an flock on rdir/.lock, released by the OS even if the
-    process dies). A second process on the same folder stops with a message naming the first."""
+    """An exclusive lock on a run folder (an flock on rdir/.lock, released by the OS even if the process dies).
+    A second process on the same folder stops with a message naming the first."""
 
     def __init__(self, rdir: str):
         self.path = os.path.join(rdir, ".lock")
@@ -205,8 +197,7 @@ class RunLock:
 
 
 def pin_roles(source: str, rdir: str, probe=None) -> dict:
-    """Copy the roles file a run uses to rdir/roles.json; returns what config.json records about
-    it."""
+    """Copy the roles file a run uses to rdir/roles.json; returns what config.json records about it."""
     with open(source, "rb") as f:
         payload = f.read()
     write_atomic(os.path.join(rdir, "roles.json"), payload)
@@ -220,8 +211,7 @@ def pin_roles(source: str, rdir: str, probe=None) -> dict:
 
 
 def load_clip(backbone, device):
-    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear
-    RunError."""
+    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError."""
     try:
         return toyworld.load_clip(backbone, device=device)  # clip.load, plus "toy" (the toy world's tiny CLIP)
     except (RuntimeError, ValueError, OSError) as e:
@@ -229,10 +219,9 @@ def load_clip(backbone, device):
 
 
 def load_roles(cfg, model, device, log):
-    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache,
-    where entropy.py computes them once (probe images: ImageNet's test split if present under
-    --root, as TextSpan does, else all training images of the run's dataset: never the test images a
-    run is evaluated on)."""
+    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
+    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
+    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
     L = model.visual.transformer.layers
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
@@ -269,9 +258,8 @@ def read_roles(path, model, layers):
 
 
 def build_dataset(name, root, *args):
-    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A
-    dataset that is not there at all gets the command that downloads it and the offline quick
-    start."""
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
+    not there at all gets the command that downloads it and the offline quick start."""
     if name == "toyworld":
         toyworld.ensure_dataset(root)
     try:
@@ -292,8 +280,8 @@ def xd_targets(cfg):
 
 
 def build_eval_sets(cfg):
-    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up
-    front so a missing dataset stops the run before any long work."""
+    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
+    dataset stops the run before any long work."""
     if cfg.protocol == "b2n":
         base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
         novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
@@ -336,8 +324,8 @@ def eval_only_config(cfg: Config) -> Config:
 
 
 def export_roles(cfg: Config) -> str:
-    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png
-    to <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
+    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png to
+    <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
     cfg = resolve(cfg)
     device = pick_device(cfg.device)
     model, _ = load_clip(cfg.backbone, device)
@@ -354,13 +342,12 @@ def export_roles(cfg: Config) -> str:
 
 
 def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
-    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the
-    results.
+    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results.
 
-    make_model(clip_model, roles, cfg) -> the model (a DeAR module); make_loss(cfg) ->
-    loss_fn(model, out, labels), the loss train.train minimises. The run folder (run_dir) is the
-    run's identity: a finished run is reused, and an interrupted one resumed, only when its
-    config.json (flags and `inputs`: dataset folder, checkpoint and roles hashes) matches."""
+    make_model(clip_model, roles, cfg) -> the model (a DeAR module); make_loss(cfg) -> loss_fn(model, out,
+    labels), the loss train.train minimises. The run folder (run_dir) is the run's identity: a finished
+    run is reused, and an interrupted one resumed, only when its config.json (flags and `inputs`: dataset
+    folder, checkpoint and roles hashes) matches."""
     if cfg.eval_only:
         cfg = eval_only_config(cfg)
     try:
@@ -377,7 +364,7 @@ def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
     device = pick_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device),  # amp: fp16/32
                               eval_precision=resolve_precision(cfg.eval_precision, device))
-    # the precisions used are part of the run's identity: amp on a CPU (fp32) is not amp on CUDA (fp16)
+    # the precisions used are part of the identity: amp on a CPU (fp32) is not amp on CUDA (fp16)
     config["precisions"] = {"train": cfg.precision, "eval": cfg.eval_precision}
     if os.path.exists(results_path) and not cfg.force:
         check_same(rdir, config, "finished")
@@ -450,7 +437,7 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
             raise RunError(str(e)) from e
         config = dict(config, resolved={"J": cfg.J, "precision": cfg.precision}, roles_used=roles_used)
         atomic_save(config, os.path.join(rdir, "config.json"), as_json=True)
-        t0, stats = time.time(), None  # stats: train.train's report (None: no training, or none given)
+        t0, stats = time.time(), None  # stats: train.train's report (None: no training, or none)
         if cfg.eval_only:
             state = torch.load(os.path.join(cfg.load, "model.pt"), map_location=device, weights_only=True)
             model.load_state_dict(state, strict=False)
@@ -502,8 +489,7 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
 
 
 def control_roles(roles, cfg, log):
-    """--roles-control random | oracle: the roles a control run uses instead
-    (entropy.control_roles)."""
+    """--roles-control random | oracle: the roles a control run uses instead (entropy.control_roles)."""
     try:
         roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
     except ValueError as e:
