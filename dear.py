@@ -151,7 +151,7 @@ class DeAR(nn.Module):
         self.Lt = clip_model.transformer.layers
         self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
         if self.first_text < 0:
-            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has {self.Lt}")
+            raise ValueError(f"J = {J} puts tokens in {n} blocks; the text tower has only {self.Lt}")
         widths = visual.transformer.width, clip_model.transformer.width
         self.tokens = AttributeTokens(n, rep_dim, *widths)
         self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
@@ -360,8 +360,8 @@ def reference_images(model, images):
     for b in range(model.L):
         i = b - model.first                                             # < 0: before block J
         if i >= 0:
-            x = insert(x.float(), model.tokens.vision(i).float()) if i == 0 else \
-                mix(x, model.tokens.vision(i).float(), model.beta)      # [B, 1+K+P, D]
+            fresh = model.tokens.vision(i).float()                      # [K, D]
+            x = insert(x.float(), fresh) if i == 0 else mix(x, fresh, model.beta)  # [B, 1+K+P, D]
         mask = getattr(model, f"mask_{i}") if i >= 0 else None
         x = visual.run_blocks(x, b, b + 1, attn_mask=mask)              # every position
     if not model.use_tokens:
