@@ -151,7 +151,8 @@ class DeAR(nn.Module):
         self.Lt = clip_model.transformer.layers
         self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
         if self.first_text < 0:
-            raise ValueError(f"J = {J} puts tokens in {n} blocks; the text tower has only {self.Lt}")
+            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only "
+                             f"{self.Lt}")
         widths = visual.transformer.width, clip_model.transformer.width
         self.tokens = AttributeTokens(n, rep_dim, *widths)
         self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
