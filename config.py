@@ -21,8 +21,7 @@ import toyworld
 from train import PRECISIONS
 
 # Per-dataset (beta, lambda_reg) for base-to-novel and few-shot: MMRL++'s table (yunncheng/MMRL at
-# 27d8821, the MMRL++ training scripts). A dataset not listed gets beta 0.9 and lambda_reg 1.0
-# (MMRL's default weight).
+# 27d8821, trainer MMRLpp). A dataset not listed gets beta 0.9 and lambda_reg 1.0 (MMRL's default).
 DATASET_DEFAULTS = {
     "imagenet":       (0.9, 0.2),
     "fgvc_aircraft":  (0.9, 2.0),
@@ -47,14 +46,14 @@ XD_TARGET_BETA = {
 }
 
 # (epochs, batch size, warm-up epochs, learning rate) per protocol, and per (protocol, dataset)
-# where it differs; each row is one published config of yunncheng/MMRL at 27d8821, never a mix of
-# two:   b2n: MMRL's configs/trainers/MMRL/vit_b16.yaml (ImageNet: vit_b16_imagenet.yaml);
-# fewshot: MMRL++'s configs/trainers/MMRLpp/vit_b16_few_shot.yaml, which goes with MMRL++'s beta and
-# lambda_reg table above (ImageNet: vit_b16_imagenet.yaml, as MMRL's few-shot script gives it);
-# xd: MMRL's vit_b16_cross_datasets.yaml (no warm-up). The toy world keeps the recipe its tables
-# were made with: its tiny CLIP needs 20 epochs to fit 16 shots in b2n (the first `python dear.py
-# --dataset toyworld` stays under 3 minutes on 2 CPU cores), and its few-shot runs keep 50 epochs at
-# lr 1e-3.
+# where it differs. Each row is one published config of yunncheng/MMRL at 27d8821, never a mix:
+#   b2n      MMRL's vit_b16 (ImageNet: vit_b16_imagenet)
+#   fewshot  MMRL++'s configs/trainers/MMRLpp/vit_b16_few_shot.yaml, which goes with MMRL++'s
+#            beta / lambda_reg table above (ImageNet: vit_b16_imagenet, as MMRL's few-shot script)
+#   xd       MMRL's vit_b16_cross_datasets (no warm-up)
+# The toy world keeps the recipe its tables were made with: its tiny CLIP needs 20 b2n epochs to
+# fit 16 shots (the first `python dear.py --dataset toyworld` stays under 3 minutes on 2 CPU
+# cores), and its few-shot runs keep 50 epochs at lr 1e-3.
 SCHEDULES = {
     "b2n":                     (10, 4, 1, 1e-3),
     ("b2n", "imagenet"):       (5, 32, 1, 1e-3),
