@@ -1,13 +1,13 @@
-"""Config: every setting of a run, the per-dataset tables its defaults come from, and `resolve`.
+"""Config: every setting of a run, the tables its defaults come from, `resolve`, and the flags.
 
 A Config holds None wherever a default depends on the dataset or the protocol; `resolve` fills each
 None from the tables below and checks every value, so that a resolved Config says exactly what a run
-does. The tables are MMRL's and MMRL++'s published recipes (repositories, files and commits are
-named at each table). `CHOICES` lists the allowed values of the fields that take a name; the command
-line (dear.py) offers exactly these as argparse choices, and `resolve` checks them for callers that
-build a Config in code.
+does. The tables are MMRL's and MMRL++'s published recipes (the config each row comes from is named
+at each table). `CHOICES` lists the allowed values of the fields that take a name: `parse_args`
+(the command line of dear.py, one flag per field) offers exactly these as argparse choices, and
+`resolve` checks them for callers that build a Config in code.
 
-Used by runs.py and dear.py; imports train.py (the precision names) only.
+Used by runs.py and dear.py; imports clip, data, toyworld (names in the help) and train (precisions).
 """
 import argparse
 import dataclasses
@@ -191,8 +191,7 @@ def available_cpus() -> int:
 
 
 def default_J(num_layers: int) -> int:
-    """J when none is given: the last quarter of the blocks carry tokens (J = 9 of 12, the
-    paper's)."""
+    """J when none is given: the last quarter of the blocks carry tokens (9 of 12, the paper's)."""
     return num_layers - num_layers // 4
 
 
