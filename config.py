@@ -7,7 +7,7 @@ at each table). `CHOICES` lists the allowed values of the fields that take a nam
 (the command line of dear.py, one flag per field) offers exactly these as argparse choices, and
 `resolve` checks them for callers that build a Config in code.
 
-Used by runs.py and dear.py; imports clip, data, toyworld (names in the help) and train (precisions).
+Used by runs.py and dear.py; imports clip, data, toyworld (names in the help) and train.
 """
 import argparse
 import dataclasses
