@@ -1,35 +1,29 @@
 """DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles (CVPR 2026).
 
-A reference reproduction in plain PyTorch. Read top to bottom:
+A reference reproduction in plain PyTorch. This file is the method; read it top to bottom:
 
-  1. Config and the per-dataset defaults table (epochs, batch, beta, lambda_reg)
-  2. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
-  3. role_mask: the role-based per-head attention mask of one vision block
-  4. The DeAR module: frozen prefix, tokens from block J, f_cls / f_attr / t, six logits, fusion alpha
-  5. The loss: CE on the fused logits + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
-  6. Protocols (b2n, fewshot, xd; zero-shot CLIP through the same code) and the command line
+  1. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
+  2. role_mask: the role-based per-head attention mask of one vision block
+  3. The DeAR module: DeAR.forward is the paper's Figure 2, one named step a line, and
+     reference_forward the same computation written plainly (no shortcut), side by side
+  4. The loss: CE(fused) + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
+  5. The command line: `main` reads a Config (config.py) and hands it to runs.run with the method
 
-The training loop and the evaluation (AdamW, the MMRL schedule, autocast, checkpoints, resume) are MMRL's
-protocol with nothing DeAR-specific in them; they live in train.py, which `run` calls with the DeAR loss.
-What a run reads besides its flags (backbone, head roles, datasets) and what makes its folder its identity
-live in runs.py; the roles themselves come from entropy.py (Concept Entropy).
+Layers, from the top: dear.py (the method, `main`) -> runs.py (one run: its folder, what it reads,
+results.json; the method is handed to it as `make_model` / `make_loss`) -> config.py (Config, the
+per-dataset tables, resolve, the flags) -> train.py (MMRL's training loop and evaluation, nothing
+DeAR-specific) and entropy.py (the head roles, Concept Entropy).
 
-The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the roles file.
-Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and `block_masks` reads
-the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open is a flag; see README.md,
-"Where this reproduction had to choose".
+The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the
+roles file. Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and
+`block_masks` reads the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
+is a flag; see README.md, "Where this reproduction had to choose".
 """
-import argparse
 import copy
-import dataclasses
-import hashlib
 import json
-import math
 import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import sys
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -37,219 +31,32 @@ import torch.nn.functional as F
 
 import clip
 import data
-import entropy
 import runs
 import toyworld
 from clip.model import length_buckets
-from train import PRECISIONS, RunError, atomic_save, evaluate, pick_device, resolve_precision, seed_everything, train
-from util import read_json, write_atomic
+from config import Config, parse_args, resolve  # noqa: F401  (resolve: run_all.sh's dear.resolve)
+from runs import run_dir  # noqa: F401  run_all.sh asks dear.py where a run writes (dear.run_dir)
+from train import RunError
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
 
 # ----------------------------------------------------------------------------------------------
-# 1. Config
-
-
-# Per-dataset (beta, lambda_reg), the MMRL++ table for base-to-novel and few-shot (research/anchors.md §3).
-# A dataset not listed gets beta 0.9 and lambda_reg 1.0 (MMRL's default weight).
-DATASET_DEFAULTS = {
-    "imagenet":       (0.9, 0.2),
-    "fgvc_aircraft":  (0.9, 2.0),
-    "ucf101":         (0.9, 3.0),
-    "dtd":            (0.9, 7.0),
-    "oxford_pets":    (0.7, 0.01),
-    "stanford_cars":  (0.7, 6.0),
-    "caltech101":     (0.6, 3.0),
-    "sun397":         (0.5, 3.0),
-    "oxford_flowers": (0.4, 7.0),
-    "eurosat":        (0.2, 0.01),
-    "food101":        (0.1, 1.0),
-}
-XD_DEFAULTS = (0.9, 0.1)  # beta, lambda_reg of the ImageNet source model (cross-dataset / domain generalisation)
-# MMRL++'s test-time beta of each target of cross-dataset / domain generalisation (research/anchors.md §3, task
-# CD): the ImageNet model is evaluated on each target with this beta. --target-beta source uses the source's.
-XD_TARGET_BETA = {
-    "imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
-    "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6, "caltech101": 0.6,
-    "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3,
-}
-
-# (epochs, batch size, warm-up epochs) per protocol, MMRL's configs (research/anchors.md §2.4), and per
-# (protocol, dataset) where it differs (MMRL's few-shot script gives ImageNet its vit_b16_imagenet config).
-# The toy world's tiny CLIP needs more steps to fit 16 shots (20 epochs: with the toy CLIP's 400 pretraining steps,
-# the first `python dear.py --dataset toyworld` stays under 3 minutes on 2 CPU cores).
-SCHEDULES = {
-    "b2n":                  (10, 4, 1),
-    ("b2n", "imagenet"):    (5, 32, 1),
-    ("b2n", "toyworld"):    (20, 4, 1),
-    "fewshot":              (50, 32, 1),
-    ("fewshot", "imagenet"): (5, 32, 1),
-    "xd":                   (1, 32, 0),
-}
-# Smallest area of RandomResizedCrop: MMRL's 0.5; the toy world's objects sit in a corner that a crop would cut.
-CROP_SCALE = {"toyworld": 1.0}
-
-
-@dataclass
-class Config:
-    # what to run
-    dataset: str = "eurosat"
-    root: str = "data"
-    protocol: str = "b2n"             # b2n | fewshot | xd
-    method: str = "dear"              # dear | zeroshot
-    shots: int = 16
-    seed: int = 1
-    backbone: str = None              # a clip.available_models() name or a checkpoint path; None = ViT-B/16
-                                      # ("toy": the tiny CLIP of toyworld.py, the default for --dataset toyworld)
-    targets: str = ""                 # xd: comma-separated target datasets ("" = the 4 variants + 10 datasets)
-    out: str = "runs"
-    # the method (paper names)
-    J: int = None                     # tokens enter block J (1-based) and live in blocks J..L;
-                                      # None = default_J(L): 9 of 12 blocks (ViT-B), 3 of 4 (toy), 18 of 24
-    beta: float = None                # token mixing; None = the DATASET_DEFAULTS table
-    lambda_reg: float = None          # self-regularisation weight; None = the table
-    lambda_fusion: float = 1.0        # weight of -log alpha_cls
-    alpha_cls: float = 0.7            # initial fusion weight of the class logits (the rest shared by the 5 tokens)
-    rep_dim: int = 512                # width of the shared token matrix R
-    mask: str = "role"                # role | generalization-only | none
-    attr_tokens: bool = True          # False: no tokens at all (ablation); the model is then frozen CLIP
-    novel_logits: str = "fused"       # fused | cls: logits used on novel classes and target datasets
-    target_beta: str = "table"        # xd targets: table (XD_TARGET_BETA, MMRL++) | source (the source's beta)
-    roles: str = None                 # roles JSON; None = computed once by entropy.py and cached
-    roles_control: str = "none"       # none | random | oracle: controls for Concept Entropy (control_roles)
-    # optimisation
-    epochs: int = None                # None = SCHEDULES
-    batch_size: int = None
-    warmup_epochs: int = None
-    crop_scale: float = None          # smallest crop area of the training augmentation; None = CROP_SCALE or 0.5
-    lr: float = 1e-3
-    warmup_lr: float = 1e-5
-    weight_decay: float = 5e-4
-    eval_batch_size: int = 100
-    workers: int = None               # data-loading processes; None = min(4, the CPUs this process may use)
-    device: str = "auto"              # auto | cpu | cuda | cuda:N
-    precision: str = "amp"            # amp (fp16 + GradScaler on CUDA, fp32 on CPU) | fp16 | bf16 | fp32;
-                                      # run() records the one used (fp16, bf16 or fp32)
-    # bookkeeping
-    eval_only: bool = False
-    load: str = None
-    resume: bool = False
-    force: bool = False
-    roles_only: bool = False          # only compute/find the head roles and copy them to <out>/roles/J<J>/
-
-
-def resolve(cfg: Config) -> Config:
-    """Fill every None with its default from the tables above; check values. Returns a new Config."""
-    c = dataclasses.replace(cfg)
-    if c.backbone is None:
-        c.backbone = "toy" if c.dataset == "toyworld" else "ViT-B/16"
-    beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
-    c.beta = beta if c.beta is None else c.beta
-    c.lambda_reg = lam if c.lambda_reg is None else c.lambda_reg
-    if c.protocol not in SCHEDULES:
-        raise ValueError(f"unknown --protocol {c.protocol!r}; choose b2n, fewshot or xd")
-    epochs, batch, warmup = SCHEDULES.get((c.protocol, c.dataset), SCHEDULES[c.protocol])
-    c.crop_scale = CROP_SCALE.get(c.dataset, 0.5) if c.crop_scale is None else c.crop_scale
-    c.workers = min(4, available_cpus()) if c.workers is None else c.workers
-    c.epochs = epochs if c.epochs is None else c.epochs
-    c.batch_size = batch if c.batch_size is None else c.batch_size
-    c.warmup_epochs = warmup if c.warmup_epochs is None else c.warmup_epochs
-    numbers = {"beta": c.beta, "lambda-reg": c.lambda_reg, "lambda-fusion": c.lambda_fusion, "alpha-cls": c.alpha_cls,
-               "lr": c.lr, "warmup-lr": c.warmup_lr, "weight-decay": c.weight_decay, "crop-scale": c.crop_scale}
-    for flag, value in numbers.items():
-        if not math.isfinite(value):
-            raise ValueError(f"--{flag} must be a finite number, got {value}")
-    checks = [(c.J is None or c.J >= 1, f"--J counts blocks from 1, got {c.J}"),
-              (c.lr > 0 and c.warmup_lr > 0, f"--lr must be positive, got {c.lr}"),
-              (c.weight_decay >= 0 and c.lambda_reg >= 0 and c.lambda_fusion >= 0,
-               "--weight-decay, --lambda-reg and --lambda-fusion must be >= 0"),
-              (c.method in ("dear", "zeroshot"), f"unknown --method {c.method!r}; choose dear or zeroshot"),
-              (c.mask in ("role", "generalization-only", "none"),
-               f"unknown --mask {c.mask!r}; choose role, generalization-only or none"),
-              (c.novel_logits in ("fused", "cls"), f"unknown --novel-logits {c.novel_logits!r}; choose fused or cls"),
-              (c.target_beta in ("table", "source"), f"unknown --target-beta {c.target_beta!r}; choose table or source"),
-              (c.precision in PRECISIONS, f"unknown --precision {c.precision!r}; choose " + ", ".join(PRECISIONS)),
-              (c.roles_control in ("none", "random", "oracle"),
-               f"unknown --roles-control {c.roles_control!r}; choose none, random or oracle"),
-              (c.shots >= 1, f"--shots must be >= 1, got {c.shots}"),
-              (c.workers >= 0, f"--workers must be >= 0, got {c.workers}"),
-              (0.0 <= c.beta <= 1.0, f"--beta must lie in [0, 1], got {c.beta}"),
-              (0.0 < c.alpha_cls < 1.0, f"--alpha-cls must lie in (0, 1), got {c.alpha_cls}"),
-              (c.epochs >= 1 and c.batch_size >= 1, "--epochs and --batch-size must be >= 1"),
-              (0.0 < c.crop_scale <= 1.0, f"--crop-scale must lie in (0, 1], got {c.crop_scale}")]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    return c
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (the DataLoader warns when it gets more workers than that)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def variant_name(c: Config) -> str:
-    """A short name for the non-default method flags, so each ablation gets its own run folder. Files are
-    named by content: a checkpoint or a roles file gets the first 8 hex digits of its SHA256 in the name."""
-    c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
-    parts = [f"{f.name}-{getattr(c, f.name)}" for f in dataclasses.fields(Config)
-             if f.name in ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
-                           "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr", "crop_scale",
-                           "precision", "roles_control")
-             and getattr(c, f.name) != getattr(base, f.name)]
-    if c.backbone != base.backbone and c.backbone not in clip.available_models() + [toyworld.BACKBONE]:  # a file
-        name = os.path.splitext(os.path.basename(c.backbone))[0]
-        parts[0] = f"backbone-{name}-{runs.short(runs.backbone_sha256(c.backbone))}"
-    parts = [p.replace("/", "-") for p in parts]
-    if c.roles:
-        parts.append("roles-" + runs.short(runs.roles_sha256(c.roles)))
-    return "_".join(parts) or "default"
-
-
-def eval_beta(c: Config, dataset: str) -> float:
-    """The beta an evaluation on `dataset` uses: the run's beta, except for the targets of xd, which get MMRL++'s
-    test-time beta (XD_TARGET_BETA) unless --target-beta source; a target not in the table keeps the run's."""
-    if c.protocol != "xd" or dataset == c.dataset or c.target_beta == "source":
-        return c.beta
-    return XD_TARGET_BETA.get(dataset, c.beta)
-
-
-def default_J(num_layers: int) -> int:
-    """J when none is given: the last quarter of the blocks carry tokens (J = 9 of 12, the paper's value)."""
-    return num_layers - num_layers // 4
-
-
-def run_dir(c: Config) -> str:
-    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run."""
-    name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
-    return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
-
-
-def dataset_tag(name: str) -> str:
-    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short hash of
-    its resolved path, so two folders with the same last name never share runs."""
-    if name.startswith("folder:"):
-        path = runs.dataset_folder(name, None)
-        return f"folder-{os.path.basename(path)}-{runs.short(hashlib.sha256(path.encode()).hexdigest())}"
-    return name
-
-
-# ----------------------------------------------------------------------------------------------
-# 2. Attribute tokens
+# 1. Attribute tokens
 
 
 class AttributeTokens(nn.Module):
-    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in J..L,
-    a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W.
-    Vision and text tokens are projections of the same R, which couples the two modalities.
-    As in MMRL, one aligner of each kind is initialised and copied to every block: all F_v^l start identical,
-    and so do all F_t^l (they are trained apart)."""
+    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in
+    J..L, a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W. Vision and
+    text tokens are projections of the same R, which couples the two modalities. As in MMRL, one
+    aligner of each kind is initialised and copied to every block: all F_v^l start identical, and so
+    do all F_t^l (they are trained apart)."""
 
     def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
         super().__init__()
         self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
-        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)  # nn.Linear's default init
+        # nn.Linear's default initialisation
+        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)
         self.F_v = nn.ModuleList([copy.deepcopy(F_v) for _ in range(n_blocks)])
         self.F_t = nn.ModuleList([copy.deepcopy(F_t) for _ in range(n_blocks)])
 
@@ -261,30 +68,30 @@ class AttributeTokens(nn.Module):
 
 
 def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Put the K tokens right after the first token (CLS, or SOT on the text side): [B, 1 + K + rest, D]."""
+    """Put the K tokens right after the first token (CLS, or SOT): [B, 1 + K + rest, D]."""
     return torch.cat([x[:, :1], fresh.unsqueeze(0).expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
 
 
 def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
-    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of block l-1).
-    x: [B, L, D]; fresh: [K, D]. Returns a new tensor (no in-place write, autograd stays simple)."""
+    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of
+    block l-1). x: [B, L, D]; fresh: [K, D]. A new tensor (no in-place write, simple autograd)."""
     tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1:1 + K]  # [B, K, D]
     return torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. The role-based attention mask
+# 2. The role-based attention mask
 
 
 def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tensor:
     """The additive mask [H, L, L] of one vision block, L = 1 + K + num_patches, token order
     [CLS, attr_1..attr_K, patches]; row = query, column = key; 0 = allowed, -inf = blocked.
 
-    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of the
-      five): the originals (CLS, patches) and the attribute tokens never see each other; each attribute
-      token sees only itself. These heads compute exactly what the frozen CLIP computes.
-    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token sees only
-      itself and nobody sees it.
+    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of
+      the five): the originals (CLS, patches) and the attribute tokens never see each other; each
+      attribute token sees only itself. These heads compute exactly what the frozen CLIP computes.
+    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token
+      sees only itself and nobody sees it.
     - mixed head: no restriction.
     variant "generalization-only": attribute heads act as mixed; "none": no mask at all (all zeros).
     """
@@ -295,7 +102,8 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
     eye = torch.eye(K, dtype=torch.bool)
     for h, entry in enumerate(head_roles):
         role = entry["role"]
-        if variant == "none" or role == "mixed" or (variant == "generalization-only" and role == "attribute"):
+        as_mixed = variant == "generalization-only" and role == "attribute"
+        if variant == "none" or role == "mixed" or as_mixed:
             continue
         a = allowed[h]
         a[attr[:, None], :] = False                  # attribute rows: nothing ...
@@ -310,18 +118,25 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
 
 
 def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
-    """One [H, L, L] mask per block first..num_layers-1 (0-based), or None where nothing is masked."""
+    """One [H, L, L] mask per block first..num_layers-1 (0-based); None where nothing is masked."""
     if variant == "none":
         return [None] * (num_layers - first)
-    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]  # roles: 1-based
+    # roles count blocks from 1
+    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. The DeAR module
+# 3. The DeAR module
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + attribute tokens from block J + role masks + a trainable P_attr + fusion weights w."""
+    """Frozen CLIP + attribute tokens from block J + role masks + trainable P_attr + fusion w.
+
+    forward computes what reference_forward computes, with four shortcuts that change no result:
+    1. the last block computes only the rows read afterwards (CLS and the K tokens; CLS for f^0;
+       EOT for text); 2. the start shared by every prompt (SOT and the template's first words) runs
+    once per block; 3. prompts run in groups of similar length, padded only to their group's
+    longest; 4. blocks 1..J-1 run once for f^0 and f_cls, and once per class list for the text."""
 
     def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
                  alpha_cls=0.7):
@@ -332,19 +147,24 @@ class DeAR(nn.Module):
         visual, L = clip_model.visual, clip_model.visual.transformer.layers
         if not 1 <= J <= L:
             raise ValueError(f"J must lie in 1..{L} (the backbone has {L} blocks), got {J}")
-        self.J, self.first, self.L, self.beta, self.use_tokens = J, J - 1, L, beta, attr_tokens  # first: 0-based
-        n = L - self.first  # blocks that carry tokens: J..L in the vision tower, the last n in the text tower
+        self.J, self.first, self.L = J, J - 1, L  # first: block J, counted from 0
+        self.beta, self.use_tokens = beta, attr_tokens
+        n = L - self.first  # blocks with tokens: J..L of the vision tower, the text tower's last n
         self.Lt = clip_model.transformer.layers
         self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
         if self.first_text < 0:
-            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}")
-        self.tokens = AttributeTokens(n, rep_dim, visual.transformer.width, clip_model.transformer.width)
-        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], initialised as a copy of proj
-        # fusion weights: alpha = softmax(w), initialised to alpha_cls for the class logits, the rest shared
+            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only "
+                             f"{self.Lt}")
+        widths = visual.transformer.width, clip_model.transformer.width
+        self.tokens = AttributeTokens(n, rep_dim, *widths)
+        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
+        # fusion weights w, alpha = softmax(w): alpha_cls for the class logits, the rest shared
         w = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log()
         self.w = nn.Parameter(w)
-        masks = block_masks(roles, self.first, L, visual.num_patches, mask) if attr_tokens else [None] * n
-        for i, m in enumerate(masks):  # buffers, so .to(device) moves them; not saved in checkpoints
+        masks = [None] * n
+        if attr_tokens:
+            masks = block_masks(roles, self.first, L, visual.num_patches, mask)
+        for i, m in enumerate(masks):  # buffers: .to(device) moves them; not saved in checkpoints
             self.register_buffer(f"mask_{i}", m, persistent=False)
         if not attr_tokens:  # nothing but the fusion weights would remain: the model is frozen CLIP
             for p in self.trainable():
@@ -359,128 +179,226 @@ class DeAR(nn.Module):
     def alpha(self) -> torch.Tensor:
         return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...
 
+    def fusion_weights(self) -> dict:
+        """alpha by name, as results.json records it: {"cls": .., "color": .., ...}."""
+        return dict(zip(("cls",) + ATTRIBUTES, self.alpha().tolist()))
+
     def set_beta(self, beta: float):
-        """The token mixing beta of the next forward passes (an evaluation may use another beta than training:
-        the xd targets); nothing is rebuilt, encode_images / encode_classes read self.beta."""
+        """The token mixing beta of the next forward passes (an evaluation may use another beta than
+        training: the xd targets); nothing is rebuilt, the token blocks read self.beta."""
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1], got {beta}")
         self.beta = float(beta)
 
-    # --- text side -------------------------------------------------------------------------------
+    # --- the forward pass: Figure 2 ---------------------------------------------------------------
+    def forward(self, images, t=None, with_frozen=False):
+        """Figure 2, one step a line. images [B, 3, R, R]; t [C, E]: the class features, if already
+        computed (an evaluation computes them once), else encode_classes(). with_frozen: also f^0
+        (for the loss). Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the
+        fused logits [B, C] and the features the loss reads. The towers may run under autocast; the
+        head is fp32."""
+        scale = self.clip.logit_scale
+        t = self.encode_classes() if t is None else t       # [C, E]     t: text tokens in J..L
+        x = self.frozen_prefix(images)                      # [B, 1+P, D]  blocks 1..J-1, frozen
+        f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
+        if not self.use_tokens:                             # zero-shot CLIP: f^0 alone
+            logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
+            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(),
+                    "t": t}
+        x = self.token_blocks(x)                            # [B, 1+K, D]  tokens from J, role masks
+        f_cls, f_attr = self.image_features(x)              # [B, E], [B, K, E]
+        feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
+        logits, feats, t = cosine_logits(feats, t, scale)   # [B, 1+K, C]  the six logit sets
+        fused = fuse(logits, self.alpha())                  # [B, C]       sum_k alpha_k logits_k
+        return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": feats[:, 1:],
+                "f0": None if f0 is None else f0.float(), "t": t}
+
+    # --- the image side --------------------------------------------------------------------------
+    @torch.no_grad()  # blocks 1..J-1 never change: no autograd
+    def frozen_prefix(self, images):
+        """Embedding and blocks 1..J-1 of the frozen vision tower: [B, 3, R, R] -> [B, 1+P, D]."""
+        visual = self.clip.visual
+        return visual.run_blocks(visual.embed(images), 0, self.first)
+
+    @torch.no_grad()
+    def frozen_feature(self, x):
+        """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x
+        (shortcut 1: the last block computes CLS alone), normalised. The stream keeps the prefix's
+        dtype."""
+        visual = self.clip.visual
+        cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
+        return F.normalize(visual.head(cls), dim=-1)
+
+    def token_blocks(self, x):
+        """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta
+        from J+1, each block under its role mask. [B, 1+P, D] -> [B, 1+K, D] (CLS and the K tokens:
+        shortcut 1, the last block computes only these rows). As in MMRL the tokens are fp32 and so
+        is the stream from block J on (under autocast the matmuls still run in half precision;
+        residual adds and LayerNorm inputs are fp32), whatever the prefix's dtype."""
+        x = x.float()
+        for i, b in enumerate(range(self.first, self.L)):
+            fresh = self.tokens.vision(i).float()                       # [K, D]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
+            rows = slice(0, 1 + K) if b == self.L - 1 else None         # last block: [B, 1+K, D]
+            mask = getattr(self, f"mask_{i}")                           # [H, 1+K+P, 1+K+P] or None
+            x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=mask, rows=rows)
+        return x
+
+    def image_features(self, x):
+        """f_cls [B, E] (CLS through the frozen ln_post and proj) and f_attr [B, K, E] (the K tokens
+        through ln_post and the trainable P_attr), normalised. x [B, 1+K, D]."""
+        f_cls = self.clip.visual.head(x[:, 0])                          # [B, E]
+        f_attr = self.clip.visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
+        return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
+
+    def encode_images(self, images, with_frozen=False):
+        """The image tower of forward alone: f_cls, f_attr and f^0 (None unless with_frozen)."""
+        x = self.frozen_prefix(images)
+        f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None
+        if not self.use_tokens:
+            return f0, None, f0
+        return (*self.image_features(self.token_blocks(x)), f0)
+
+    # --- the text side ---------------------------------------------------------------------------
     @torch.no_grad()
     def set_classes(self, classnames, template):
-        """Everything class-dependent that never changes: the text prefix (blocks 1..J-1 of every class
-        prompt) and the frozen CLIP text features t^0. Computed once per class list.
+        """Everything class-dependent that never changes, computed once per class list: the prompts'
+        token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features
+        t^0.
 
-        The prefix is kept in the form encode_classes runs fastest, with the same result:
-        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt (SOT and
-          the template's first words). Under the causal mask their states are the same for every class, so
-          blocks J..L run them once, and every class attends to them.
-        - text_groups: the rest of each prompt in groups padded to their longest (length_buckets; exact, causal):
-          [(indices, [c, n, W], rows [r]: the group's EOT positions in x, pick [c]: each prompt's row in rows)].
+        Blocks 1..J-1 are kept in the form encode_classes runs fastest, with the same result:
+        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt
+          (SOT and the template's first words). Under the causal mask their states are the same for
+          every class, so blocks J..L run them once, and every class attends to them (shortcut 2).
+        - text_groups: the rest of each prompt in groups padded to their longest (shortcut 3;
+          length_buckets): [(indices, [c, n, W], rows [r]: the group's EOT positions, pick [c]: each
+          prompt's row in rows)]; the last block computes only the EOT rows (shortcut 1).
         """
         prompts = [template.format(c.replace("_", " ")) for c in classnames]
         device = self.P_attr.device
-        tokens = clip.tokenize(prompts, context_length=self.clip.context_length).to(device)  # [C, T]
-        eot = tokens.argmax(-1)                                         # [C] EOT has the largest id
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)          # [T] 1 while every prompt agrees
-        S = min(int(same.sum()), int(eot.min()))                        # keep at least EOT per class
+        m = self.clip
+        tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
+        eot = tokens.argmax(-1)                                   # [C] EOT has the largest id
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)    # [T] 1 while all prompts agree
+        S = min(int(same.sum()), int(eot.min()))                  # keep at least EOT per class
         groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):                  # EOTs at rows [r] (<= n); pick [c]
-            x = self.clip.run_text_blocks(self.clip.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
-            frozen = self.clip.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
-            t0.append(self.clip.text_head(frozen, pick))                # [c, E]
-            groups.append((idx, x[:, S:], rows - S, pick))              # [c, n + 1 - S, W], rows in x[:, S:]
+        for n, idx, rows, pick in length_buckets(eot):            # EOTs at rows [r] (<= n)
+            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
+            frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
+            t0.append(m.text_head(frozen, pick))                  # [c, E]
+            groups.append((idx, x[:, S:], rows - S, pick))        # [c, n + 1 - S, W]
             order.append(idx)
-            self.text_shared = x[:1, :S]                                # [1, S, W], equal in every group
+            self.text_shared = x[:1, :S]                          # [1, S, W], equal in every group
         self.text_groups = groups
         self.text_order = torch.cat(order).argsort()                    # group order -> class order
         self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
-        self.classnames = list(classnames)
+        self.prompt_tokens, self.classnames = tokens, list(classnames)
 
     def encode_classes(self) -> torch.Tensor:
-        """t_c: class text features with the text tokens inside blocks J..L, normalised. [C, E]
-        The shared start runs once per block and every class group attends to it (causal: the start never
-        sees the class name); the last block computes only EOT."""
+        """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L,
+        normalised. The shared start runs once per block and every class group attends to it
+        (causal: the start never sees the class name); the last block computes only EOT."""
         if not self.use_tokens:
             return self.t0
-        shared = self.text_shared                                        # [1, S, W]: [SOT, common words]
-        parts = [x for _, x, _, _ in self.text_groups]                   # [c, n, W]: the rest of each prompt
+        m, groups = self.clip, self.text_groups
+        shared = self.text_shared                                 # [1, S, W]: [SOT, common words]
+        parts = [x for _, x, _, _ in groups]                      # [c, n, W]: the rest of a prompt
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(shared.dtype)                 # [K, W]
-            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]:
-            # [SOT, t_1..t_K, common words]; tokens see SOT and earlier tokens, the words after see the tokens
+            fresh = self.tokens.text(i).to(shared.dtype)          # [K, W]
+            # [1, S + K, W]: [SOT, t_1..t_K, common words]; the tokens see SOT and earlier tokens,
+            # the words after them see them
+            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)
             last = b == self.Lt - 1
-            parts = [self.clip.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
-                     for x, g in zip(parts, self.text_groups)]           # causal over [shared, x]
+            parts = [m.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
+                     for x, g in zip(parts, groups)]              # causal over [shared, x]
             if not last:
-                shared = self.clip.run_text_blocks(shared, b, b + 1)
-        t = torch.cat([self.clip.text_head(x, g[3]) for x, g in zip(parts, self.text_groups)])  # [C, E]
+                shared = m.run_text_blocks(shared, b, b + 1)
+        t = torch.cat([m.text_head(x, g[3]) for x, g in zip(parts, groups)])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
-    # --- image side ------------------------------------------------------------------------------
-    def encode_images(self, images, with_frozen=False):
-        """f_cls [B, E] (frozen proj) and f_attr [B, K, E] (P_attr), normalised; with_frozen also returns the
-        frozen CLIP feature f^0 [B, E], which reuses the prefix (it is needed only for the loss).
-        The last block computes only the rows read afterwards: CLS for f^0, CLS and the K tokens otherwise."""
-        visual = self.clip.visual
-        with torch.no_grad():  # blocks 1..J-1 never change: no autograd
-            x = visual.run_blocks(visual.embed(images), 0, self.first)  # [B, 1+P, D]
-            f0 = None
-            if with_frozen or not self.use_tokens:
-                cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
-                f0 = F.normalize(visual.head(cls), dim=-1)
-        if not self.use_tokens:
-            return f0, None, f0
-        for i, b in enumerate(range(self.first, self.L)):
-            fresh = self.tokens.vision(i).to(x.dtype)                    # [K, D]
-            x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]: [CLS, attr_1..attr_K, patches]
-            rows = slice(0, 1 + K) if b == self.L - 1 else None          # last block: [B, 1+K, D]
-            x = visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"), rows=rows)  # role mask of b
-        f_cls = visual.head(x[:, 0])                                  # [B, E]
-        f_attr = visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
-        return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1), f0
 
-    def forward(self, images, t=None, with_frozen=False):
-        """Six logit sets [B, 1+K, C] (class first, then the K attribute tokens) and the fused logits [B, C].
-        The towers may run under autocast; the head (cosine logits, alpha fusion) is always fp32 (fp32_head)."""
-        t = self.encode_classes() if t is None else t
-        f_cls, f_attr, f0 = self.encode_images(images, with_frozen)
-        feats = f_cls.unsqueeze(1) if f_attr is None else torch.cat([f_cls.unsqueeze(1).float(), f_attr.float()], 1)
-        logits, fused, feats, t = fp32_head(feats, t, self.clip.logit_scale, None if f_attr is None else self.w)
-        f0 = None if f0 is None else f0.float()
-        out = {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f0": f0, "t": t}
-        if f_attr is not None:
-            out["f_attr"] = feats[:, 1:]
-        return out
-
-
-def fp32_head(feats, t, logit_scale, w=None):
-    """The final head in fp32, outside autocast, in training and evaluation alike.
-
-    feats [B, S, E] (S = 1 + K: f_cls then f_attr, or S = 1: f_cls alone), t [C, E]: features that may come out
-    of autocast in half precision; they are cast to fp32 and normalised again. logits = s * cos(f, t) [B, S, C]
-    with s = exp(logit_scale); fused = sum_k alpha_k logits_k with alpha = softmax(w) ([B, C]; w None: the class
-    logits alone). CLIP's logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03):
-    computed in half precision, close classes would tie or swap. Returns logits, fused and the fp32 features."""
+def cosine_logits(feats, t, logit_scale):
+    """logits = s * cos(f, t) [B, S, C], s = exp(logit_scale), in fp32 outside autocast, in training
+    and evaluation alike. feats [B, S, E] (f_cls then f_attr, or f_cls alone), t [C, E]: features
+    that may come out of autocast in half precision, cast to fp32 and normalised again: CLIP's
+    logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half
+    precision close classes would tie or swap. Returns the logits and the fp32 features."""
     with torch.autocast(feats.device.type, enabled=False):
         feats = F.normalize(feats.float(), dim=-1)                # [B, S, E]
         t = F.normalize(t.float(), dim=-1)                        # [C, E]
-        logits = logit_scale.float().exp() * feats @ t.t()        # [B, S, C]
-        if w is None:
-            return logits, logits[:, 0], feats, t
-        fused = torch.einsum("k,bkc->bc", w.float().softmax(0), logits)  # sum_k alpha_k logits_k
-    return logits, fused, feats, t
+        return logit_scale.float().exp() * feats @ t.t(), feats, t  # [B, S, C]
+
+
+def fuse(logits, alpha):
+    """The fused logits sum_k alpha_k logits_k [B, C] of the six logit sets [B, 1+K, C], in fp32."""
+    with torch.autocast(logits.device.type, enabled=False):
+        return torch.einsum("k,bkc->bc", alpha.float(), logits.float())
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. The loss
+# The plain computation: forward without its shortcuts (tests/test_pruning.py: they change nothing)
+
+
+def reference_forward(model, images, with_frozen=True):
+    """What forward computes, written plainly: every block computes every position, every prompt
+    runs whole, padded to the context length, through every block; f^0 and t^0 are computed from
+    scratch. Returns forward's dict, plus "t0"."""
+    t, t0 = reference_classes(model)
+    f_cls, f_attr, f0 = reference_images(model, images)
+    if not model.use_tokens:
+        logits, feats, t = cosine_logits(f0.unsqueeze(1), t0, model.clip.logit_scale)
+        return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t,
+                "t0": t0}
+    feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)                  # [B, 1+K, E]
+    logits, feats, t = cosine_logits(feats, t, model.clip.logit_scale)
+    return {"logits": logits, "fused": fuse(logits, model.alpha()), "f_cls": feats[:, 0],
+            "f_attr": feats[:, 1:], "f0": f0 if with_frozen else None, "t": t, "t0": t0}
+
+
+def reference_images(model, images):
+    """f_cls [B, E], f_attr [B, K, E] and f^0 [B, E], normalised: every block on every position."""
+    visual = model.clip.visual
+    x = visual.embed(images)                                            # [B, 1+P, D]
+    f0 = F.normalize(visual.head(visual.run_blocks(x, 0, model.L)[:, 0]), dim=-1)
+    for b in range(model.L):
+        i = b - model.first                                             # < 0: before block J
+        if i >= 0:
+            fresh = model.tokens.vision(i).float()                      # [K, D]
+            x = insert(x.float(), fresh) if i == 0 else mix(x, fresh, model.beta)  # [B, 1+K+P, D]
+        mask = getattr(model, f"mask_{i}") if i >= 0 else None
+        x = visual.run_blocks(x, b, b + 1, attn_mask=mask)              # every position
+    if not model.use_tokens:
+        return f0, None, f0
+    f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
+    f_attr = F.normalize(visual.ln_post(x[:, 1:1 + K]) @ model.P_attr, dim=-1)
+    return f_cls, f_attr, f0
+
+
+def reference_classes(model):
+    """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context
+    length, through every text block on every position (causal), the K tokens after SOT from block J
+    on."""
+    m, tokens = model.clip, model.prompt_tokens                        # [C, T]
+    x = m.embed_text(tokens)                                            # [C, T, W]
+    t0 = F.normalize(m.text_head(m.run_text_blocks(x, 0, model.Lt), tokens.argmax(-1)), dim=-1)
+    for b in range(model.Lt):
+        i = b - model.first_text
+        if i >= 0 and model.use_tokens:
+            fresh = model.tokens.text(i).to(x.dtype)                    # [K, W]
+            x = insert(x, fresh) if i == 0 else mix(x, fresh, model.beta)  # [C, T + K, W]
+        x = m.run_text_blocks(x, b, b + 1)
+    shift = K if model.use_tokens else 0                                # tokens move EOT K places
+    return F.normalize(m.text_head(x, tokens.argmax(-1) + shift), dim=-1), t0
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The loss
 
 
 def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
-    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion * -log alpha_cls,
-    in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the device: reading them waits
-    for it, which the training loop does only at log lines)."""
+    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion *
+    -log alpha_cls, in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the
+    device: reading them waits for it, which the training loop does only at log lines)."""
     with torch.autocast(labels.device.type, enabled=False):
         ce = F.cross_entropy(out["fused"].float(), labels)
         reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
@@ -491,278 +409,41 @@ def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
     return total, {k: v.detach() for k, v in parts.items()}
 
 
-def harmonic_mean(base: float, novel: float) -> float:
-    return 2 * base * novel / (base + novel) if base + novel > 0 else 0.0
+def make_model(clip_model, roles, cfg: Config) -> DeAR:
+    """The model of a run (runs.run calls it with the backbone and the head roles it loaded)."""
+    return DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
+                attr_tokens=cfg.method == "dear" and cfg.attr_tokens, alpha_cls=cfg.alpha_cls)
+
+
+def make_loss(cfg: Config):
+    """The DeAR loss with a run's weights, as train.train calls it: loss_fn(model, out, labels)."""
+    def loss_fn(model, out, labels):
+        return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+    return loss_fn
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Protocols and the command line
-
-
-def export_roles(cfg: Config) -> str:
-    """--roles-only: compute (or find) the head roles dear.py would use and copy roles.json/.md/.png to
-    <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
-    cfg = resolve(cfg)
-    device = pick_device(cfg.device)
-    model, _ = runs.load_clip(cfg.backbone, device)
-    dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
-    cfg = dataclasses.replace(cfg, J=cfg.J or default_J(model.visual.transformer.layers))
-    _, path = runs.load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
-    for name in ("roles.json", "roles.md", "roles.png"):
-        source = os.path.join(os.path.dirname(path), name)
-        if os.path.exists(source):
-            with open(source, "rb") as f:
-                write_atomic(os.path.join(dest, name), f.read())
-    print(f"roles copied to {dest}")
-    return dest
-
-
-class Interrupted(Exception):
-    """Ctrl-C, with what was kept: the CLI prints the message and exits with status 130."""
-
-
-def eval_only_config(cfg: Config):
-    """--eval-only --load RUN: the method flags of the finished run RUN (its config.json), on --dataset/--protocol."""
-    saved = read_json(os.path.join(cfg.load or "", "config.json"))
-    if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")) or saved is None:
-        raise RunError(f"--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and config.json "
-                       f"(got {cfg.load!r})")
-    method_fields = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method",
-                     "roles_control")
-    return dataclasses.replace(cfg, **{k: saved[k] for k in method_fields if k in saved})
-
-
-def run(cfg: Config, log_to_stdout=True) -> dict:
-    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results.
-
-    The run folder (run_dir) is the run's identity: a finished run is reused, and an interrupted one resumed,
-    only when its config.json (flags and runs.inputs: dataset folder, checkpoint and roles hashes) matches."""
-    if cfg.eval_only:
-        cfg = eval_only_config(cfg)
-    try:
-        cfg = resolve(cfg)
-        variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
-        config = dict(dataclasses.asdict(cfg), inputs=runs.inputs(cfg, runs.xd_targets(cfg)))
-    except ValueError as e:
-        raise RunError(str(e)) from e
-    rdir = os.path.join(cfg.load, "eval", f"{cfg.protocol}-{dataset_tag(cfg.dataset)}") if cfg.eval_only else run_dir(cfg)
-    results_path, ckpt = os.path.join(rdir, "results.json"), os.path.join(rdir, "checkpoint.pt")
-    if os.path.exists(results_path) and not cfg.force:
-        runs.check_same(rdir, config, "finished")
-        print(f"done already: {results_path} (pass --force to redo)")
-        return read_json(results_path)
-    device = pick_device(cfg.device)
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # amp -> fp16 / fp32
-    train_ds, evals = runs.build_eval_sets(cfg)  # every dataset checked before anything is written
-    try:
-        os.makedirs(rdir, exist_ok=True)
-        lock = runs.RunLock(rdir).__enter__()
-    except OSError as e:
-        raise RunError(f"cannot write the run folder {rdir} ({e.strerror}); choose a writable --out") from None
-    try:
-        return _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals, log_to_stdout)
-    finally:
-        lock.__exit__(None, None, None)
-
-
-def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals, log_to_stdout):
-    """The body of `run`, holding the run folder's lock."""
-    pinned = os.path.join(rdir, "roles.json")
-    if os.path.exists(ckpt) and cfg.force:
-        os.remove(ckpt)
-    elif os.path.exists(ckpt) and not cfg.resume:
-        raise RunError(f"{rdir} holds an interrupted run; pass --resume to continue it or --force to start over")
-    elif os.path.exists(ckpt):
-        runs.check_same(rdir, config, "interrupted")
-    if not os.path.exists(ckpt) and os.path.exists(pinned):
-        os.remove(pinned)  # a fresh start takes the roles of now; a resumed run keeps its own
-    if cfg.eval_only and os.path.exists(os.path.join(cfg.load, "roles.json")):
-        with open(os.path.join(cfg.load, "roles.json"), "rb") as f:  # the roles the evaluated model was trained with
-            write_atomic(pinned, f.read())
-    log_file = open(os.path.join(rdir, "log.txt"), "a")
-
-    def log(msg):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        log_file.write(line + "\n")
-        log_file.flush()
-        if log_to_stdout:
-            print(line, flush=True)
-
-    try:
-        log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | {device} -> {rdir}")
-        clip_model, _ = runs.load_clip(cfg.backbone, device)
-        L = clip_model.visual.transformer.layers
-        J = cfg.J or default_J(L)
-        if not 1 <= J <= L:
-            raise RunError(f"--J {J} is beyond the backbone: {cfg.backbone} has {L} blocks, so J must lie in 1..{L}")
-        cfg = dataclasses.replace(cfg, J=J)
-        use_tokens = cfg.method == "dear" and cfg.attr_tokens
-        roles, roles_used = None, None
-        if use_tokens and cfg.mask != "none":
-            if os.path.exists(pinned):  # resumed or evaluated: the run's own roles, whatever the cache holds now
-                roles, source = runs.read_roles(pinned, clip_model, list(range(J, L + 1))), pinned
-                log(f"head roles: the run's own copy {pinned}")
-            else:
-                roles, source = runs.load_roles(cfg, clip_model, device, log)
-            roles_used = runs.pin_roles(source, rdir)
-        if roles is not None and cfg.roles_control != "none":
-            try:
-                roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
-            except ValueError as e:
-                raise RunError(str(e)) from e
-            log(f"roles control {cfg.roles_control}: " + "; ".join(
-                f"block {b}: " + " ".join(h["role"][0].upper() + (":" + h["attribute"] if h["attribute"] else "")
-                                          for h in heads) for b, heads in sorted(roles.items())))
-        seed_everything(cfg.seed)  # here, after anything that may draw random numbers (a first pretraining, roles)
-        try:
-            model = DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
-                         attr_tokens=use_tokens, alpha_cls=cfg.alpha_cls).to(device)
-        except ValueError as e:
-            raise RunError(str(e)) from e
-        config = dict(config, resolved={"J": cfg.J, "precision": cfg.precision}, roles_used=roles_used)
-        atomic_save(config, os.path.join(rdir, "config.json"), as_json=True)
-        t0 = time.time()
-        if cfg.eval_only:
-            state = torch.load(os.path.join(cfg.load, "model.pt"), map_location=device, weights_only=True)
-            model.load_state_dict(state, strict=False)
-        elif cfg.method == "dear":
-            log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} epochs, "
-                f"batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}")
-
-            def loss_fn(model, out, labels):  # the DeAR loss with this run's weights
-                return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
-
-            train(model, train_ds, cfg, device, rdir, log, loss_fn)
-            atomic_save(model.trainable_state(), os.path.join(rdir, "model.pt"))
-        train_s, t1 = time.time() - t0, time.time()
-        results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset, "backbone": cfg.backbone,
-                   "shots": cfg.shots, "seed": cfg.seed, "variant": variant, "config": dataclasses.asdict(cfg),
-                   "inputs": config["inputs"], "roles_used": roles_used, "evals": []}
-        if train_ds is not None and cfg.method == "dear" and not cfg.eval_only:  # the shots each class really had
-            counts = train_ds.shots_per_class
-            results["train_shots"] = {"asked": cfg.shots, "min": min(counts), "max": max(counts), "per_class": counts}
-        results["warnings"] = list(dict.fromkeys(w for ds in [train_ds] + [e[0] for e in evals] if ds is not None
-                                                 for w in ds.warnings))  # data.py's warnings, each once
-        for ds, split, rule in evals:
-            beta = eval_beta(cfg, ds.name)  # xd targets: MMRL++'s test-time beta
-            model.set_beta(beta)
-            r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
-                         name=f"{ds.name}/{split}")
-            results["evals"].append({"dataset": ds.name, "split": split, "beta": beta, **r})
-            log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits, beta {beta})")
-        if cfg.protocol == "b2n":
-            results["hm"] = harmonic_mean(results["evals"][0]["accuracy"], results["evals"][1]["accuracy"])
-            log(f"HM {results['hm']:.2f}")
-        if use_tokens:
-            results["fusion_weights"] = dict(zip(("cls",) + ATTRIBUTES, model.alpha().tolist()))
-        results["timing"] = {"train_s": train_s, "eval_s": time.time() - t1}
-        atomic_save(results, results_path, as_json=True)
-        if os.path.exists(ckpt):
-            os.remove(ckpt)
-        log(f"wrote {results_path}")
-        return results
-    except KeyboardInterrupt:
-        if os.path.exists(ckpt):
-            raise Interrupted(f"interrupted: the last checkpoint is kept in {ckpt}; rerun the same command with "
-                              "--resume") from None
-        raise Interrupted("interrupted before the first checkpoint: nothing was kept to resume; rerun the same "
-                          "command to start again") from None
-    finally:
-        log_file.close()
-
-
-def parse_args(argv=None) -> Config:
-    d = Config()
-    p = argparse.ArgumentParser(
-        description="DeAR: adapt CLIP with attribute tokens and role-based per-head attention masks.",
-        epilog="Examples:\n  python dear.py --dataset toyworld                  # offline demo, tiny CLIP, minutes on a CPU\n"
-               "  python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16\n"
-               "  python dear.py --dataset imagenet --protocol xd    # ImageNet -> 4 variants + 10 datasets",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("what to run")
-    g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) + ", or folder:PATH "
-                   "(default: %(default)s)")
-    g.add_argument("--root", default=os.environ.get("DATA", d.root),
-                   help="folder holding the datasets in the CoOp layout (default: $DATA or %(default)s)")
-    g.add_argument("--protocol", default=d.protocol, choices=["b2n", "fewshot", "xd"],
-                   help="b2n: train on the base classes, test base and novel; fewshot: all classes; xd: train on "
-                        "the source (ImageNet), test it and --targets (default: %(default)s)")
-    g.add_argument("--method", default=d.method, choices=["dear", "zeroshot"],
-                   help="zeroshot: frozen CLIP with the dataset's template, through the same code (default: %(default)s)")
-    g.add_argument("--shots", type=int, default=d.shots, help="training images per class (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the few-shot subset and the run (default: %(default)s)")
-    g.add_argument("--backbone", default=None, help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
-                   ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
-                   "(default: the 4 ImageNet variants and the other 10 datasets)")
-    g.add_argument("--out", default=d.out, help="output root; every run gets its own folder (default: %(default)s)")
-    g = p.add_argument_group("the method (the paper's names)")
-    g.add_argument("--J", type=int, default=None, help="attribute tokens enter block J (1-based) and stay to the last "
-                   "block (default: 9 of 12 blocks; the last quarter of the blocks in general)")
-    g.add_argument("--beta", type=float, default=None, help="token mixing (default: per-dataset table, 0.9 otherwise)")
-    g.add_argument("--lambda-reg", type=float, default=None, help="self-regularisation weight (default: per-dataset table)")
-    g.add_argument("--lambda-fusion", type=float, default=d.lambda_fusion, help="weight of -log alpha_cls (default: %(default)s)")
-    g.add_argument("--alpha-cls", type=float, default=d.alpha_cls,
-                   help="initial fusion weight of the class logits; each attribute gets (1 - it) / 5 (default: %(default)s)")
-    g.add_argument("--rep-dim", type=int, default=d.rep_dim, help="width of the shared token matrix R (default: %(default)s)")
-    g.add_argument("--mask", default=d.mask, choices=["role", "generalization-only", "none"],
-                   help="role-based per-head mask, or an ablation variant (default: %(default)s)")
-    g.add_argument("--no-attr-tokens", dest="attr_tokens", action="store_false",
-                   help="ablation: no attribute tokens at all (the model is then frozen CLIP)")
-    g.add_argument("--novel-logits", default=d.novel_logits, choices=["fused", "cls"],
-                   help="logits on novel classes and target datasets; cls is MMRL's class-only rule (default: %(default)s)")
-    g.add_argument("--target-beta", default=d.target_beta, choices=["table", "source"],
-                   help="xd: beta of each target dataset; table: MMRL++'s test-time beta per target (ImageNet-V2 "
-                        "0.9 ... Food101 0.3), source: the source's beta for every target (default: %(default)s)")
-    g.add_argument("--roles", default=None, help="roles JSON written by entropy.py (default: computed once and cached)")
-    g.add_argument("--roles-control", default=d.roles_control, choices=["none", "random", "oracle"],
-                   help="control for Concept Entropy: random = each block's roles shuffled among its heads (seeded by "
-                        "--seed; role counts kept); oracle = roles from the toy world's ground-truth probes "
-                        "(default: %(default)s)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=None,
-                   help="default: 10 (b2n), 20 (b2n toyworld), 50 (fewshot), 5 (ImageNet b2n and fewshot), 1 (xd)")
-    g.add_argument("--batch-size", type=int, default=None, help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
-    g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
-    g.add_argument("--crop-scale", type=float, default=None,
-                   help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
-    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="(default: %(default)s)")
-    g.add_argument("--workers", type=int, default=None,
-                   help="data-loading processes (default: 4, or fewer on a machine with fewer CPUs)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--precision", default=d.precision, choices=list(PRECISIONS),
-                   help="amp: MMRL's PREC amp, autocast fp16 + GradScaler on CUDA, fp32 on CPU; fp16: the same, "
-                        "CUDA only; bf16: autocast bf16 (CUDA, or CPU autocast); fp32: no autocast. Parameters "
-                        "stay fp32 and the logits, fusion and loss are fp32 in every mode; config.json records the "
-                        "precision used (default: %(default)s)")
-    g = p.add_argument_group("runs")
-    g.add_argument("--eval-only", action="store_true", help="evaluate the model of --load on --dataset / --protocol")
-    g.add_argument("--load", default=None, help="a finished run folder (holding model.pt and config.json)")
-    g.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
-    g.add_argument("--force", action="store_true", help="redo a finished run, or restart an interrupted one")
-    g.add_argument("--roles-only", action="store_true",
-                   help="only compute (or find) the head roles and copy them to OUT/roles/J<J>/ (run_all.sh's roles stage)")
-    args = p.parse_args(argv)
-    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)})
+# 5. The command line
 
 
 def main(argv=None):
     cfg = parse_args(argv)
     try:
         if cfg.roles_only:
-            return export_roles(cfg)
-        results = run(cfg)
+            return runs.export_roles(cfg)
+        results = runs.run(cfg, make_model, make_loss)
     except (RunError, data.DataError, toyworld.ToyWorldError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except Interrupted as e:
+    except runs.Interrupted as e:
         print(f"\n{e}", file=sys.stderr)
         sys.exit(130)
-    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining before any run)
-        print("\ninterrupted: nothing was kept; rerun the same command to start again", file=sys.stderr)
+    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining)
+        print("\ninterrupted: nothing was kept; rerun the same command to start again",
+              file=sys.stderr)
         sys.exit(130)
-    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}))
+    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2)
+                      for e in results["evals"]}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_clip
+import config
 import dear
+import runs
 import train
 from dear import ATTRIBUTES, K, DeAR, role_mask
 
@@ -293,9 +295,9 @@ def test_loss_terms_on_hand_set_features():
 
 
 def test_harmonic_mean_by_hand():
-    assert dear.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
-    assert dear.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
-    assert dear.harmonic_mean(100.0, 0.0) == 0.0 and dear.harmonic_mean(0.0, 0.0) == 0.0
+    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
+    assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
+    assert runs.harmonic_mean(100.0, 0.0) == 0.0 and runs.harmonic_mean(0.0, 0.0) == 0.0
 
 
 def test_fusion_weights_and_loss_terms():
@@ -336,7 +338,7 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     with torch.no_grad():
         model.clip.logit_scale.fill_(math.log(100.0))  # CLIP's trained scale
         model.w.copy_(torch.randn(1 + K, generator=g))
-    monkeypatch.setattr(model, "encode_images", lambda images, with_frozen=False: (f_cls, f_attr, None))
+    monkeypatch.setattr(model, "image_features", lambda x: (f_cls, f_attr))  # what the towers give
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.zeros(B, 3, 32, 32), t=t.bfloat16())
     # by hand, in fp64: 100 * cos of each feature set with each class, fused with alpha = softmax(w)
@@ -402,14 +404,14 @@ def test_xd_targets_get_mmrl_pp_test_time_beta():
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
     assert set(ours.values()) == set(dear.data.DG_TARGETS + dear.data.B2N_DATASETS) - {"imagenet"}
     for name, beta in published.items():
-        assert dear.eval_beta(xd, ours[name]) == beta, name
-    assert dear.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
-    assert dear.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
+        assert config.eval_beta(xd, ours[name]) == beta, name
+    assert config.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
+    assert config.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
     source = dear.resolve(dear.Config(dataset="imagenet", protocol="xd", beta=0.6, target_beta="source"))
-    assert all(dear.eval_beta(source, n) == 0.6 for n in ours.values())
+    assert all(config.eval_beta(source, n) == 0.6 for n in ours.values())
     b2n = dear.resolve(dear.Config(dataset="dtd"))
-    assert dear.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
-    assert dear.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
+    assert config.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
+    assert runs.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
 
 
 def test_schedule_values():
@@ -424,12 +426,25 @@ def test_schedule_values():
     assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
     assert train.lr_at(0, xd) == pytest.approx(1e-3)
     assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
-    # few-shot: ImageNet 5 epochs / batch 32 (MMRL's few-shot script: vit_b16_imagenet), the others 50 / 32
+    # few-shot: MMRL++'s vit_b16_few_shot (100 epochs, batch 32, lr 2e-3, warm-up 1) with its beta /
+    # lambda table; ImageNet keeps vit_b16_imagenet (5 epochs, batch 32, lr 1e-3)
     imagenet_fs = dear.resolve(dear.Config(dataset="imagenet", protocol="fewshot"))
-    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs) == (5, 32, 1)
-    for name in ("dtd", "eurosat", "food101"):
+    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs, imagenet_fs.lr) == \
+        (5, 32, 1, 1e-3)
+    for name, beta, lam in (("dtd", 0.9, 7.0), ("eurosat", 0.2, 0.01), ("food101", 0.1, 1.0)):
         fs = dear.resolve(dear.Config(dataset=name, protocol="fewshot"))
-        assert (fs.epochs, fs.batch_size, fs.warmup_epochs) == (50, 32, 1)
+        assert (fs.epochs, fs.batch_size, fs.warmup_epochs, fs.lr, fs.beta, fs.lambda_reg) == \
+            (100, 32, 1, 2e-3, beta, lam)
+        assert train.lr_at(1, fs) == 2e-3 and train.lr_at(0, fs) == 1e-5
+    assert dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4  # --lr wins
+    assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
+    assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
+    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3; the toy world keeps its tables' recipe
+    for c in (dict(dataset="dtd"), dict(dataset="imagenet"), dict(dataset="imagenet", protocol="xd")):
+        assert dear.resolve(dear.Config(**c)).lr == 1e-3, c
+    toy = dear.resolve(dear.Config(dataset="toyworld", protocol="fewshot"))
+    assert (toy.epochs, toy.batch_size, toy.lr) == (50, 32, 1e-3)
+    assert runs.variant_name(dear.Config(dataset="dtd", protocol="fewshot", lr=2e-3)) == "default"
 
 
 def test_bad_values_are_refused():
@@ -445,13 +460,13 @@ def test_bad_values_are_refused():
 
 def test_variant_names_separate_ablations():
     base = dear.Config(dataset="dtd")
-    assert dear.variant_name(base) == "default"
-    assert dear.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
-    assert dear.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
-    assert dear.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
-    assert dear.variant_name(dear.Config(dataset="dtd", backbone="ViT-L/14")) == "backbone-ViT-L-14"
-    assert dear.variant_name(dear.Config(dataset="toyworld", backbone="toy")) == "default"
-    assert [dear.default_J(n) for n in (12, 4, 24)] == [9, 3, 18]
+    assert runs.variant_name(base) == "default"
+    assert runs.variant_name(dear.Config(dataset="dtd", beta=0.9)) == "default"  # the table value
+    assert runs.variant_name(dear.Config(dataset="dtd", mask="none", J=7)) == "J-7_mask-none"
+    assert runs.run_dir(base).endswith("b2n/dtd/dear-default-shots16-seed1")
+    assert runs.variant_name(dear.Config(dataset="dtd", backbone="ViT-L/14")) == "backbone-ViT-L-14"
+    assert runs.variant_name(dear.Config(dataset="toyworld", backbone="toy")) == "default"
+    assert [config.default_J(n) for n in (12, 4, 24)] == [9, 3, 18]
 
 
 def test_epoch_batches_are_seeded_and_drop_last():
@@ -501,12 +516,12 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     results = json.loads((rdir / "results.json").read_text())
     assert [(e["split"], e["n"]) for e in results["evals"]] == [("base", 18), ("novel", 18)]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
-    assert results["hm"] == pytest.approx(dear.harmonic_mean(base, novel))
+    assert results["hm"] == pytest.approx(runs.harmonic_mean(base, novel))
     w = torch.load(rdir / "model.pt")["w"]  # the trained fusion weights: alpha = softmax(w), by hand here
     assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
     assert list(results["fusion_weights"].values()) == pytest.approx((w.exp() / w.exp().sum()).tolist(), abs=1e-6)
     assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)  # trained away from the start
-    sha = dear.runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
+    sha = runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
     assert "epoch 2/2" in (rdir / "log.txt").read_text()
@@ -617,16 +632,16 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     root = world[0]
     target = tmp_path / "target"
     shutil.copytree(root / "colors", target)
-    monkeypatch.setitem(dear.XD_TARGET_BETA, f"folder:{target}", 0.3)
+    monkeypatch.setitem(config.XD_TARGET_BETA, f"folder:{target}", 0.3)
     roles = tmp_path / "roles.json"
     roles.write_text(json.dumps(fake_roles_doc(model_name=world[1])))
     seen = []
-    real_evaluate = dear.evaluate
+    real_evaluate = runs.evaluate
 
     def evaluate(model, *args, **kw):  # the beta the model really has during each evaluation
         seen.append(model.beta)
         return real_evaluate(model, *args, **kw)
-    monkeypatch.setattr(dear, "evaluate", evaluate)
+    monkeypatch.setattr(runs, "evaluate", evaluate)
     args = cli(world, tmp_path / "runs", "--protocol", "xd", "--targets", f"folder:{target}", "--roles", str(roles),
                "--device", "cpu")
     dear.main(args)
@@ -642,3 +657,26 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     with pytest.raises(SystemExit) as stop:
         dear.main(args + ["--precision", "fp16", "--force"])
     assert stop.value.code == 2 and "fp16 needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
+    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast standing
+    in for CUDA's) with the frozen weights in half precision, the stream entering blocks J..L with the
+    tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix and the f^0 path keep
+    the half-precision stream they had."""
+    torch.manual_seed(0)
+    model = DeAR(tiny_clip(text_layers=3), mixed_roles(), J=3)  # tokens in blocks 3 and 4 of 4
+    seen = []
+    for b, block in enumerate(model.clip.visual.transformer.resblocks):  # (block, positions, dtype)
+        block.register_forward_pre_hook(lambda m, a, b=b: seen.append((b, a[0].shape[1], a[0].dtype)))
+    model.clip.visual.ln_post.register_forward_pre_hook(
+        lambda m, a: seen.append(("ln_post", a[0].shape[1:-1], a[0].dtype)))  # [B, K, D]: f_attr
+    model.set_classes(["cat", "dog"], "a photo of a {}.")
+    with torch.no_grad(), train.frozen_weights_in(dtype, model.clip), torch.autocast("cpu", dtype=dtype):
+        model(torch.randn(2, 3, 32, 32), with_frozen=True)
+    half, f32, n = dtype, torch.float32, 1 + P  # n: CLS and patches
+    assert seen == [(0, n, half), (1, n, half),                     # the frozen prefix, blocks 1..J-1
+                    (2, n, half), (3, n, half), ("ln_post", (), half),   # f^0 as before
+                    (2, n + K, f32), (3, n + K, f32),               # blocks J..L with the tokens
+                    ("ln_post", (), f32), ("ln_post", (K,), f32)]   # f_cls, f_attr

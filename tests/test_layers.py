@@ -1,4 +1,5 @@
-"""The project's imports go one way, downwards, with no cycle (DESIGN.md, "Layers").
+"""The project's imports go one way, downwards, with no cycle (README.md, "Layout"); dear.py is the method
+and its command line, with no run orchestration in it.
 
 Every import statement of every project file is read (also those inside functions), so a lazy import
 that climbs a layer is caught as well as one at the top of a file. Tests are users, not layers.
@@ -16,10 +17,12 @@ LAYERS = {
     "toyworld": 3,                 # a user of clip and data
     "roles_report": 3,             # roles.md and roles.png from a roles document
     "entropy": 4, "train": 4,      # head roles; the training loop and evaluation
-    "runs": 5,                     # run folders: identity, lock, pinned roles
-    "dear": 6,                     # the method and its command line
-    "tables": 7, "bench": 7,       # reports
-    "jobs": 7,                     # run_all.sh's runner: naming, checks, GPU slots (dear.py by path)
+    "config": 5,                   # Config, the per-dataset tables, resolve
+    "runs": 6,                     # one run: its folder and identity, what it reads, results.json;
+                                   # the method comes from above as arguments (make_model, make_loss)
+    "dear": 7,                     # the method and its command line
+    "tables": 8, "bench": 8,       # reports
+    "jobs": 8,                     # run_all.sh's runner: naming, checks, GPU slots (dear.py by path)
 }
 
 
@@ -47,7 +50,7 @@ def import_graph():
 
 
 def test_every_module_has_a_layer():
-    assert set(project_files()) == set(LAYERS), "a new top-level file needs its place in LAYERS (and DESIGN.md)"
+    assert set(project_files()) == set(LAYERS), "a new top-level file needs its place in LAYERS (and the README)"
 
 
 def test_imports_only_go_down():
@@ -119,3 +122,67 @@ def test_entry_scripts_ask_for_passive_waiting_before_torch_loads():
         assert sets and sets[0] < first, f"{path}: setdefault OMP_WAIT_POLICY before torch loads"
         checked.append(module)
     assert {"dear", "entropy", "toyworld", "bench"} <= set(checked)
+
+
+# What runs.py does and dear.py must not: run folders, files, logs, results, the roles stage.
+ORCHESTRATION = {"run", "_run_locked", "run_dir", "variant_name", "dataset_tag", "eval_only_config",
+                 "export_roles", "Interrupted", "check_same", "RunLock", "pin_roles", "inputs",
+                 "load_clip", "load_roles", "build_eval_sets", "harmonic_mean", "log"}
+# Modules for files, folders, clocks and hashes: what orchestration needs and the method does not.
+FILE_MODULES = {"os", "time", "shutil", "pathlib", "hashlib", "socket", "fcntl", "tempfile", "glob",
+                "util", "io", "pickle"}
+# Calls that write or read files or checkpoints (os.* calls are caught by the import of os).
+OMP_DEFAULT = "os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')"
+FILE_CALLS = {"open", "atomic_save", "write_atomic", "write_json_atomic", "read_json"}
+
+
+def method_file_problems(path):
+    """What in a file is run orchestration: names it defines, modules it imports, file calls it makes.
+    torch.load and torch.save count; `clip.load` and `model.load_state_dict` are not file calls here."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
+    problems = []
+    # `os` for one thing only: OpenMP's passive waiting, set before torch loads (BENCH.md)
+    omp = [n for n in ast.walk(tree) if isinstance(n, ast.Expr) and ast.unparse(n) == OMP_DEFAULT]
+    os_uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "os"]
+    only_omp = bool(omp) and len(os_uses) == len(omp)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ORCHESTRATION:
+            problems.append(f"defines {node.name}")
+        elif isinstance(node, ast.Import):
+            problems += [f"imports {a.name}" for a in node.names if a.name.split(".")[0] in FILE_MODULES
+                         and not (a.name == "os" and only_omp)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FILE_MODULES:
+            problems.append(f"imports from {node.module}")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+            if name in FILE_CALLS or (name in ("save", "load") and owner == "torch"):
+                problems.append(f"calls {name} (line {node.lineno})")
+    return problems
+
+
+def test_dear_py_is_the_method_and_its_command_line():
+    """dear.py defines no run orchestration, imports no file or clock module and opens no file: all of
+    that is runs.py's. It stays short enough to read in one sitting."""
+    assert method_file_problems("dear.py") == []
+    lines = [line for line in open(os.path.join(ROOT, "dear.py")) if line.strip()]
+    assert len(lines) <= 450, f"dear.py has {len(lines)} non-blank lines; the method fits in 450"
+
+
+def test_the_orchestration_check_allows_os_for_the_openmp_default_only(tmp_path):
+    planted = tmp_path / "dear.py"
+    planted.write_text("import os\nos.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')\n")
+    assert method_file_problems(str(planted)) == []
+    planted.write_text("import os\nos.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')\n"
+                       "def f(p):\n    return os.path.exists(p)\n")
+    assert method_file_problems(str(planted)) == ["imports os"]
+
+
+def test_the_orchestration_check_sees_planted_orchestration(tmp_path):
+    planted = tmp_path / "dear.py"
+    planted.write_text("import os\nimport torch\ndef run_dir(c):\n    pass\n"
+                       "def f(m):\n    torch.save(m, 'x')\n    m.load_state_dict({})\n"
+                       "    open('log.txt', 'a')\n")
+    assert method_file_problems(str(planted)) == ["imports os", "defines run_dir", "calls save (line 6)",
+                                                  "calls open (line 8)"]

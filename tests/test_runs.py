@@ -1,4 +1,4 @@
-"""A run folder is a run's identity (runs.py, dear.run): no run silently returns, mixes or reuses another's work,
+"""A run folder is a run's identity (runs.py, runs.run): no run silently returns, mixes or reuses another's work,
 and every fault a user can make ends in one clear line (exit 2), never a traceback."""
 import json
 import os
@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+import config
 import dear
 import runs
 from test_dear import cli, fake_roles_doc, world  # noqa: F401  (world is a fixture)
@@ -39,11 +40,11 @@ def write_roles(path, model_name, flip=False):
 def test_folder_datasets_with_the_same_name_get_different_run_folders(tmp_path):
     (tmp_path / "a" / "pets").mkdir(parents=True)
     (tmp_path / "b" / "pets").mkdir(parents=True)
-    a = dear.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'a' / 'pets'}", backbone="ViT-B/16"))
-    b = dear.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'b' / 'pets'}", backbone="ViT-B/16"))
+    a = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'a' / 'pets'}", backbone="ViT-B/16"))
+    b = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'b' / 'pets'}", backbone="ViT-B/16"))
     assert a != b and "folder-pets-" in a
     (tmp_path / "link").symlink_to(tmp_path / "a" / "pets")  # the same folder by another path: the same runs
-    assert dear.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'link'}", backbone="ViT-B/16")) == a
+    assert runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'link'}", backbone="ViT-B/16")) == a
 
 
 def test_roles_files_and_checkpoints_are_named_by_content(tmp_path):
@@ -52,7 +53,7 @@ def test_roles_files_and_checkpoints_are_named_by_content(tmp_path):
     one = write_roles(tmp_path / "x" / "roles.json", "m")
     other = write_roles(tmp_path / "y" / "roles.json", "m", flip=True)
     same = shutil.copy(one, tmp_path / "z" / "roles.json")
-    name = lambda **kw: dear.run_dir(dear.Config(dataset="eurosat", **kw))  # noqa: E731
+    name = lambda **kw: runs.run_dir(dear.Config(dataset="eurosat", **kw))  # noqa: E731
     assert name(roles=one) != name(roles=other)          # both files are called roles.json
     assert name(roles=one) == name(roles=same)           # same content, other path
     ckpt_a, ckpt_b = tmp_path / "x" / "clip.pt", tmp_path / "y" / "clip.pt"
@@ -107,7 +108,7 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
 
 def test_a_second_identical_run_stops_while_the_first_holds_the_folder(world, tmp_path, capsys):
     args = cli(world, tmp_path / "runs", "--method", "zeroshot")
-    rdir = dear.run_dir(dear.parse_args(args))
+    rdir = runs.run_dir(dear.parse_args(args))
     os.makedirs(rdir)
     with runs.RunLock(rdir):
         err = stop_message(args, capsys)
@@ -136,14 +137,14 @@ def test_faults_stop_with_one_line(world, tmp_path, capsys):
 def test_a_damaged_checkpoint_asks_for_force(world, tmp_path, capsys, monkeypatch):
     roles = write_roles(tmp_path / "roles.json", world[1])
     args = cli(world, tmp_path / "runs", "--protocol", "fewshot", "--roles", roles)
-    real = dear.train
+    real = runs.train
 
     def interrupted(model, ds, cfg, device, rdir, log, loss_fn):  # a checkpoint is written, then Ctrl-C
         torch.save({"model": {}}, os.path.join(rdir, "checkpoint.pt"))
         raise KeyboardInterrupt
-    monkeypatch.setattr(dear, "train", interrupted)
+    monkeypatch.setattr(runs, "train", interrupted)
     assert "--resume" in stop_message(args, capsys, code=130)
-    monkeypatch.setattr(dear, "train", real)
+    monkeypatch.setattr(runs, "train", real)
     (ckpt,) = (tmp_path / "runs").rglob("checkpoint.pt")
     ckpt.write_bytes(b"\x00 half a checkpoint")
     err = stop_message(args + ["--resume"], capsys)
@@ -168,7 +169,7 @@ def test_a_missing_dataset_names_the_download_and_the_offline_demo(tmp_path, cap
 
 
 def test_default_workers_fit_the_machine():
-    assert 0 < dear.resolve(dear.Config()).workers <= min(4, dear.available_cpus())
+    assert 0 < dear.resolve(dear.Config()).workers <= min(4, config.available_cpus())
 
 
 def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path, monkeypatch):
@@ -188,3 +189,36 @@ def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path
     cfg = dear.resolve(dear.Config(dataset=dataset, root=str(root), backbone=ckpt, J=3))
     _, used = runs.load_roles(cfg, model, torch.device("cpu"), log=lambda msg: None)
     assert used == path
+
+
+# ------------------------------------------------------------------------------------------- E: precision
+
+
+def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, monkeypatch):
+    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds the
+    run folder taken by a run of another precision, and stops instead of reusing or resuming it. Both
+    precisions are recorded; asking for a half-precision evaluation gets its own folder."""
+    root, ckpt, dataset = world
+    args = cli(world, tmp_path / "runs", "--protocol", "fewshot", "--epochs", "1",
+               "--roles", write_roles(tmp_path / "roles.json", ckpt))
+    dear.main(args)
+    (results,) = (tmp_path / "runs").rglob("results.json")
+    done = json.loads(results.read_text())
+    assert done["precisions"] == {"train": "fp32", "eval": "fp32"}
+    assert (done["config"]["precision"], done["config"]["eval_precision"]) == ("fp32", "fp32")
+    assert json.loads((results.parent / "config.json").read_text())["precisions"] == done["precisions"]
+    real = runs.resolve_precision
+
+    def on_cuda(precision, device):  # what amp resolves to on a CUDA device
+        return "fp16" if precision == "amp" else real(precision, device)
+    monkeypatch.setattr(runs, "resolve_precision", on_cuda)
+    capsys.readouterr()
+    err = stop_message(args, capsys)  # a finished run of another precision: not "done already"
+    assert "different configuration" in err and "precisions" in err and "fp16" in err
+    results.unlink()  # now as an interrupted run: its checkpoint is not resumed in another precision
+    torch.save({"model": {}}, results.parent / "checkpoint.pt")
+    err = stop_message(args + ["--resume"], capsys)
+    assert "interrupted run of a different configuration" in err and "precisions" in err
+    monkeypatch.setattr(runs, "resolve_precision", real)
+    bf16 = runs.run_dir(dear.parse_args(args + ["--eval-precision", "bf16"]))
+    assert bf16 != str(results.parent) and "eval_precision-bf16" in bf16
