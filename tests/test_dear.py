@@ -654,9 +654,11 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     (again,) = (rdir / "eval").rglob("results.json")
     assert [e["beta"] for e in json.loads(again.read_text())["evals"]] == [0.9, 0.9] and seen[2:] == [0.9, 0.9]
     assert json.loads((again.parent / "config.json").read_text())["precision"] == "bf16"
-    with pytest.raises(SystemExit) as stop:
-        dear.main(args + ["--precision", "fp16", "--force"])
-    assert stop.value.code == 2 and "fp16 needs a CUDA device" in capsys.readouterr().err
+    dear.main(args + ["--precision", "fp16"])  # CUDA's default path, GradScaler included, on a CPU
+    (half,) = [d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir]  # its own folder
+    assert json.loads((half / "config.json").read_text())["resolved"]["precision"] == "fp16"
+    done = json.loads((half / "results.json").read_text())
+    assert done["precisions"] == {"train": "fp16", "eval": "fp32"} and "skipped_steps" in done["train"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
