@@ -264,6 +264,127 @@ def test_textspan_removes_each_pick_from_the_other_texts():
     assert textspan_by_hand(contributions, texts, n=2, rank=3, deflate=False) == [0, 1]
 
 
+def stream(contributions, sizes):
+    """GramStatistics of contributions [N, ...] fed in batches of the given sizes (cycled), as the probe loader."""
+    stats = entropy.GramStatistics(contributions.shape[1:-1], contributions.shape[-1])
+    i, k = 0, 0
+    while i < len(contributions):
+        stats.add(contributions[i:i + sizes[k % len(sizes)]])
+        i, k = i + sizes[k % len(sizes)], k + 1
+    return stats
+
+
+def test_streamed_statistics_are_the_count_mean_and_scatter_of_all_images():
+    """Uneven batches (7, 1, 13, 2) of contributions with a mean 1000x their spread: count, mean, the centred
+    scatter and the uncentred Gram C^T C equal numpy's fp64 on the whole matrix. Rules out a merge without the
+    between-batch term, one weighted by the wrong batch sizes, and sums kept in fp32 (relative error ~1e-4 on
+    the scatter here, against ~1e-12)."""
+    g = np.random.default_rng(3)
+    C = g.normal(size=(61, 2, 3, 5)) * g.uniform(0.5, 2, size=5) + 1000 * g.normal(size=(2, 3, 5))
+    stats = stream(torch.tensor(C, dtype=torch.float64), [7, 1, 13, 2])
+    assert stats.count == 61 and stats.scatter.dtype == torch.float64
+    for li in range(2):
+        for h in range(3):
+            c = C[:, li, h]  # [N, E]
+            count, mean, scatter = stats.head((li, h))
+            np.testing.assert_allclose(mean.numpy(), c.mean(0), rtol=1e-12)
+            centred = c - c.mean(0)
+            np.testing.assert_allclose(scatter.numpy(), centred.T @ centred, rtol=1e-9, atol=1e-9)
+            gram = scatter + count * torch.outer(mean, mean)
+            np.testing.assert_allclose(gram.numpy(), c.T @ c, rtol=1e-12)
+
+
+def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored_matrix():
+    """The streamed path (statistics over uneven batches, then greedy picks on them) against TextSpan's
+    iterative removal run on the full, stored contribution matrix (textspan_by_hand: SVD of the raw matrix,
+    deflation of the data themselves). Heads with large means and unequal variances, where centring before the
+    SVD or skipping the deflation would pick otherwise (see the test above)."""
+    for seed in range(6):
+        contributions, texts = skewed(seed)
+        stats = stream(torch.tensor(contributions), [9, 4, 17])
+        got = entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n=5, rank=6)
+        assert got == textspan_by_hand(contributions, texts, n=5, rank=6), seed
+
+
+def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_path, monkeypatch):
+    """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written here: every
+    image's head contributions in one array, TextSpan's iterative removal on each head's full matrix, concept
+    entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts, entropies and roles per head."""
+    model = perturb_ln_post(tiny_model)
+    g = np.random.default_rng(0)
+    T, E = 40, model.visual.output_dim
+    vectors = g.normal(size=(T, E))
+    vectors = torch.tensor(vectors / np.linalg.norm(vectors, axis=1, keepdims=True), dtype=torch.float32)
+    texts = [f"text {j}" for j in range(T)]
+    labels = [CONCEPTS[j % 7] if j < 28 else "color" for j in range(T)]  # unequal concepts
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(23):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    path = entropy.compute_roles(model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5,
+                                 n=4, rank=6)
+    doc = json.loads(open(path).read())
+    assert doc["probe"]["images"] == doc["probe"]["available"] == 23 and doc["probe"]["max_images"] is None
+    # the stored path: all 23 images at once
+    images = torch.stack([entropy.data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in items])
+    stored = entropy.head_contributions(model, images, [3, 4]).double().numpy()  # [23, 2, 4, E]
+    want = {}
+    for li, layer in enumerate((3, 4)):
+        for h in range(4):
+            picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
+            shares = [sum(labels[j] == c for j in picks) / 4 for c in CONCEPTS]
+            want[(layer, h)] = ([texts[j] for j in picks], -sum(p * math.log2(p) for p in shares if p > 0))
+    low, high = np.quantile([H for _, H in want.values()], [1 / 3, 2 / 3])  # numpy's default: linear
+    heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
+    for key, (picked, H) in want.items():
+        assert heads[key]["texts"] == picked, key
+        assert heads[key]["entropy"] == pytest.approx(H, abs=1e-4)
+        role = "attribute" if H <= low + 1e-4 else "generalization" if H >= high - 1e-4 else "mixed"
+        if role == "attribute":  # the dominant concept decides attribute / other specialist
+            P = heads[key]["P"]
+            top = max(CONCEPTS, key=lambda c: (P[c], -CONCEPTS.index(c)))
+            role = "attribute" if top in entropy.ATTRIBUTES else "specialist"
+        assert heads[key]["role"] == role, key
+    assert len({tuple(t) for t, _ in want.values()}) > 4  # the heads differ: the comparison means something
+
+
+def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
+    """compute_roles without ground-truth factors: while TextSpan runs, no tensor holding more images than one
+    batch (5) of head contributions [*, 2 blocks, 4 heads, E] is alive; memory is the statistics (blocks x heads
+    x E x E doubles) and one batch, however many images. With factors (the toy world's probes) every image's
+    contributions are kept, and only then."""
+    import gc
+    seen, calls, original = [], [], entropy.textspan_from_statistics
+
+    def textspan_checking_memory(*args, **kwargs):
+        if calls.append(1) or len(calls) > 1:  # once per compute_roles: gc.get_objects is slow
+            return original(*args, **kwargs)
+        gc.collect()
+        seen.append(max([o.shape[0] for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 4
+                         and tuple(o.shape[1:]) == (2, 4, 32)], default=0))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(entropy, "textspan_from_statistics", textspan_checking_memory)
+    vectors = torch.nn.functional.normalize(torch.randn(12, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
+    texts = [f"text {j}" for j in range(12)]
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(23):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(np.full((32, 32, 3), 10 * i, dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    labels = [CONCEPTS[j % 3] for j in range(12)]
+    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "a"), batch_size=5, n=2, rank=4)
+    assert len(calls) == 8 and seen and max(seen) <= 5, seen
+    seen.clear(), calls.clear()
+    factors = lambda paths: {"brightness": [i % 2 for i in range(len(paths))]}
+    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "b"), batch_size=5, n=2, rank=4,
+                          factors=factors)
+    assert min(seen) == 23, seen  # the probes' copy: the control that the check sees stored contributions
+
+
 def test_textspan_stops_clearly_with_too_few_images():
     contributions, texts = planted(N=10)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images"):
@@ -578,7 +699,7 @@ def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, cap
                                       n=3, rank=8, max_images=30)
     doc = json.loads(open(path).read())
     assert doc["probe"] == {"dataset": "folder:" + os.path.realpath(dataset[7:]), "split": "train", "images": 20,
-                            "max_images": 30, "seed": 0}
+                            "available": 20, "max_images": 30, "seed": 0}
     assert doc["inputs"] == entropy.roles_inputs(model, [1, 2, 3, 4], dataset, split="train", pool="toy", n=3,
                                                  rank=8, max_images=30)
     assert doc["inputs"]["checkpoint_sha256"] == "ab" * 32 and doc["inputs"]["low"] is None
