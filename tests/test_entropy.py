@@ -428,6 +428,18 @@ def test_default_thresholds_are_the_tertiles_of_the_heads_entropies():
     assert (low, high) == pytest.approx((2.0, 4.0))
 
 
+def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
+    """8 heads (as 2 blocks x 4), unsorted, unevenly spaced: the 1/3 and 2/3 quantiles sit at sorted positions
+    7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented): 1 + (3 - 1) / 3 = 5/3 and
+    4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher" (3, 4.5), "nearest" (1, 4.5),
+    "midpoint" (2, 4.25) and quantiles of the entropies in the order given (not sorted)."""
+    entropies = [4.5, 0.0, 7.0, 1.0, 8.0, 3.0, 0.5, 4.0]
+    low, high = entropy.default_thresholds(entropies)
+    assert (low, high) == pytest.approx((5 / 3, 13 / 3), abs=1e-12)
+    for wrong in ("lower", "higher", "nearest", "midpoint"):  # the data tell them apart
+        assert np.quantile(entropies, [1 / 3, 2 / 3], method=wrong) != pytest.approx((low, high))
+
+
 # ---------------------------------------------------------------------------------------------- text pools
 
 def test_builtin_pool_covers_the_12_concepts_with_unique_descriptions():
@@ -467,6 +479,76 @@ def test_user_texts_get_the_concept_of_the_nearest_centroid():
     ref_labels = ["color"] * 10 + ["animal"] * 10 + ["scene"] * 10
     queries = centres[[2, 0, 1]] + 0.05 * torch.randn(3, 16, generator=g)
     assert entropy.label_by_centroid(queries, ref, ref_labels) == ["scene", "color", "animal"]
+
+
+def test_user_texts_take_the_nearest_normalised_centroid_with_unequal_concept_sizes():
+    """30 colour texts (one of them close to the query) against 3 widely spread scene texts. The query q has
+    cosine 0.6 with the colour direction e0 and 0.8 with the scene direction e1. Nearest normalised centroid
+    (the rule): scene (0.76 against 0.61). Rules out: the unnormalised sum of the embeddings (colour: 30 texts
+    outweigh 3), the unnormalised mean (the spread scene texts' mean has norm 0.75: 0.60 against 0.61, colour)
+    and the single nearest text (the colour text next to q)."""
+    g = torch.Generator().manual_seed(0)
+    e = torch.eye(16)
+    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]]
+    scene = [e[1] + e[2], e[1] - e[2], e[1] + e[3]]
+    ref = torch.nn.functional.normalize(torch.stack(color + scene), dim=-1)  # [33, 16]
+    ref_labels = ["color"] * 30 + ["scene"] * 3
+    queries = torch.stack([0.6 * e[0] + 0.8 * e[1], e[0] + 0.1 * e[1]])
+    assert entropy.label_by_centroid(queries, ref, ref_labels) == ["scene", "color"]
+    # the wrong rules on the same data, computed here, do pick colour for the first query
+    q = torch.nn.functional.normalize(queries[0], dim=0)
+    sums = [ref[:30].sum(0), ref[30:].sum(0)]
+    assert (q @ sums[0] > q @ sums[1]) and (q @ (sums[0] / 30) > q @ (sums[1] / 3))
+    assert ref_labels[int((ref @ q).argmax())] == "color"
+
+
+def _head(role, attribute=None, skill=None, entropy_=1.0, concept=None):
+    return {"role": role, "attribute": attribute, "entropy": entropy_, **({"skill": skill} if skill else {}),
+            **({"concept": concept} if concept else {})}
+
+
+def test_random_roles_shuffle_each_block_on_its_own():
+    """Two blocks of 8 heads with different role mixes; each head is marked by a distinct entropy. Every block
+    keeps its own multiset of roles (rules out one shuffle over all blocks pooled), the two blocks get different
+    permutations (rules out one permutation reused for every block), and another seed another shuffle."""
+    mix = {3: ["attribute", "attribute", "attribute", "mixed", "mixed", "generalization", "specialist", "mixed"],
+           4: ["generalization", "generalization", "generalization", "generalization", "mixed", "attribute",
+               "mixed", "mixed"]}
+    roles = {b: [_head(r, "color" if r == "attribute" else None, entropy_=10 * b + h) for h, r in enumerate(rs)]
+             for b, rs in mix.items()}
+    out = entropy.control_roles(roles, "random", 7)
+    perms = {}
+    for b in roles:
+        assert sorted(h["role"] for h in out[b]) == sorted(mix[b]), b  # the block's counts kept
+        perms[b] = [int(h["entropy"]) - 10 * b for h in out[b]]  # which head of block b landed where
+        assert sorted(perms[b]) == list(range(8)), b  # heads of block b only
+    assert perms[3] != perms[4] and perms[3] != list(range(8)) and perms[4] != list(range(8))
+    other = entropy.control_roles(roles, "random", 8)
+    assert [h["entropy"] for h in other[3]] != [h["entropy"] for h in out[3]]
+    assert entropy.control_roles(roles, "random", 7) == out  # seeded
+
+
+def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_generalization():
+    """Concept Entropy found 2 attribute, 2 generalization, 1 specialist and 3 mixed heads over blocks 3-4. The
+    oracle ranks all 8 heads together by the lead of their best-decoded factor (by hand, below): the top 2 become
+    attribute heads of that factor, the bottom 3 (2 generalization + 1 specialist, masked alike) generalization,
+    the rest mixed. Rules out: a specialist left out of the masked count (bottom 2 only), the specialist role
+    kept, and a ranking within each block (block 3 would keep an attribute head)."""
+    def skills(best, lead, base=0.2):
+        s = {f: base for f in ("color", "shape", "texture", "location")}
+        s[best] = base + lead
+        return s
+    roles = {3: [_head("attribute", "color", skills("color", 0.30)), _head("specialist", None, skills("shape", 0.05),
+                 concept="animal"), _head("mixed", None, skills("texture", 0.20)),
+                 _head("generalization", None, skills("location", 0.10))],
+             4: [_head("mixed", None, skills("texture", 0.70)), _head("attribute", "shape", skills("location", 0.60)),
+                 _head("generalization", None, skills("color", 0.0)), _head("mixed", None, skills("shape", 0.40))]}
+    # leads: 4/0 0.7, 4/1 0.6, 4/3 0.4, 3/0 0.3, 3/2 0.2, 3/3 0.1, 3/1 0.05, 4/2 0.0
+    out = entropy.control_roles(roles, "oracle", 1)
+    got = {b: [(h["role"], h["attribute"]) for h in heads] for b, heads in out.items()}
+    assert got == {3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
+                   4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
+                       ("mixed", None)]}
 
 
 # ---------------------------------------------------------------------------------------------- roles file
