@@ -469,10 +469,16 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     file has them (toy world) the ground-truth decoding "skill" per factor.
 
     model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
-    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do."""
-    hint = "recompute it with `python entropy.py ...` or pass the right file"
+    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do: a
+    damaged file (unreadable, wrong format, bad or missing entries) is to be deleted, so that the next run
+    computes it again (dear.py does for its cache); a sound file for another model or other blocks is to be
+    replaced by the right one."""
     if not os.path.isfile(path):
-        raise RolesError(f"roles file {path} does not exist; {hint}")
+        raise RolesError(f"roles file {path} does not exist; compute it with `python entropy.py ...` "
+                         "(dear.py does so itself without --roles) or pass the right file")
+    other = "pass a roles file computed for this backbone and these blocks, or compute one with `python entropy.py`"
+    hint = (f"delete {path} (a cached roles file is then computed again on the next run) or pass a roles file "
+            "written by entropy.py")  # a damaged file
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -485,10 +491,10 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
         if key not in doc:
             raise RolesError(f"roles file {path} has no {key!r} entry; {hint}")
     if model_name is not None and doc["model"] != model_name:
-        raise RolesError(f"roles file {path} was computed for {doc['model']!r}, not {model_name!r}; {hint}")
+        raise RolesError(f"roles file {path} was computed for {doc['model']!r}, not {model_name!r}; {other}")
     for key, want in (("num_layers", num_layers), ("num_heads", num_heads)):
         if want is not None and doc[key] != want:
-            raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {hint}")
+            raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {other}")
     if not isinstance(doc["num_heads"], int) or doc["num_heads"] < 1:
         raise RolesError(f"roles file {path}: 'num_heads' must be a positive number, got {doc['num_heads']!r}; {hint}")
     if not isinstance(doc["layers"], list) or not all(isinstance(l, int) for l in doc["layers"]):
@@ -502,7 +508,7 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     missing = [l for l in (layers or []) if l not in file_layers]
     if missing:
         raise RolesError(f"roles file {path} covers blocks {file_layers} but blocks {missing} are needed "
-                         f"(1-based); {hint}")
+                         f"(1-based); {other}")
     roles = {l: [None] * H for l in file_layers}
     for entry in doc["heads"]:
         where = f"roles file {path}, entry {entry.get('layer')}/{entry.get('head')}"
@@ -513,9 +519,9 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             raise RolesError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}); {hint}")
         attribute = entry.get("attribute")
         if role == "attribute" and attribute not in ATTRIBUTES:
-            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, got {attribute!r}")
+            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, got {attribute!r}; {hint}")
         if role != "attribute" and attribute is not None:
-            raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}")
+            raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}; {hint}")
         if roles[layer][head] is not None:
             raise RolesError(f"{where}: this head is listed twice; {hint}")
         roles[layer][head] = {"role": role, "attribute": attribute, "entropy": entry.get("entropy")}

@@ -638,6 +638,26 @@ def test_load_roles_on_a_missing_or_broken_file(tmp_path):
         entropy.load_roles(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.parametrize("what", ["json", "format", "role", "head-missing", "attribute"])
+def test_a_damaged_roles_file_is_to_be_deleted_by_name(tmp_path, what):
+    """A cached roles file that cannot be read says to delete that file (a rerun computes it again), not to
+    recompute it with entropy.py (which writes elsewhere unless given the same --out)."""
+    path = tmp_path / "cache" / "roles.json"
+    path.parent.mkdir()
+    path.write_text("{not json" if what == "json" else json.dumps(corrupt(make_doc(), what)))
+    with pytest.raises(RolesError) as e:
+        entropy.load_roles(str(path))
+    assert f"delete {path} " in str(e.value) and "recompute" not in str(e.value)
+
+
+def test_roles_for_another_model_are_to_be_replaced_not_deleted(tmp_path):
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps(make_doc()))
+    with pytest.raises(RolesError, match="pass a roles file computed for this backbone") as e:
+        entropy.load_roles(str(path), model_name="ViT-B/16")
+    assert "delete" not in str(e.value)
+
+
 def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
     doc = make_doc(layers=(2, 3, 4), H=4)
     entropy.write_outputs(doc, str(tmp_path))
@@ -759,6 +779,24 @@ def test_cli_bad_input_exits_2_with_one_message(fake_world, capsys, extra, messa
     assert lines[-1].startswith("entropy.py: error: ") and sum("error" in line for line in lines) == 1
     assert re.search(message, lines[-1]), err
     assert not (root / "out").exists()
+
+
+def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
+    """12 test images for n = 20: entropy.py's own command line suggests its flags; entropy.run as dear.py calls
+    it (no caller named) also says what a dear.py user can do, who has no --max-images or --n; caller "dear.py"
+    only that."""
+    root, dataset = fake_world
+    args = dict(out_dir=str(root / "out"), pool="default", device="cpu", n=20)
+    with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as both:
+        entropy.run("tiny", dataset, str(root), **args)
+    with pytest.raises(EntropyError) as dear:
+        entropy.run("tiny", dataset, str(root), caller="dear.py", **args)
+    with pytest.raises(EntropyError) as cli:
+        entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
+    dear_fix = "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles"
+    assert dear_fix in str(both.value) and "--max-images" in str(both.value)
+    assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)
+    assert "--max-images" in str(cli.value) and "--n" in str(cli.value) and "dear.py" not in str(cli.value)
 
 
 def test_cli_without_images_exits_2(fake_world, capsys):
