@@ -214,8 +214,8 @@ def sum_parts(parts):
 
 
 def check_textspan(n, rank, num_texts, num_images, dim, caller=None):
-    """Stop early, with what to change, when TextSpan cannot pick n distinct directions. caller: who can act on
-    the advice ("entropy.py": its flags; "dear.py": its own; None: both)."""
+    """Stop early, with what to change, when TextSpan cannot pick n distinct directions.
+    caller: who can act on the advice ("entropy.py": its flags; "dear.py": its own; None: both)."""
     if n > num_texts:
         raise EntropyError(f"TextSpan picks n = {n} texts per head but the pool has only {num_texts}; "
                            + advice(caller, "use a larger pool (--texts) or a smaller --n"))
@@ -225,35 +225,41 @@ def check_textspan(n, rank, num_texts, num_images, dim, caller=None):
     if num_images < n + 1:
         raise EntropyError(f"TextSpan needs at least n + 1 = {n + 1} probe images for n = {n} texts per head "
                            f"(the centred contributions of N images span at most N - 1 directions), got "
-                           f"{num_images}; " + advice(caller, "use more images (a larger --max-images, or "
-                                                              "leave it out: the whole split) or fewer texts (--n)"))
+                           f"{num_images}; " + advice(caller, IMAGES_FIX))
+
+
+IMAGES_FIX = "use more images (a larger --max-images, or leave it out: the whole split) or fewer texts (--n)"
+DEAR_FIX = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of "
+            "--dataset: put ImageNet under --root, or compute the roles with entropy.py and pass them with "
+            "--roles")
 
 
 def advice(caller, flags):
-    """How to fix a TextSpan input: entropy.py's `flags`, or, for dear.py (which computes the roles with the
-    defaults on its own probe), what its user can do; caller None: both."""
-    dear = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
-            "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles")
+    """How to fix a TextSpan input: entropy.py's `flags`, or, for dear.py (which computes the roles with
+    the defaults on its own probe), what its user can do; caller None: both."""
     if caller == "entropy.py":
         return flags
     if caller == "dear.py":
-        return dear
-    return f"with entropy.py: {flags}; {dear}"
+        return DEAR_FIX
+    return f"with entropy.py: {flags}; {DEAR_FIX}"
 
 
 class GramStatistics:
-    """What TextSpan needs of each head's contributions, accumulated over images streamed in batches, in fp64.
+    """What TextSpan needs of each head's contributions, accumulated in fp64 over images streamed in
+    batches.
 
-    Per head (leading dims `shape`, e.g. (blocks, heads)): the count N, the mean m [E] and the centred scatter
-    S = sum_i (c_i - m)(c_i - m)^T [E, E]. They give both matrices of `replace_with_iterative_removal`: the
-    uncentred Gram C^T C = S + N m m^T (its eigenvectors are the right singular vectors of C) and the centred
-    covariance S / N (the variance of C t across images is t S t / N). Batches are merged by the pairwise
-    update of Chan, Golub and LeVeque, so no large mean is ever subtracted from a large sum."""
+    Per head (leading dims `shape`, e.g. (blocks, heads)): the count N, the mean m [E] and the centred
+    scatter S = sum_i (c_i - m)(c_i - m)^T [E, E]. They give both matrices of
+    `replace_with_iterative_removal`: the uncentred Gram C^T C = S + N m m^T (its eigenvectors are the
+    right singular vectors of C) and the centred covariance S / N (the variance of C t across images is
+    t S t / N). Batches are merged by the pairwise update of Chan, Golub and LeVeque, so no large mean is
+    ever subtracted from a large sum."""
 
     def __init__(self, shape, dim, device=None):
         self.count = 0
-        self.mean = torch.zeros(*shape, dim, dtype=torch.float64, device=device)  # [*shape, E]
-        self.scatter = torch.zeros(*shape, dim, dim, dtype=torch.float64, device=device)  # [*shape, E, E]
+        f64 = dict(dtype=torch.float64, device=device)
+        self.mean = torch.zeros(*shape, dim, **f64)  # [*shape, E]
+        self.scatter = torch.zeros(*shape, dim, dim, **f64)  # [*shape, E, E]
 
     def add(self, batch):
         """batch [B, *shape, E]: one contribution per image and head."""
@@ -264,21 +270,22 @@ class GramStatistics:
             return
         batch_mean = x.mean(1)  # [heads, E]
         x = x - batch_mean.unsqueeze(1)  # centred on the batch's own mean
-        mean, scatter = self.mean.view(-1, E), self.scatter.view(-1, E, E)  # views: updated in place
+        mean, scatter = self.mean.view(-1, E), self.scatter.view(-1, E, E)  # views, updated in place
         delta = batch_mean - mean  # [heads, E]
         total = self.count + b
         scatter.baddbmm_(x.transpose(1, 2), x)  # + the batch's own scatter
-        scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=self.count * b / total)  # + between
+        between = self.count * b / total  # weight of the two means' difference
+        scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=between)
         mean.add_(delta, alpha=b / total)
         self.count = total
 
     def head(self, index):
-        """(count, mean [E], scatter [E, E]) of one head; index into the leading dims, e.g. (block, head)."""
+        """(count, mean [E], scatter [E, E]) of one head; index: into the leading dims, e.g. (li, h)."""
         return self.count, self.mean[index], self.scatter[index]
 
 
 def textspan(contributions, text_embeddings, n=20, rank=80):
-    """TextSpan for one head from its contributions [N, E] on N images: `textspan_from_statistics` of them."""
+    """TextSpan for one head from its contributions [N, E] on N images (textspan_from_statistics)."""
     stats = GramStatistics((), contributions.shape[-1], device=contributions.device)
     stats.add(contributions)
     return textspan_from_statistics(*stats.head(()), text_embeddings, n=n, rank=rank)
@@ -519,7 +526,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             raise RolesError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}); {hint}")
         attribute = entry.get("attribute")
         if role == "attribute" and attribute not in ATTRIBUTES:
-            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, got {attribute!r}; {hint}")
+            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, "
+                             f"got {attribute!r}; {hint}")
         if role != "attribute" and attribute is not None:
             raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}; {hint}")
         if roles[layer][head] is not None:
@@ -697,7 +705,8 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     items: probe images as data.py lists them, (path, label, classname): all of them (max_images None, the
     default, as TextSpan reads all of ImageNet val), or, if there are more than max_images, a seeded random
     sample of max_images of them (in their original order). The images are streamed: per head only the
-    statistics TextSpan needs are kept (GramStatistics), so memory does not grow with the number of images. texts / text_concepts: the
+    statistics TextSpan needs are kept (GramStatistics), so memory does not grow with the number of images.
+    texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
     quantiles over the analysed heads). probe: what roles.json records of the probe set (dataset, split);
     inputs: roles_inputs(...), recorded as is. factors: None, or a function of the probe images' paths giving

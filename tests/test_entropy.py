@@ -533,15 +533,16 @@ def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_ge
     oracle ranks all 8 heads together by the lead of their best-decoded factor (by hand, below): the top 2 become
     attribute heads of that factor, the bottom 3 (2 generalization + 1 specialist, masked alike) generalization,
     the rest mixed. Rules out: a specialist left out of the masked count (bottom 2 only), the specialist role
-    kept, and a ranking within each block (block 3 would keep an attribute head)."""
+    kept, a ranking within each block (block 3 would keep an attribute head), and an attribute head turned
+    generalization (block 3 head 3) that keeps its attribute."""
     def skills(best, lead, base=0.2):
         s = {f: base for f in ("color", "shape", "texture", "location")}
         s[best] = base + lead
         return s
     roles = {3: [_head("attribute", "color", skills("color", 0.30)), _head("specialist", None, skills("shape", 0.05),
                  concept="animal"), _head("mixed", None, skills("texture", 0.20)),
-                 _head("generalization", None, skills("location", 0.10))],
-             4: [_head("mixed", None, skills("texture", 0.70)), _head("attribute", "shape", skills("location", 0.60)),
+                 _head("attribute", "location", skills("location", 0.10))],
+             4: [_head("mixed", None, skills("texture", 0.70)), _head("generalization", None, skills("location", 0.60)),
                  _head("generalization", None, skills("color", 0.0)), _head("mixed", None, skills("shape", 0.40))]}
     # leads: 4/0 0.7, 4/1 0.6, 4/3 0.4, 3/0 0.3, 3/2 0.2, 3/3 0.1, 3/1 0.05, 4/2 0.0
     out = entropy.control_roles(roles, "oracle", 1)
@@ -549,6 +550,17 @@ def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_ge
     assert got == {3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
                    4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
                        ("mixed", None)]}
+    assert out[3][1]["skill"] == roles[3][1]["skill"]  # the ground truth travels with the head
+
+
+def test_control_roles_none_and_bad_controls():
+    roles = {4: [_head("mixed", None, {"color": 0.5, "shape": 0.1})]}
+    assert entropy.control_roles(roles, "none", 1) is roles
+    with pytest.raises(ValueError, match="unknown roles control 'shuffle'; choose none, random or oracle"):
+        entropy.control_roles(roles, "shuffle", 1)
+    with pytest.raises(ValueError, match="^--roles-control oracle needs roles with ground-truth decoding skills; "
+                                         "entropy.py writes them only for the toy world \\(--dataset toyworld\\)$"):
+        entropy.control_roles({4: [_head("mixed")]}, "oracle", 1)
 
 
 # ---------------------------------------------------------------------------------------------- roles file
