@@ -350,6 +350,27 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_
     assert len({tuple(t) for t, _ in want.values()}) > 4  # the heads differ: the comparison means something
 
 
+def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
+    """Bad thresholds, labels or texts stop compute_roles before an image is read (the items here do not even
+    exist): each with its own message."""
+    items = [(str(tmp_path / "missing.png"), 0, "x")] * 30
+    texts, labels = ["a", "b", "c"], ["color", "shape", "animal"]
+    run = lambda **k: entropy.compute_roles(tiny_model, k.pop("items", items), k.pop("texts", texts),
+                                            k.pop("labels", labels), [3, 4], str(tmp_path / "out"), n=2, rank=4, **k)
+    with pytest.raises(EntropyError, match="--low 2.0 is above --high 1.0"):
+        run(low=2.0, high=1.0)
+    need = "^every text of the pool needs one concept label out of " + ", ".join(CONCEPTS) + "$"
+    with pytest.raises(EntropyError, match=need):
+        run(labels=["color", "shape"])  # one label short
+    with pytest.raises(EntropyError, match=need):
+        run(labels=["color", "shape", "colour"])  # as many labels, one unknown
+    with pytest.raises(EntropyError, match="duplicate descriptions"):
+        run(texts=["a", "b", "a"])
+    with pytest.raises(EntropyError, match="no probe images found"):
+        run(items=[])
+    assert not (tmp_path / "out").exists()
+
+
 def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
     """compute_roles without ground-truth factors: while TextSpan runs, no tensor holding more images than one
     batch (5) of head contributions [*, 2 blocks, 4 heads, E] is alive; memory is the statistics (blocks x heads
@@ -385,6 +406,25 @@ def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkey
     assert min(seen) == 23, seen  # the probes' copy: the control that the check sees stored contributions
 
 
+def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
+    """TextSpan's defaults (w_ov_rank 80, 20 texts per head as its README runs): a text along the 81st right
+    singular vector has no component in the default span, so with it alone the pool spans no direction there;
+    rank 81 reaches it. With no n given, 20 texts are picked."""
+    g = np.random.default_rng(0)
+    basis = np.linalg.qr(g.normal(size=(96, 96)))[0]  # [E, E] orthonormal columns: the right singular vectors
+    left = np.linalg.qr(g.normal(size=(200, 96)))[0]  # [N, E] orthonormal columns
+    data = (left * np.linspace(10, 1, 96)) @ basis.T  # singular values 10..1 along basis 0..95, exactly
+    data, texts = torch.tensor(data), torch.tensor(basis.T[[80, 81]])
+    with pytest.raises(EntropyError, match="spans only 0 directions inside this head's top-80 space"):
+        entropy.textspan(data, texts, n=1)
+    assert entropy.textspan(data, texts, n=1, rank=81) == [0]
+    assert len(entropy.textspan(data, torch.tensor(g.normal(size=(30, 96))))) == 20
+    import inspect
+    defaults = {k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()}
+    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high")} == \
+        {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None}
+
+
 def test_textspan_stops_clearly_with_too_few_images():
     contributions, texts = planted(N=10)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images"):
@@ -400,7 +440,7 @@ def test_concept_entropy_of_known_distributions():
     assert entropy.concept_entropy([0.5, 0.5]) == pytest.approx(1.0)
     assert entropy.concept_entropy([1 / 12] * 12) == pytest.approx(math.log2(12))
     assert entropy.concept_entropy({"color": 0.25, "shape": 0.25, "animal": 0.5}) == pytest.approx(1.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"not a probability distribution \(non-negative, sum 1\): \[0.5, 0.6\]"):
         entropy.concept_entropy([0.5, 0.6])
 
 
@@ -805,7 +845,8 @@ def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
         entropy.run("tiny", dataset, str(root), caller="dear.py", **args)
     with pytest.raises(EntropyError) as cli:
         entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
-    dear_fix = "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles"
+    dear_fix = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
+                "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles")
     assert dear_fix in str(both.value) and "--max-images" in str(both.value)
     assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)
     assert "--max-images" in str(cli.value) and "--n" in str(cli.value) and "dear.py" not in str(cli.value)
