@@ -306,7 +306,7 @@ def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored
         assert got == textspan_by_hand(contributions, texts, n=5, rank=6), seed
 
 
-def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_path, monkeypatch):
+def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_path, monkeypatch, capsys):
     """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written here: every
     image's head contributions in one array, TextSpan's iterative removal on each head's full matrix, concept
     entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts, entropies and roles per head."""
@@ -336,11 +336,15 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_
             picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
             shares = [sum(labels[j] == c for j in picks) / 4 for c in CONCEPTS]
             want[(layer, h)] = ([texts[j] for j in picks], -sum(p * math.log2(p) for p in shares if p > 0))
-    low, high = np.quantile([H for _, H in want.values()], [1 / 3, 2 / 3])  # numpy's default: linear
+    low, high = np.quantile([round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3])  # numpy's default: linear
     heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
+    assert doc["thresholds"] == {"low": round(float(low), 4), "high": round(float(high), 4)}  # as stored
+    assert "heads 8/8" in capsys.readouterr().err
     for key, (picked, H) in want.items():
         assert heads[key]["texts"] == picked, key
-        assert heads[key]["entropy"] == pytest.approx(H, abs=1e-4)
+        assert heads[key]["entropy"] == round(H, 4)  # stored to 4 decimals, as P
+        assert heads[key]["P"] == {c: round(sum(labels[texts.index(t)] == c for t in picked) / 4, 4)
+                                   for c in CONCEPTS}
         role = "attribute" if H <= low + 1e-4 else "generalization" if H >= high - 1e-4 else "mixed"
         if role == "attribute":  # the dominant concept decides attribute / other specialist
             P = heads[key]["P"]
@@ -364,11 +368,47 @@ def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
         run(labels=["color", "shape"])  # one label short
     with pytest.raises(EntropyError, match=need):
         run(labels=["color", "shape", "colour"])  # as many labels, one unknown
-    with pytest.raises(EntropyError, match="duplicate descriptions"):
+    with pytest.raises(EntropyError, match="^the text pool has duplicate descriptions; TextSpan needs unique texts$"):
         run(texts=["a", "b", "a"])
-    with pytest.raises(EntropyError, match="no probe images found"):
+    with pytest.raises(EntropyError, match="^no probe images found; check --dataset/--root/--split$"):
         run(items=[])
     assert not (tmp_path / "out").exists()
+
+
+def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model, tmp_path, monkeypatch):
+    """max_images 12 of 30: the seeded sample random.Random(seed).sample, in the items' order (seen through the
+    factors hook, which gets the probe images' paths); given thresholds are recorded and used; a given low
+    above the automatic high stops; an error inside TextSpan advises the caller named."""
+    vectors = torch.nn.functional.normalize(torch.randn(6, 32, generator=torch.Generator().manual_seed(1)), dim=-1)
+    texts = [f"text {j}" for j in range(6)]
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(30):
+        path = tmp_path / f"{i:02d}.png"
+        Image.fromarray(np.full((32, 32, 3), 8 * i, dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    labels = ["color", "shape", "animal", "color", "scene", "texture"]
+    seen = []
+
+    def factors(paths):
+        seen.append(list(paths))
+        return {"brightness": [i % 2 for i in range(len(paths))]}
+
+    run = lambda out, **k: json.loads(open(entropy.compute_roles(
+        tiny_model, items, texts, labels, [4], str(tmp_path / out), batch_size=5, n=2, rank=4, max_images=12,
+        factors=factors, **k)).read())
+    doc = run("a", seed=3, low=0.25, high=0.75)
+    run("b", seed=4)
+    want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
+    assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
+    assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
+    assert all(h["role"] == entropy.assign_role(h["entropy"], h["P"], 0.25, 0.75)["role"] for h in doc["heads"])
+    with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
+        run("c", seed=3, low=5.0)
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])  # one direction
+    with pytest.raises(EntropyError, match="spans only 1 directions") as e:
+        run("d", seed=3, caller="entropy.py")
+    assert "dear.py" not in str(e.value) and "--n" in str(e.value)
 
 
 def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
