@@ -402,6 +402,10 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model
     want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
     assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
     assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
+    assert not hasattr(tiny_model, "name") and doc["model"] == "unknown"  # what roles.json records besides
+    assert doc["pool"] == {"name": None, "texts": 6} and doc["concepts"] == list(CONCEPTS)
+    assert doc["decoding"] == {"probe": "ridge least-squares classifier, 2-fold cross-validation",
+                               "chance": {"brightness": 0.5}}
     assert all(h["role"] == entropy.assign_role(h["entropy"], h["P"], 0.25, 0.75)["role"] for h in doc["heads"])
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
@@ -463,6 +467,13 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     defaults = {k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()}
     assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high")} == \
         {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None}
+    defaults = {k: v.default for k, v in inspect.signature(entropy.textspan_from_statistics).parameters.items()}
+    assert (defaults["n"], defaults["rank"]) == (20, 80)
+    # called directly with too few images, the check inside advises the caller named
+    stats = stream(data[:3], [3])
+    with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as e:
+        entropy.textspan_from_statistics(*stats.head(()), torch.tensor(g.normal(size=(30, 96))), caller="entropy.py")
+    assert "dear.py" not in str(e.value) and "--max-images" in str(e.value)
 
 
 def test_textspan_stops_clearly_with_too_few_images():
