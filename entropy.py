@@ -6,12 +6,14 @@ DeAR's first step, offline and once per backbone. Read top to bottom:
   2. Head decomposition: each head's direct contribution to the image embedding, as TextSpan's PRS logger
      computes it (the CLS output = embedding + heads + MLPs; ln_post's mean and bias shared out evenly)
   3. TextSpan: per head, the N texts that explain most of the head's variance across images (SVD of the
-     uncentred contributions, then greedy picks with removal, as `replace_with_iterative_removal`)
+     uncentred contributions, then greedy picks with removal, as `replace_with_iterative_removal`), computed
+     exactly from per-head statistics (count, mean, centred scatter in fp64) accumulated while the probe
+     images stream through the model: all 50,000 ImageNet val images in bounded memory
   4. Concept entropy of those texts, and roles by entropy thresholds
   5. Outputs (roles.json, roles.md, roles.png), loading and validating a roles file
   6. The pipeline (compute_roles, run) and the command line
 
-    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA --max-images 10000
+    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA   (all of ImageNet val, as TextSpan)
     python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA   (no ImageNet: dear.py's probe)
 
 Blocks are counted from 1 in every file this script writes and reads (as the paper does: blocks 9-12
@@ -212,46 +214,108 @@ def sum_parts(parts):
 # 3. TextSpan
 
 
-def check_textspan(n, rank, num_texts, num_images, dim):
-    """Stop early, with what to change, when TextSpan cannot pick n distinct directions."""
+def check_textspan(n, rank, num_texts, num_images, dim, caller=None):
+    """Stop early, with what to change, when TextSpan cannot pick n distinct directions.
+    caller: who can act on the advice ("entropy.py": its flags; "dear.py": its own; None: both)."""
     if n > num_texts:
         raise EntropyError(f"TextSpan picks n = {n} texts per head but the pool has only {num_texts}; "
-                           "use a larger pool or a smaller --n")
+                           + advice(caller, "use a larger pool (--texts) or a smaller --n"))
     if n > min(rank, dim):
         raise EntropyError(f"n = {n} texts per head needs rank >= n and embedding width >= n, got rank {rank} "
-                           f"and width {dim}; raise --rank or lower --n")
+                           f"and width {dim}; " + advice(caller, "raise --rank or lower --n"))
     if num_images < n + 1:
         raise EntropyError(f"TextSpan needs at least n + 1 = {n + 1} probe images for n = {n} texts per head "
                            f"(the centred contributions of N images span at most N - 1 directions), got "
-                           f"{num_images}; use more images (--max-images) or fewer texts (--n)")
+                           f"{num_images}; " + advice(caller, IMAGES_FIX))
+
+
+IMAGES_FIX = "use more images (a larger --max-images, or leave it out: the whole split) or fewer texts (--n)"
+DEAR_FIX = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of "
+            "--dataset: put ImageNet under --root, or compute the roles with entropy.py and pass them with "
+            "--roles")
+
+
+def advice(caller, flags):
+    """How to fix a TextSpan input: entropy.py's `flags`, or, for dear.py (which computes the roles with
+    the defaults on its own probe), what its user can do; caller None: both."""
+    if caller == "entropy.py":
+        return flags
+    if caller == "dear.py":
+        return DEAR_FIX
+    return f"with entropy.py: {flags}; {DEAR_FIX}"
+
+
+class GramStatistics:
+    """What TextSpan needs of each head's contributions, accumulated in fp64 over images streamed in
+    batches.
+
+    Per head (leading dims `shape`, e.g. (blocks, heads)): the count N, the mean m [E] and the centred
+    scatter S = sum_i (c_i - m)(c_i - m)^T [E, E]. They give both matrices of
+    `replace_with_iterative_removal`: the uncentred Gram C^T C = S + N m m^T (its eigenvectors are the
+    right singular vectors of C) and the centred covariance S / N (the variance of C t across images is
+    t S t / N). Batches are merged by the pairwise update of Chan, Golub and LeVeque, so no large mean is
+    ever subtracted from a large sum."""
+
+    def __init__(self, shape, dim, device=None):
+        self.count = 0
+        f64 = dict(dtype=torch.float64, device=device)
+        self.mean = torch.zeros(*shape, dim, **f64)  # [*shape, E]
+        self.scatter = torch.zeros(*shape, dim, dim, **f64)  # [*shape, E, E]
+
+    def add(self, batch):
+        """batch [B, *shape, E]: one contribution per image and head."""
+        E = self.mean.shape[-1]
+        x = batch.to(self.mean).reshape(batch.shape[0], -1, E).transpose(0, 1)  # [heads, B, E]
+        b = x.shape[1]
+        if b == 0:
+            return
+        batch_mean = x.mean(1)  # [heads, E]
+        x = x - batch_mean.unsqueeze(1)  # centred on the batch's own mean
+        mean, scatter = self.mean.view(-1, E), self.scatter.view(-1, E, E)  # views, updated in place
+        delta = batch_mean - mean  # [heads, E]
+        total = self.count + b
+        scatter.baddbmm_(x.transpose(1, 2), x)  # + the batch's own scatter
+        between = self.count * b / total  # weight of the two means' difference
+        scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=between)
+        mean.add_(delta, alpha=b / total)
+        self.count = total
+
+    def head(self, index):
+        """(count, mean [E], scatter [E, E]) of one head; index: into the leading dims, e.g. (li, h)."""
+        return self.count, self.mean[index], self.scatter[index]
 
 
 def textspan(contributions, text_embeddings, n=20, rank=80):
+    """TextSpan for one head from its contributions [N, E] on N images (textspan_from_statistics)."""
+    stats = GramStatistics((), contributions.shape[-1], device=contributions.device)
+    stats.add(contributions)
+    return textspan_from_statistics(*stats.head(()), text_embeddings, n=n, rank=rank)
+
+
+def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=80, caller=None):
     """Greedy TextSpan for one head (`replace_with_iterative_removal`): indices of the n texts that best span
     the head's variance across images, in pick order.
 
-    contributions [N, E]: the head's outputs on N images; text_embeddings [T, E].
-    1. The texts are projected onto the top-`rank` right singular vectors of the contributions as they are:
-       uncentred, as TextSpan does (the SVD comes before the mean is removed; a head with a large mean keeps
-       the mean's direction in its span).
-    2. The contributions are centred.
-    3. n times: pick the text whose direction carries the most variance across images, and remove that
-       direction from the images and from every text.
-    Works on the covariance K = C^T C / N [E, E] of the centred C: var(C t) = t K t, and removing direction u
-    from C turns K into (I - u u^T) K (I - u u^T).
+    count, mean [E], scatter [E, E]: the head's contributions C [count, E] as GramStatistics keeps them;
+    text_embeddings [T, E].
+    1. The texts are projected onto the top-`rank` right singular vectors of C as it is: uncentred, as
+       TextSpan does (the SVD comes before the mean is removed; a head with a large mean keeps the mean's
+       direction in its span). They are the top eigenvectors of C^T C = scatter + count mean mean^T.
+    2. The contributions are centred: their covariance is K = scatter / count.
+    3. n times: pick the text t whose projection C t has the largest std across images (the largest t K t;
+       the std's N or N - 1 does not change which), and remove that direction u = t / |t| from the images
+       and from every text: C -> C (I - u u^T) turns K into (I - u u^T) K (I - u u^T) exactly.
     """
-    C = contributions.double()
-    texts = text_embeddings.to(C)
-    N, E = C.shape
-    check_textspan(n, rank, texts.shape[0], N, E)
-    # 1. the span: eigenvectors of C^T C = right singular vectors of the uncentred C (ascending eigenvalues);
-    #    an SVD of C [N, E] has min(N, E) of them
-    _, vectors = torch.linalg.eigh(C.T @ C)
-    basis = vectors[:, -min(rank, N, E):]  # [E, r]
+    mean, scatter = mean.double(), scatter.double()
+    texts = text_embeddings.to(scatter)
+    E = scatter.shape[-1]
+    check_textspan(n, rank, texts.shape[0], count, E, caller)
+    # 1. the span: eigenvectors of C^T C (ascending eigenvalues); an SVD of C [N, E] has min(N, E) of them
+    _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))
+    basis = vectors[:, -min(rank, count, E):]  # [E, r]
     texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
     # 2. centre after the SVD
-    C = C - C.mean(0)
-    K = C.T @ C / N  # [E, E]
+    K = scatter / count  # [E, E]
     picks = []
     for _ in range(n):
         scores = ((texts @ K) * texts).sum(-1)  # variance of C @ t across images, for every text [T]
@@ -259,7 +323,7 @@ def textspan(contributions, text_embeddings, n=20, rank=80):
         norm = texts[j].norm()
         if norm < 1e-12:
             raise EntropyError(f"the text pool spans only {len(picks)} directions inside this head's top-{rank} "
-                               f"space, fewer than n = {n}; use a larger pool or a smaller --n")
+                               f"space, fewer than n = {n}; " + advice(caller, "use a larger pool or a smaller --n"))
         picks.append(j)
         u = texts[j] / norm  # [E]
         Ku = K @ u
@@ -413,10 +477,16 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     file has them (toy world) the ground-truth decoding "skill" per factor.
 
     model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
-    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do."""
-    hint = "recompute it with `python entropy.py ...` or pass the right file"
+    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do: a
+    damaged file (unreadable, wrong format, bad or missing entries) is to be deleted, so that the next run
+    computes it again (dear.py does for its cache); a sound file for another model or other blocks is to be
+    replaced by the right one."""
     if not os.path.isfile(path):
-        raise RolesError(f"roles file {path} does not exist; {hint}")
+        raise RolesError(f"roles file {path} does not exist; compute it with `python entropy.py ...` "
+                         "(dear.py does so itself without --roles) or pass the right file")
+    other = "pass a roles file computed for this backbone and these blocks, or compute one with `python entropy.py`"
+    hint = (f"delete {path} (a cached roles file is then computed again on the next run) or pass a roles file "
+            "written by entropy.py")  # a damaged file
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -429,10 +499,10 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
         if key not in doc:
             raise RolesError(f"roles file {path} has no {key!r} entry; {hint}")
     if model_name is not None and doc["model"] != model_name:
-        raise RolesError(f"roles file {path} was computed for {doc['model']!r}, not {model_name!r}; {hint}")
+        raise RolesError(f"roles file {path} was computed for {doc['model']!r}, not {model_name!r}; {other}")
     for key, want in (("num_layers", num_layers), ("num_heads", num_heads)):
         if want is not None and doc[key] != want:
-            raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {hint}")
+            raise RolesError(f"roles file {path} has {key} = {doc[key]}, the model has {want}; {other}")
     if not isinstance(doc["num_heads"], int) or doc["num_heads"] < 1:
         raise RolesError(f"roles file {path}: 'num_heads' must be a positive number, got {doc['num_heads']!r}; {hint}")
     if not isinstance(doc["layers"], list) or not all(isinstance(l, int) for l in doc["layers"]):
@@ -446,7 +516,7 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
     missing = [l for l in (layers or []) if l not in file_layers]
     if missing:
         raise RolesError(f"roles file {path} covers blocks {file_layers} but blocks {missing} are needed "
-                         f"(1-based); {hint}")
+                         f"(1-based); {other}")
     roles = {l: [None] * H for l in file_layers}
     for entry in doc["heads"]:
         where = f"roles file {path}, entry {entry.get('layer')}/{entry.get('head')}"
@@ -457,9 +527,10 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             raise RolesError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}); {hint}")
         attribute = entry.get("attribute")
         if role == "attribute" and attribute not in ATTRIBUTES:
-            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, got {attribute!r}")
+            raise RolesError(f"{where}: an attribute head needs an attribute in {ATTRIBUTES}, "
+                             f"got {attribute!r}; {hint}")
         if role != "attribute" and attribute is not None:
-            raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}")
+            raise RolesError(f"{where}: a {role} head must have attribute null, got {attribute!r}; {hint}")
         if roles[layer][head] is not None:
             raise RolesError(f"{where}: this head is listed twice; {hint}")
         roles[layer][head] = {"role": role, "attribute": attribute, "entropy": entry.get("entropy")}
@@ -516,7 +587,7 @@ def texts_per_head(pool):
 
 
 def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=None, rank=80, low=None, high=None,
-                 max_images=10000, seed=0):
+                 max_images=None, seed=0):
     """Everything that changes the roles `run` computes, as a dict (recorded in roles.json as "inputs").
 
     model: the loaded CLIP (its .name and .sha256); layers: 1-based blocks; dataset: a data.py name (a named
@@ -538,7 +609,7 @@ def roles_inputs(model, layers, dataset, split="test", pool=None, texts=None, n=
 
 
 def default_roles_path(model, layers, cache_dir, dataset, split="test", pool=None, texts=None, n=None, rank=80,
-                       low=None, high=None, max_images=10000, seed=0):
+                       low=None, high=None, max_images=None, seed=0):
     """Where `run` caches roles: <cache_dir>/roles/<model>_L<blocks>_<probe>-<split>_<key>/roles.json, where
     <key> is a short hash of everything that changes the roles (roles_inputs: backbone name and checkpoint
     SHA256, blocks, probe dataset and split, pool content, n, rank, thresholds, max_images, seed)."""
@@ -606,37 +677,43 @@ def load_pool(model, pool=None, texts_file=None):
 
 
 @torch.no_grad()
-def collect_contributions(model, loader, layers, total):
-    """Run the probe images through the model; head contributions of all images [N, nL, H, E] on the CPU,
-    float16 when the array would exceed 512 MiB in float32 (only the analysed blocks are kept)."""
+def collect_statistics(model, loader, layers, total, keep=False):
+    """Stream the probe images through the model: (GramStatistics of every head [nL, H], fp64 on the model's
+    device; the contributions [N, nL, H, E] fp32 on the CPU if keep, else None). Memory is bounded by the
+    statistics (nL H E^2 x 8 bytes: 100 MB for 4 blocks of ViT-B/16) and one batch, whatever the number of
+    images; keep (the toy world's ground-truth probes) stores every image's contributions besides."""
     device = next(model.parameters()).device
-    H, E = model.visual.heads, model.visual.output_dim
-    dtype = torch.float16 if total * len(layers) * H * E > 2 ** 27 else torch.float32
-    store = torch.empty(total, len(layers), H, E, dtype=dtype)
-    done, start = 0, time.time()
+    stats = GramStatistics((len(layers), model.visual.heads), model.visual.output_dim, device=device)
+    kept, done, start = [], 0, time.time()
     for images, _ in loader:
         images = images[:total - done].to(device)
-        store[done:done + len(images)] = head_contributions(model, images, layers).to("cpu", dtype)
+        contributions = head_contributions(model, images, layers)  # [B, nL, H, E] fp32
+        stats.add(contributions)
+        if keep:
+            kept.append(contributions.cpu())
         done += len(images)
         progress("probe images", done, total, start)
         if done >= total:
             break
-    return store[:done]
+    return stats, (torch.cat(kept) if keep else None)
 
 
-def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=10000,
+def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_size=64, max_images=None,
                   n=20, rank=80, low=None, high=None, probe=None, pool_name=None, seed=0, num_workers=0,
-                  inputs=None, factors=None):
+                  inputs=None, factors=None, caller=None):
     """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
 
-    items: probe images as data.py lists them, (path, label, classname); if there are more than max_images,
-    a seeded random sample of max_images of them (in their original order). texts / text_concepts: the
+    items: probe images as data.py lists them, (path, label, classname): all of them (max_images None, the
+    default, as TextSpan reads all of ImageNet val), or, if there are more than max_images, a seeded random
+    sample of max_images of them (in their original order). The images are streamed: per head only the
+    statistics TextSpan needs are kept (GramStatistics), so memory does not grow with the number of images.
+    texts / text_concepts: the
     text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
     quantiles over the analysed heads). probe: what roles.json records of the probe set (dataset, split);
     inputs: roles_inputs(...), recorded as is. factors: None, or a function of the probe images' paths giving
     their known factors (e.g. toyworld.factor_labels); each head then also gets the held-out accuracy with which
     each factor can be decoded from it (probe_factors), the ground truth beside its role. The model runs on the
-    device of its parameters."""
+    device of its parameters. caller: who gets the advice of an error (see check_textspan)."""
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -647,19 +724,21 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     if not items:
         raise EntropyError("no probe images found; check --dataset/--root/--split")
     items = list(items)
-    if len(items) > max_images:
-        keep = sorted(random.Random(seed).sample(range(len(items)), max_images))
+    available = len(items)
+    if max_images is not None and available > max_images:
+        keep = sorted(random.Random(seed).sample(range(available), max_images))
         items = [items[i] for i in keep]
-    check_textspan(n, rank, len(texts), len(items), visual.output_dim)
+    check_textspan(n, rank, len(texts), len(items), visual.output_dim, caller)
     loader = data.make_loader(items, data.test_transform(visual.input_resolution), batch_size, shuffle=False,
                               num_workers=num_workers)
-    contributions = collect_contributions(model, loader, layers, len(items))  # [N, nL, H, E]
-    text_embeddings = encode_texts(model, texts)  # [T, E]
+    # per head: count, mean, scatter; every image's contributions [N, nL, H, E] only for the probes
+    stats, contributions = collect_statistics(model, loader, layers, len(items), keep=factors is not None)
     device = next(model.parameters()).device
+    text_embeddings = encode_texts(model, texts).to(device)  # [T, E]
     heads, start = [], time.time()
     for li, layer in enumerate(layers):
         for h in range(visual.heads):
-            picks = textspan(contributions[:, li, h].to(device), text_embeddings.to(device), n=n, rank=rank)
+            picks = textspan_from_statistics(*stats.head((li, h)), text_embeddings, n=n, rank=rank, caller=caller)
             P = concept_distribution([text_concepts[j] for j in picks])
             heads.append({"layer": layer, "head": h, "entropy": round(concept_entropy(P), 4),
                           "P": {c: round(p, 4) for c, p in P.items()}, "texts": [texts[j] for j in picks]})
@@ -681,7 +760,8 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     doc = {"format": FORMAT, "model": getattr(model, "name", None) or "unknown",
            "checkpoint_sha256": getattr(model, "sha256", None), "num_layers": visual.layers,
            "num_heads": visual.heads, "layers": layers,
-           "probe": {**(probe or {}), "images": len(contributions), "max_images": max_images, "seed": seed},
+           "probe": {**(probe or {}), "images": stats.count, "available": available, "max_images": max_images,
+                     "seed": seed},
            "pool": {"name": pool_name, "texts": len(texts)}, "texts_per_head": n, "rank": rank,
            "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high},
            "inputs": inputs, "heads": heads}
@@ -690,15 +770,16 @@ def compute_roles(model, items, texts, text_concepts, layers, out_dir, batch_siz
     return write_outputs(doc, out_dir)
 
 
-def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, pool=None, texts=None,
+def run(backbone, dataset, root, layers=None, out_dir=None, max_images=None, pool=None, texts=None,
         device="auto", batch_size=64, n=None, rank=80, low=None, high=None, download_root=None, seed=0,
-        num_workers=0, split="test"):
+        num_workers=0, split="test", caller=None):
     """Load CLIP and the probe set, compute the roles, return roles.json's path.
 
     split: "test" (the default: ImageNet val, as TextSpan) or "train" (all training images of a training
     dataset, never its few-shot subset; what dear.py uses when no ImageNet is present, so that the roles never
     come from the test images the model is evaluated on). out_dir None: beside the checkpoint cache, at
-    default_roles_path(...), a folder named by everything that changes the roles."""
+    default_roles_path(...), a folder named by everything that changes the roles. max_images None: every
+    image of the split. caller: "entropy.py", "dear.py" or None (both): whose options an error suggests."""
     check_thresholds(low, high)
     if split not in SPLITS:
         raise EntropyError(f"unknown probe split {split!r}; use one of {', '.join(SPLITS)}")
@@ -718,14 +799,15 @@ def run(backbone, dataset, root, layers=None, out_dir=None, max_images=10000, po
     if out_dir is None:
         out_dir = os.path.dirname(default_roles_path(model, cache_dir=clip.cache_dir(download_root),
                                                      dataset=dataset, split=split, **key))
+    using = "all" if max_images is None or max_images >= len(items) else f"a sample of {max_images}"
     print(f"Concept Entropy of {backbone}, blocks {layers_tag(layers)}: probe {dataset} {split} "
-          f"({len(items)} images, using up to {max_images}), pool {pool_name} ({len(pool_texts)} texts, "
+          f"({len(items)} images, using {using}), pool {pool_name} ({len(pool_texts)} texts, "
           f"{inputs['texts_per_head']} per head)",
           file=sys.stderr)
     return compute_roles(model, items, pool_texts, labels, layers, out_dir, batch_size=batch_size,
                          max_images=max_images, n=inputs["texts_per_head"], rank=rank, low=low, high=high,
                          probe={"dataset": inputs["dataset"], "split": split}, pool_name=pool_name, seed=seed,
-                         num_workers=num_workers, inputs=inputs,
+                         num_workers=num_workers, inputs=inputs, caller=caller,
                          factors=toyworld.factor_labels if dataset == "toyworld" else None)
 
 
@@ -742,7 +824,10 @@ def main(argv=None):
                    help="probe split: test (default; ImageNet val, as TextSpan) or train (all training images "
                         "of a training dataset)")
     p.add_argument("--root", default="data", help="datasets root folder (default: data)")
-    p.add_argument("--max-images", type=int, default=10000, help="probe images, a seeded sample (default 10000)")
+    p.add_argument("--max-images", type=int, default=None,
+                   help="probe at most this many images, a seeded sample (default: every image of the split, "
+                        "as TextSpan reads all of ImageNet val; the images are streamed, so memory does not "
+                        "grow with their number)")
     p.add_argument("--layers", default=None, help="1-based blocks, e.g. 9-12 (default: the last four)")
     p.add_argument("--out", default=None, help="output folder (default: <clip cache>/roles/<model>_L<blocks>_"
                                                "<probe>-<split>_<hash of all inputs>)")
@@ -765,12 +850,14 @@ def main(argv=None):
     errors = (EntropyError, FileNotFoundError, NotImplementedError, ValueError, data.DataError,
               toyworld.ToyWorldError)
     try:
-        if args.max_images < 1 or (args.n is not None and args.n < 1) or args.rank < 1 or args.batch_size < 1:
+        if (args.max_images is not None and args.max_images < 1) or (args.n is not None and args.n < 1) \
+                or args.rank < 1 or args.batch_size < 1:
             raise EntropyError("--max-images, --n, --rank and --batch-size must be positive")
         path = run(args.backbone, args.dataset, args.root, layers=args.layers, out_dir=args.out,
                    max_images=args.max_images, pool=args.pool, texts=args.texts, device=args.device,
                    batch_size=args.batch_size, n=args.n, rank=args.rank, low=args.low, high=args.high,
-                   download_root=args.download_root, seed=args.seed, num_workers=args.workers, split=args.split)
+                   download_root=args.download_root, seed=args.seed, num_workers=args.workers, split=args.split,
+                   caller="entropy.py")
     except errors as e:
         print(f"entropy.py: error: {e}", file=sys.stderr)
         return 2

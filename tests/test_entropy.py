@@ -264,6 +264,218 @@ def test_textspan_removes_each_pick_from_the_other_texts():
     assert textspan_by_hand(contributions, texts, n=2, rank=3, deflate=False) == [0, 1]
 
 
+def stream(contributions, sizes):
+    """GramStatistics of contributions [N, ...] fed in batches of the given sizes (cycled), as the probe loader."""
+    stats = entropy.GramStatistics(contributions.shape[1:-1], contributions.shape[-1])
+    i, k = 0, 0
+    while i < len(contributions):
+        stats.add(contributions[i:i + sizes[k % len(sizes)]])
+        i, k = i + sizes[k % len(sizes)], k + 1
+    return stats
+
+
+def test_streamed_statistics_are_the_count_mean_and_scatter_of_all_images():
+    """Uneven batches (7, 1, 13, 2) of contributions with a mean 1000x their spread: count, mean, the centred
+    scatter and the uncentred Gram C^T C equal numpy's fp64 on the whole matrix. Rules out a merge without the
+    between-batch term, one weighted by the wrong batch sizes, and sums kept in fp32 (relative error ~1e-4 on
+    the scatter here, against ~1e-12)."""
+    g = np.random.default_rng(3)
+    C = g.normal(size=(61, 2, 3, 5)) * g.uniform(0.5, 2, size=5) + 1000 * g.normal(size=(2, 3, 5))
+    stats = stream(torch.tensor(C, dtype=torch.float64), [7, 1, 13, 2])
+    assert stats.count == 61 and stats.scatter.dtype == torch.float64
+    for li in range(2):
+        for h in range(3):
+            c = C[:, li, h]  # [N, E]
+            count, mean, scatter = stats.head((li, h))
+            np.testing.assert_allclose(mean.numpy(), c.mean(0), rtol=1e-12)
+            centred = c - c.mean(0)
+            np.testing.assert_allclose(scatter.numpy(), centred.T @ centred, rtol=1e-9, atol=1e-9)
+            gram = scatter + count * torch.outer(mean, mean)
+            np.testing.assert_allclose(gram.numpy(), c.T @ c, rtol=1e-12)
+
+
+def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored_matrix():
+    """The streamed path (statistics over uneven batches, then greedy picks on them) against TextSpan's
+    iterative removal run on the full, stored contribution matrix (textspan_by_hand: SVD of the raw matrix,
+    deflation of the data themselves). Heads with large means and unequal variances, where centring before the
+    SVD or skipping the deflation would pick otherwise (see the test above)."""
+    for seed in range(6):
+        contributions, texts = skewed(seed)
+        stats = stream(torch.tensor(contributions), [9, 4, 17])
+        got = entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n=5, rank=6)
+        assert got == textspan_by_hand(contributions, texts, n=5, rank=6), seed
+
+
+def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_path, monkeypatch, capsys):
+    """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written here: every
+    image's head contributions in one array, TextSpan's iterative removal on each head's full matrix, concept
+    entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts, entropies and roles per head."""
+    model = perturb_ln_post(tiny_model)
+    g = np.random.default_rng(0)
+    T, E = 40, model.visual.output_dim
+    vectors = g.normal(size=(T, E))
+    vectors = torch.tensor(vectors / np.linalg.norm(vectors, axis=1, keepdims=True), dtype=torch.float32)
+    texts = [f"text {j}" for j in range(T)]
+    labels = [CONCEPTS[j % 7] if j < 28 else "color" for j in range(T)]  # unequal concepts
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(23):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    path = entropy.compute_roles(model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5,
+                                 n=4, rank=6)
+    doc = json.loads(open(path).read())
+    assert doc["probe"]["images"] == doc["probe"]["available"] == 23 and doc["probe"]["max_images"] is None
+    # the stored path: all 23 images at once
+    images = torch.stack([entropy.data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in items])
+    stored = entropy.head_contributions(model, images, [3, 4]).double().numpy()  # [23, 2, 4, E]
+    want = {}
+    for li, layer in enumerate((3, 4)):
+        for h in range(4):
+            picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
+            shares = [sum(labels[j] == c for j in picks) / 4 for c in CONCEPTS]
+            want[(layer, h)] = ([texts[j] for j in picks], -sum(p * math.log2(p) for p in shares if p > 0))
+    low, high = np.quantile([round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3])  # numpy's default: linear
+    heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
+    assert doc["thresholds"] == {"low": round(float(low), 4), "high": round(float(high), 4)}  # as stored
+    assert "heads 8/8" in capsys.readouterr().err
+    for key, (picked, H) in want.items():
+        assert heads[key]["texts"] == picked, key
+        assert heads[key]["entropy"] == round(H, 4)  # stored to 4 decimals, as P
+        assert heads[key]["P"] == {c: round(sum(labels[texts.index(t)] == c for t in picked) / 4, 4)
+                                   for c in CONCEPTS}
+        role = "attribute" if H <= low + 1e-4 else "generalization" if H >= high - 1e-4 else "mixed"
+        if role == "attribute":  # the dominant concept decides attribute / other specialist
+            P = heads[key]["P"]
+            top = max(CONCEPTS, key=lambda c: (P[c], -CONCEPTS.index(c)))
+            role = "attribute" if top in entropy.ATTRIBUTES else "specialist"
+        assert heads[key]["role"] == role, key
+    assert len({tuple(t) for t, _ in want.values()}) > 4  # the heads differ: the comparison means something
+
+
+def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
+    """Bad thresholds, labels or texts stop compute_roles before an image is read (the items here do not even
+    exist): each with its own message."""
+    items = [(str(tmp_path / "missing.png"), 0, "x")] * 30
+    texts, labels = ["a", "b", "c"], ["color", "shape", "animal"]
+    run = lambda **k: entropy.compute_roles(tiny_model, k.pop("items", items), k.pop("texts", texts),
+                                            k.pop("labels", labels), [3, 4], str(tmp_path / "out"), n=2, rank=4, **k)
+    with pytest.raises(EntropyError, match="--low 2.0 is above --high 1.0"):
+        run(low=2.0, high=1.0)
+    need = "^every text of the pool needs one concept label out of " + ", ".join(CONCEPTS) + "$"
+    with pytest.raises(EntropyError, match=need):
+        run(labels=["color", "shape"])  # one label short
+    with pytest.raises(EntropyError, match=need):
+        run(labels=["color", "shape", "colour"])  # as many labels, one unknown
+    with pytest.raises(EntropyError, match="^the text pool has duplicate descriptions; TextSpan needs unique texts$"):
+        run(texts=["a", "b", "a"])
+    with pytest.raises(EntropyError, match="^no probe images found; check --dataset/--root/--split$"):
+        run(items=[])
+    assert not (tmp_path / "out").exists()
+
+
+def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model, tmp_path, monkeypatch):
+    """max_images 12 of 30: the seeded sample random.Random(seed).sample, in the items' order (seen through the
+    factors hook, which gets the probe images' paths); given thresholds are recorded and used; a given low
+    above the automatic high stops; an error inside TextSpan advises the caller named."""
+    vectors = torch.nn.functional.normalize(torch.randn(6, 32, generator=torch.Generator().manual_seed(1)), dim=-1)
+    texts = [f"text {j}" for j in range(6)]
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(30):
+        path = tmp_path / f"{i:02d}.png"
+        Image.fromarray(np.full((32, 32, 3), 8 * i, dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    labels = ["color", "shape", "animal", "color", "scene", "texture"]
+    seen = []
+
+    def factors(paths):
+        seen.append(list(paths))
+        return {"brightness": [i % 2 for i in range(len(paths))]}
+
+    run = lambda out, **k: json.loads(open(entropy.compute_roles(
+        tiny_model, items, texts, labels, [4], str(tmp_path / out), batch_size=5, n=2, rank=4, max_images=12,
+        factors=factors, **k)).read())
+    doc = run("a", seed=3, low=0.25, high=0.75)
+    run("b", seed=4)
+    want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
+    assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
+    assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
+    assert not hasattr(tiny_model, "name") and doc["model"] == "unknown"  # what roles.json records besides
+    assert doc["pool"] == {"name": None, "texts": 6} and doc["concepts"] == list(CONCEPTS)
+    assert doc["decoding"] == {"probe": "ridge least-squares classifier, 2-fold cross-validation",
+                               "chance": {"brightness": 0.5}}
+    assert all(h["role"] == entropy.assign_role(h["entropy"], h["P"], 0.25, 0.75)["role"] for h in doc["heads"])
+    with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
+        run("c", seed=3, low=5.0)
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])  # one direction
+    with pytest.raises(EntropyError, match="spans only 1 directions") as e:
+        run("d", seed=3, caller="entropy.py")
+    assert "dear.py" not in str(e.value) and "--n" in str(e.value)
+
+
+def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
+    """compute_roles without ground-truth factors: while TextSpan runs, no tensor holding more images than one
+    batch (5) of head contributions [*, 2 blocks, 4 heads, E] is alive; memory is the statistics (blocks x heads
+    x E x E doubles) and one batch, however many images. With factors (the toy world's probes) every image's
+    contributions are kept, and only then."""
+    import gc
+    seen, calls, original = [], [], entropy.textspan_from_statistics
+
+    def textspan_checking_memory(*args, **kwargs):
+        if calls.append(1) or len(calls) > 1:  # once per compute_roles: gc.get_objects is slow
+            return original(*args, **kwargs)
+        gc.collect()
+        seen.append(max([o.shape[0] for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 4
+                         and tuple(o.shape[1:]) == (2, 4, 32)], default=0))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(entropy, "textspan_from_statistics", textspan_checking_memory)
+    vectors = torch.nn.functional.normalize(torch.randn(12, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
+    texts = [f"text {j}" for j in range(12)]
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    items = []
+    for i in range(23):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(np.full((32, 32, 3), 10 * i, dtype=np.uint8)).save(path)
+        items.append((str(path), 0, "x"))
+    labels = [CONCEPTS[j % 3] for j in range(12)]
+    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "a"), batch_size=5, n=2, rank=4)
+    assert len(calls) == 8 and seen and max(seen) <= 5, seen
+    seen.clear(), calls.clear()
+    factors = lambda paths: {"brightness": [i % 2 for i in range(len(paths))]}
+    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "b"), batch_size=5, n=2, rank=4,
+                          factors=factors)
+    assert min(seen) == 23, seen  # the probes' copy: the control that the check sees stored contributions
+
+
+def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
+    """TextSpan's defaults (w_ov_rank 80, 20 texts per head as its README runs): a text along the 81st right
+    singular vector has no component in the default span, so with it alone the pool spans no direction there;
+    rank 81 reaches it. With no n given, 20 texts are picked."""
+    g = np.random.default_rng(0)
+    basis = np.linalg.qr(g.normal(size=(96, 96)))[0]  # [E, E] orthonormal columns: the right singular vectors
+    left = np.linalg.qr(g.normal(size=(200, 96)))[0]  # [N, E] orthonormal columns
+    data = (left * np.linspace(10, 1, 96)) @ basis.T  # singular values 10..1 along basis 0..95, exactly
+    data, texts = torch.tensor(data), torch.tensor(basis.T[[80, 81]])
+    with pytest.raises(EntropyError, match="spans only 0 directions inside this head's top-80 space"):
+        entropy.textspan(data, texts, n=1)
+    assert entropy.textspan(data, texts, n=1, rank=81) == [0]
+    assert len(entropy.textspan(data, torch.tensor(g.normal(size=(30, 96))))) == 20
+    import inspect
+    defaults = {k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()}
+    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high")} == \
+        {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None}
+    defaults = {k: v.default for k, v in inspect.signature(entropy.textspan_from_statistics).parameters.items()}
+    assert (defaults["n"], defaults["rank"]) == (20, 80)
+    # called directly with too few images, the check inside advises the caller named
+    stats = stream(data[:3], [3])
+    with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as e:
+        entropy.textspan_from_statistics(*stats.head(()), torch.tensor(g.normal(size=(30, 96))), caller="entropy.py")
+    assert "dear.py" not in str(e.value) and "--max-images" in str(e.value)
+
+
 def test_textspan_stops_clearly_with_too_few_images():
     contributions, texts = planted(N=10)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images"):
@@ -279,7 +491,7 @@ def test_concept_entropy_of_known_distributions():
     assert entropy.concept_entropy([0.5, 0.5]) == pytest.approx(1.0)
     assert entropy.concept_entropy([1 / 12] * 12) == pytest.approx(math.log2(12))
     assert entropy.concept_entropy({"color": 0.25, "shape": 0.25, "animal": 0.5}) == pytest.approx(1.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"not a probability distribution \(non-negative, sum 1\): \[0.5, 0.6\]"):
         entropy.concept_entropy([0.5, 0.6])
 
 
@@ -305,6 +517,18 @@ def test_roles_by_thresholds_and_the_other_specialist_rule():
 def test_default_thresholds_are_the_tertiles_of_the_heads_entropies():
     low, high = entropy.default_thresholds([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert (low, high) == pytest.approx((2.0, 4.0))
+
+
+def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
+    """8 heads (as 2 blocks x 4), unsorted, unevenly spaced: the 1/3 and 2/3 quantiles sit at sorted positions
+    7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented): 1 + (3 - 1) / 3 = 5/3 and
+    4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher" (3, 4.5), "nearest" (1, 4.5),
+    "midpoint" (2, 4.25) and quantiles of the entropies in the order given (not sorted)."""
+    entropies = [4.5, 0.0, 7.0, 1.0, 8.0, 3.0, 0.5, 4.0]
+    low, high = entropy.default_thresholds(entropies)
+    assert (low, high) == pytest.approx((5 / 3, 13 / 3), abs=1e-12)
+    for wrong in ("lower", "higher", "nearest", "midpoint"):  # the data tell them apart
+        assert np.quantile(entropies, [1 / 3, 2 / 3], method=wrong) != pytest.approx((low, high))
 
 
 # ---------------------------------------------------------------------------------------------- text pools
@@ -346,6 +570,88 @@ def test_user_texts_get_the_concept_of_the_nearest_centroid():
     ref_labels = ["color"] * 10 + ["animal"] * 10 + ["scene"] * 10
     queries = centres[[2, 0, 1]] + 0.05 * torch.randn(3, 16, generator=g)
     assert entropy.label_by_centroid(queries, ref, ref_labels) == ["scene", "color", "animal"]
+
+
+def test_user_texts_take_the_nearest_normalised_centroid_with_unequal_concept_sizes():
+    """30 colour texts (one of them close to the query) against 3 widely spread scene texts. The query q has
+    cosine 0.6 with the colour direction e0 and 0.8 with the scene direction e1. Nearest normalised centroid
+    (the rule): scene (0.76 against 0.61). Rules out: the unnormalised sum of the embeddings (colour: 30 texts
+    outweigh 3), the unnormalised mean (the spread scene texts' mean has norm 0.75: 0.60 against 0.61, colour)
+    and the single nearest text (the colour text next to q)."""
+    g = torch.Generator().manual_seed(0)
+    e = torch.eye(16)
+    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]]
+    scene = [e[1] + e[2], e[1] - e[2], e[1] + e[3]]
+    ref = torch.nn.functional.normalize(torch.stack(color + scene), dim=-1)  # [33, 16]
+    ref_labels = ["color"] * 30 + ["scene"] * 3
+    queries = torch.stack([0.6 * e[0] + 0.8 * e[1], e[0] + 0.1 * e[1]])
+    assert entropy.label_by_centroid(queries, ref, ref_labels) == ["scene", "color"]
+    # the wrong rules on the same data, computed here, do pick colour for the first query
+    q = torch.nn.functional.normalize(queries[0], dim=0)
+    sums = [ref[:30].sum(0), ref[30:].sum(0)]
+    assert (q @ sums[0] > q @ sums[1]) and (q @ (sums[0] / 30) > q @ (sums[1] / 3))
+    assert ref_labels[int((ref @ q).argmax())] == "color"
+
+
+def _head(role, attribute=None, skill=None, entropy_=1.0, concept=None):
+    return {"role": role, "attribute": attribute, "entropy": entropy_, **({"skill": skill} if skill else {}),
+            **({"concept": concept} if concept else {})}
+
+
+def test_random_roles_shuffle_each_block_on_its_own():
+    """Two blocks of 8 heads with different role mixes; each head is marked by a distinct entropy. Every block
+    keeps its own multiset of roles (rules out one shuffle over all blocks pooled), the two blocks get different
+    permutations (rules out one permutation reused for every block), and another seed another shuffle."""
+    mix = {3: ["attribute", "attribute", "attribute", "mixed", "mixed", "generalization", "specialist", "mixed"],
+           4: ["generalization", "generalization", "generalization", "generalization", "mixed", "attribute",
+               "mixed", "mixed"]}
+    roles = {b: [_head(r, "color" if r == "attribute" else None, entropy_=10 * b + h) for h, r in enumerate(rs)]
+             for b, rs in mix.items()}
+    out = entropy.control_roles(roles, "random", 7)
+    perms = {}
+    for b in roles:
+        assert sorted(h["role"] for h in out[b]) == sorted(mix[b]), b  # the block's counts kept
+        perms[b] = [int(h["entropy"]) - 10 * b for h in out[b]]  # which head of block b landed where
+        assert sorted(perms[b]) == list(range(8)), b  # heads of block b only
+    assert perms[3] != perms[4] and perms[3] != list(range(8)) and perms[4] != list(range(8))
+    other = entropy.control_roles(roles, "random", 8)
+    assert [h["entropy"] for h in other[3]] != [h["entropy"] for h in out[3]]
+    assert entropy.control_roles(roles, "random", 7) == out  # seeded
+
+
+def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_generalization():
+    """Concept Entropy found 2 attribute, 2 generalization, 1 specialist and 3 mixed heads over blocks 3-4. The
+    oracle ranks all 8 heads together by the lead of their best-decoded factor (by hand, below): the top 2 become
+    attribute heads of that factor, the bottom 3 (2 generalization + 1 specialist, masked alike) generalization,
+    the rest mixed. Rules out: a specialist left out of the masked count (bottom 2 only), the specialist role
+    kept, a ranking within each block (block 3 would keep an attribute head), and an attribute head turned
+    generalization (block 3 head 3) that keeps its attribute."""
+    def skills(best, lead, base=0.2):
+        s = {f: base for f in ("color", "shape", "texture", "location")}
+        s[best] = base + lead
+        return s
+    roles = {3: [_head("attribute", "color", skills("color", 0.30)), _head("specialist", None, skills("shape", 0.05),
+                 concept="animal"), _head("mixed", None, skills("texture", 0.20)),
+                 _head("attribute", "location", skills("location", 0.10))],
+             4: [_head("mixed", None, skills("texture", 0.70)), _head("generalization", None, skills("location", 0.60)),
+                 _head("generalization", None, skills("color", 0.0)), _head("mixed", None, skills("shape", 0.40))]}
+    # leads: 4/0 0.7, 4/1 0.6, 4/3 0.4, 3/0 0.3, 3/2 0.2, 3/3 0.1, 3/1 0.05, 4/2 0.0
+    out = entropy.control_roles(roles, "oracle", 1)
+    got = {b: [(h["role"], h["attribute"]) for h in heads] for b, heads in out.items()}
+    assert got == {3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
+                   4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
+                       ("mixed", None)]}
+    assert out[3][1]["skill"] == roles[3][1]["skill"]  # the ground truth travels with the head
+
+
+def test_control_roles_none_and_bad_controls():
+    roles = {4: [_head("mixed", None, {"color": 0.5, "shape": 0.1})]}
+    assert entropy.control_roles(roles, "none", 1) is roles
+    with pytest.raises(ValueError, match="unknown roles control 'shuffle'; choose none, random or oracle"):
+        entropy.control_roles(roles, "shuffle", 1)
+    with pytest.raises(ValueError, match="^--roles-control oracle needs roles with ground-truth decoding skills; "
+                                         "entropy.py writes them only for the toy world \\(--dataset toyworld\\)$"):
+        entropy.control_roles({4: [_head("mixed")]}, "oracle", 1)
 
 
 # ---------------------------------------------------------------------------------------------- roles file
@@ -433,6 +739,26 @@ def test_load_roles_on_a_missing_or_broken_file(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(RolesError, match="not readable JSON"):
         entropy.load_roles(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("what", ["json", "format", "role", "head-missing", "attribute"])
+def test_a_damaged_roles_file_is_to_be_deleted_by_name(tmp_path, what):
+    """A cached roles file that cannot be read says to delete that file (a rerun computes it again), not to
+    recompute it with entropy.py (which writes elsewhere unless given the same --out)."""
+    path = tmp_path / "cache" / "roles.json"
+    path.parent.mkdir()
+    path.write_text("{not json" if what == "json" else json.dumps(corrupt(make_doc(), what)))
+    with pytest.raises(RolesError) as e:
+        entropy.load_roles(str(path))
+    assert f"delete {path} " in str(e.value) and "recompute" not in str(e.value)
+
+
+def test_roles_for_another_model_are_to_be_replaced_not_deleted(tmp_path):
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps(make_doc()))
+    with pytest.raises(RolesError, match="pass a roles file computed for this backbone") as e:
+        entropy.load_roles(str(path), model_name="ViT-B/16")
+    assert "delete" not in str(e.value)
 
 
 def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
@@ -558,6 +884,25 @@ def test_cli_bad_input_exits_2_with_one_message(fake_world, capsys, extra, messa
     assert not (root / "out").exists()
 
 
+def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
+    """12 test images for n = 20: entropy.py's own command line suggests its flags; entropy.run as dear.py calls
+    it (no caller named) also says what a dear.py user can do, who has no --max-images or --n; caller "dear.py"
+    only that."""
+    root, dataset = fake_world
+    args = dict(out_dir=str(root / "out"), pool="default", device="cpu", n=20)
+    with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as both:
+        entropy.run("tiny", dataset, str(root), **args)
+    with pytest.raises(EntropyError) as dear:
+        entropy.run("tiny", dataset, str(root), caller="dear.py", **args)
+    with pytest.raises(EntropyError) as cli:
+        entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
+    dear_fix = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
+                "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles")
+    assert dear_fix in str(both.value) and "--max-images" in str(both.value)
+    assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)
+    assert "--max-images" in str(cli.value) and "--n" in str(cli.value) and "dear.py" not in str(cli.value)
+
+
 def test_cli_without_images_exits_2(fake_world, capsys):
     root, _ = fake_world
     (root / "empty").mkdir()
@@ -578,7 +923,7 @@ def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, cap
                                       n=3, rank=8, max_images=30)
     doc = json.loads(open(path).read())
     assert doc["probe"] == {"dataset": "folder:" + os.path.realpath(dataset[7:]), "split": "train", "images": 20,
-                            "max_images": 30, "seed": 0}
+                            "available": 20, "max_images": 30, "seed": 0}
     assert doc["inputs"] == entropy.roles_inputs(model, [1, 2, 3, 4], dataset, split="train", pool="toy", n=3,
                                                  rank=8, max_images=30)
     assert doc["inputs"]["checkpoint_sha256"] == "ab" * 32 and doc["inputs"]["low"] is None

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Mutation testing of the functions that carry the method and its bookkeeping, one module at a time.
+#
+#   pip install -r requirements-dev.txt                       # mutmut, a development dependency only
+#   OMP_NUM_THREADS=1 ./mutate.sh entropy.py                  # the scope listed below for entropy.py
+#   OMP_NUM_THREADS=1 ./mutate.sh entropy.py textspan_from_statistics 'GramStatistics.*'   # some functions
+#
+# The repository's files are copied to a scratch folder (MUTATE_DIR, default a new temporary folder), so runs
+# on different modules never share mutmut's `mutants/` folder. mutmut first runs the module's tests once to
+# record which test calls which function, then runs on each mutant only the tests that call its function.
+# Every mutant of the scope is reported: killed, survived (a test to write, or an equivalent mutant, listed
+# in the module's test file), timeout, no tests. JOBS parallel workers (default 2).
+#
+# To scope another module: add a line to SCOPES: the module, its test files, its functions (FUNCTION or
+# Class.method; a trailing * is a glob).
+set -euo pipefail
+declare -A TESTS FUNCTIONS
+TESTS[entropy.py]="tests/test_entropy.py"
+FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
+  GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
+  assign_role control_roles collect_statistics compute_roles"
+
+module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
+shift
+[[ -n ${TESTS[$module]:-} ]] || { echo "mutate.sh: no scope for $module; add it to SCOPES in mutate.sh" >&2; exit 2; }
+command -v mutmut >/dev/null || { echo "mutate.sh: mutmut is missing; pip install -r requirements-dev.txt" >&2; exit 2; }
+functions=("$@")
+[[ ${#functions[@]} -gt 0 ]] || read -r -a functions <<< "$(echo ${FUNCTIONS[$module]})"
+
+here=$(cd "$(dirname "$0")" && pwd)
+work=${MUTATE_DIR:-$(mktemp -d)}
+mkdir -p "$work"
+(cd "$here" && git ls-files --cached --others --exclude-standard -z | xargs -0 cp --parents -t "$work")
+name=${module%.py}
+cat > "$work/setup.cfg" <<CFG
+[mutmut]
+source_paths = .
+only_mutate = $module
+pytest_add_cli_args_test_selection = ${TESTS[$module]}
+pytest_add_cli_args = -p no:cacheprovider -q
+CFG
+globs=()
+for f in "${functions[@]}"; do  # mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
+  if [[ $f == *.* ]]; then globs+=("$name.xǁ${f%%.*}ǁ${f#*.}__mutmut_*"); else globs+=("$name.x_${f}__mutmut_*"); fi
+done
+cd "$work"
+echo "mutate.sh: $module, ${#functions[@]} functions, tests ${TESTS[$module]}, in $work" >&2
+start=$(date +%s)
+mutmut run --max-children "${JOBS:-2}" "${globs[@]}" | tail -n +1
+echo "mutate.sh: $(( $(date +%s) - start )) s; survivors: cd $work && mutmut results; mutmut show NAME" >&2
