@@ -52,8 +52,11 @@ PAPER_DEAR = "DeAR (paper)"
 # ----------------------------------------------------------------------------------------------
 # Reference numbers (ViT-B/16, 16 shots, mean of 3 seeds), each with where it comes from. The
 # number is kept as the text its source prints, so its digits are its precision ("83.9" stays
-# "83.9"). Where each one was checked: ../research/paper.md §5 and ../research/anchors.md §5.6;
-# the DeAR numbers are those of SPEC.md §5.
+# "83.9"). Where each comes from: DeAR's numbers from the paper's results table as the wizwand.com
+# paper page extracts it (arXiv 2603.01111) and from public summaries of the paper; CLIP's and
+# MMRL's base-to-novel rows from the CoCoOp, MaPLe and MMRL papers (the averages as printed in the
+# MaPLe and PromptSRC READMEs, muzairkhattak/multimodal-prompt-learning at 69bce21 and
+# muzairkhattak/PromptSRC at bb95c77; MMRL's EuroSAT row as quoted in yunncheng/MMRL issue #14).
 
 # source key -> (letter printed after the number, short name for the header, what it means)
 SOURCES = {
@@ -109,12 +112,12 @@ PUBLISHED = [
     Ref(PAPER_DEAR, "dg", "imagenet_a", "acc", "51.80", "summary"),
     Ref(PAPER_DEAR, "dg", "imagenet_r", "acc", "78.83", "summary"),
     Ref(PAPER_DEAR, "xd", AVG, "acc", "67.60", "summary"),
-    # MMRL, cross-dataset average: "about 67.25" (paper.md §5.2), from a summary of VaMP.
+    # MMRL, cross-dataset average: "about 67.25", derived from a public summary of the VaMP paper.
     Ref(MMRL_PUB, "xd", AVG, "acc", "67.25", "derived",
         "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a summary of "
         "the VaMP paper gives them."),
 ]
-# CLIP zero-shot and MMRL, base-to-novel (anchors §5.6): dataset -> "base / novel / hm"; each number is
+# CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm"; each is
 # recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in an issue).
 _B2N_REFERENCE = {
     CLIP_PUB: {
@@ -140,7 +143,8 @@ for _row, _table in _B2N_REFERENCE.items():
         for _metric, _text in zip(("base", "novel", "hm"), _bnh.split(" / ")):
             PUBLISHED.append(Ref(_row, "b2n", _ds, _metric, _text, _B2N_SOURCE.get((_row, _ds), "recalled"),
                                  _REMARKS.get((_row, _ds, _metric), "")))
-# Domain generalisation, all classes: CLIP (anchors §5.6, ImageNet-A confirmed by a listing), MMRL (paper.md §5.2).
+# Domain generalisation, all classes: CLIP (CoCoOp / MaPLe tables; ImageNet-A confirmed by a benchmark
+# listing), MMRL (the MMRL paper).
 for _ds, _clip, _mmrl in zip(("imagenet",) + DG_TARGETS, ("66.73", "60.83", "46.15", "47.77", "73.96"),
                              ("72.03", "64.47", "49.17", "51.20", "77.53")):
     PUBLISHED.append(Ref(CLIP_PUB, "dg", _ds, "acc", _clip, "listing" if _ds == "imagenet_a" else "recalled"))

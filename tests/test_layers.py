@@ -5,6 +5,8 @@ Every import statement of every project file is read (also those inside function
 that climbs a layer is caught as well as one at the top of a file. Tests are users, not layers.
 """
 import ast
+import re
+import subprocess
 import os
 
 from conftest import ROOT
@@ -186,3 +188,21 @@ def test_the_orchestration_check_sees_planted_orchestration(tmp_path):
                        "    open('log.txt', 'a')\n")
     assert method_file_problems(str(planted)) == ["imports os", "defines run_dir", "calls save (line 6)",
                                                   "calls open (line 8)"]
+
+
+# Documents that are not in this repository: a file must cite the official source itself (repository, file,
+# commit) instead of pointing a reader to notes they do not have.
+ABSENT_DOCS = re.compile(r"anchors\.md|paper\.md|SPEC\.md|DESIGN\.md|research/|\.\./shared")
+
+
+def test_no_file_points_to_a_document_outside_the_repository():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:  # not a git checkout (an unpacked archive): read the usual places instead
+        tracked = [os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(ROOT) for f in fs
+                   if ".git" not in d]
+    texts = [p for p in tracked if p.endswith((".py", ".sh", ".md", ".txt", ".toml", ".cfg", ".tsv"))
+             or p == ".ci/run"]
+    found = [f"{p}:{i}" for p in texts if os.path.isfile(os.path.join(ROOT, p))
+             for i, line in enumerate(open(os.path.join(ROOT, p), errors="replace"), 1)
+             if ABSENT_DOCS.search(line) and p != "tests/test_layers.py"]
+    assert not found, found

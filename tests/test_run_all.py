@@ -99,9 +99,10 @@ def test_missing_cells_stay_missing(tmp_path):
     assert "82.72 [s]" in text and "78.99 [d]" in text   # both inconsistent numbers, as given, one marked derived
 
 
-# The reference numbers, restated by hand from the research notes (paper.md §5, anchors.md §5.6, SPEC.md §5):
+# The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com extracts it and
+# public summaries; the CoCoOp, MaPLe and MMRL papers; the MaPLe and PromptSRC READMEs; yunncheng/MMRL issue #14):
 # "row protocol dataset metric number source", the number as its source prints it. Base-to-novel rows of
-# CLIP and MMRL as "base / novel / HM" lines, in anchors.md's layout.
+# CLIP and MMRL as "base / novel / HM" lines.
 REFERENCE = """
     DeAR|b2n|average|base|85.94|paper_table
     DeAR|b2n|average|novel|78.99|derived
@@ -138,8 +139,8 @@ B2N_REFERENCE = """
     ucf101         | 70.53 / 77.50 / 73.85 | 88.10 / 80.07 / 83.89
     average        | 69.34 / 74.22 / 71.70 | 85.68 / 77.16 / 81.20
 """
-# anchors.md: the per-dataset rows are recalled; CLIP's average is printed in the MaPLe/PromptSRC READMEs; MMRL's
-# EuroSAT row is quoted in MMRL issue #14; MMRL's average is recalled and checked against summaries (paper.md §5.2).
+# The per-dataset rows are recalled from the papers; CLIP's average is printed in the MaPLe/PromptSRC READMEs;
+# MMRL's EuroSAT row is quoted in MMRL issue #14; MMRL's average is recalled and checked against public summaries.
 B2N_SOURCE = {("CLIP", "average"): "readme", ("MMRL", "eurosat"): "issue", ("MMRL", "average"): "checked"}
 
 
