@@ -410,9 +410,9 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
     monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])  # one direction
-    with pytest.raises(EntropyError, match="spans only 1 directions") as e:
+    with pytest.raises(EntropyError, match="^the text pool spans only 1 directions inside this head's top-4 "
+                                           "space, fewer than n = 2; use a larger pool or a smaller --n$"):
         run("d", seed=3, caller="entropy.py")
-    assert "dear.py" not in str(e.value) and "--n" in str(e.value)
 
 
 def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
@@ -474,6 +474,37 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as e:
         entropy.textspan_from_statistics(*stats.head(()), torch.tensor(g.normal(size=(30, 96))), caller="entropy.py")
     assert "dear.py" not in str(e.value) and "--max-images" in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((5, 80, 4, 100, 64), "TextSpan picks n = 5 texts per head but the pool has only 4; "
+                          "use a larger pool (--texts) or a smaller --n"),
+    ((5, 4, 10, 100, 64), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
+                          "raise --rank or lower --n"),
+    ((5, 80, 10, 100, 4), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
+                          "raise --rank or lower --n"),
+    ((5, 80, 10, 5, 64), "TextSpan needs at least n + 1 = 6 probe images for n = 5 texts per head (the centred "
+                         "contributions of N images span at most N - 1 directions), got 5; " + entropy.IMAGES_FIX),
+])
+def test_check_textspan_messages_and_their_bounds(args, message):
+    """Each limit, one past it: the whole message for entropy.py's user; for dear.py's, dear.py's own fix. At
+    the limit itself (n texts, rank n, width n, n + 1 images) nothing is raised."""
+    with pytest.raises(EntropyError) as e:
+        entropy.check_textspan(*args, caller="entropy.py")
+    assert str(e.value) == message
+    with pytest.raises(EntropyError) as e:
+        entropy.check_textspan(*args, caller="dear.py")
+    assert str(e.value) == message[:message.rindex("; ") + 2] + entropy.DEAR_FIX
+    entropy.check_textspan(5, 5, 5, 6, 5)  # every bound met exactly
+
+
+def test_textspan_with_fewer_images_than_the_rank_keeps_only_their_span():
+    """N = 8 images in E = 12 dimensions with rank 10: the SVD has only 8 right singular vectors, and the texts
+    are projected onto those 8 (the Gram matrix's other eigenvectors, of eigenvalue 0, are arbitrary)."""
+    for seed in range(4):
+        contributions, texts = skewed(seed, N=8, E=12, T=30)
+        want = textspan_by_hand(contributions, texts, n=3, rank=10)
+        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=3, rank=10) == want, seed
 
 
 def test_textspan_stops_clearly_with_too_few_images():
