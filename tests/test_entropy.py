@@ -410,9 +410,9 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
     monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])  # one direction
-    with pytest.raises(EntropyError, match="spans only 1 directions") as e:
+    with pytest.raises(EntropyError, match="^the text pool spans only 1 directions inside this head's top-4 "
+                                           "space, fewer than n = 2; use a larger pool or a smaller --n$"):
         run("d", seed=3, caller="entropy.py")
-    assert "dear.py" not in str(e.value) and "--n" in str(e.value)
 
 
 def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
@@ -465,8 +465,8 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     assert len(entropy.textspan(data, torch.tensor(g.normal(size=(30, 96))))) == 20
     import inspect
     defaults = {k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()}
-    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high")} == \
-        {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None}
+    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high", "seed")} == \
+        {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None, "seed": 0}
     defaults = {k: v.default for k, v in inspect.signature(entropy.textspan_from_statistics).parameters.items()}
     assert (defaults["n"], defaults["rank"]) == (20, 80)
     # called directly with too few images, the check inside advises the caller named
@@ -476,12 +476,45 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     assert "dear.py" not in str(e.value) and "--max-images" in str(e.value)
 
 
+@pytest.mark.parametrize("args, message", [
+    ((5, 80, 4, 100, 64), "TextSpan picks n = 5 texts per head but the pool has only 4; "
+                          "use a larger pool (--texts) or a smaller --n"),
+    ((5, 4, 10, 100, 64), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
+                          "raise --rank or lower --n"),
+    ((5, 80, 10, 100, 4), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
+                          "raise --rank or lower --n"),
+    ((5, 80, 10, 5, 64), "TextSpan needs at least n + 1 = 6 probe images for n = 5 texts per head (the centred "
+                         "contributions of N images span at most N - 1 directions), got 5; " + entropy.IMAGES_FIX),
+])
+def test_check_textspan_messages_and_their_bounds(args, message):
+    """Each limit, one past it: the whole message for entropy.py's user; for dear.py's, dear.py's own fix. At
+    the limit itself (n texts, rank n, width n, n + 1 images) nothing is raised."""
+    with pytest.raises(EntropyError) as e:
+        entropy.check_textspan(*args, caller="entropy.py")
+    assert str(e.value) == message
+    with pytest.raises(EntropyError) as e:
+        entropy.check_textspan(*args, caller="dear.py")
+    assert str(e.value) == message[:message.rindex("; ") + 2] + entropy.DEAR_FIX
+    entropy.check_textspan(5, 5, 5, 6, 5)  # every bound met exactly
+
+
+def test_textspan_with_fewer_images_than_the_rank_keeps_only_their_span():
+    """N = 8 images in E = 12 dimensions with rank 10: the SVD has only 8 right singular vectors, and the texts
+    are projected onto those 8 (the Gram matrix's other eigenvectors, of eigenvalue 0, are arbitrary)."""
+    for seed in range(4):
+        contributions, texts = skewed(seed, N=8, E=12, T=30)
+        want = textspan_by_hand(contributions, texts, n=3, rank=10)
+        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=3, rank=10) == want, seed
+
+
 def test_textspan_stops_clearly_with_too_few_images():
     contributions, texts = planted(N=10)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images"):
         entropy.textspan(contributions, texts, n=20)
     with pytest.raises(EntropyError, match="needs rank >= n"):
         entropy.textspan(contributions, texts, n=5, rank=3)
+    with pytest.raises(EntropyError, match="the pool has only 4;"):  # T texts, not the E = 64 of their width
+        entropy.textspan(contributions, texts[:4], n=5, rank=8)
 
 
 # ---------------------------------------------------------------------------------------------- entropy, roles
@@ -948,3 +981,30 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
     doc = json.loads((root / "roles" / "roles.json").read_text())
     assert doc["texts_per_head"] == doc["inputs"]["texts_per_head"] == 4
     assert all(len(h["texts"]) == 4 for h in doc["heads"])
+
+
+# ---------------------------------------------------------------------------------------------- mutation testing
+# `./mutate.sh entropy.py` (mutmut, requirements-dev.txt). Surviving mutants judged equivalent, one line each:
+# label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or default: the same on 2-D.
+# head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same axis as -1.
+# textspan 6, 9: GramStatistics device None instead of the contributions' device: the same on the CPU.
+# textspan 10, textspan_from_statistics 7, 8: shape[+1] / shape[-2] of [N, E] or [E, E]: the same size.
+# textspan_from_statistics 37: min(rank, count) without E: a slice past E keeps all E columns anyway.
+# textspan_from_statistics 40: K = scatter * count instead of / count: a positive scale, the same argmax.
+# textspan_from_statistics 46: scores .sum(+1) on [T, E]: the same axis.
+# textspan_from_statistics 51: norm <= 1e-12 instead of <: only a norm of exactly 1e-12 differs.
+# textspan_from_statistics 66, 67, 68: signs in the update of K: every later text is orthogonal to u, so
+#   t K t is the same whatever multiple of u u^T, K u u^T or u u^T K is added (the deflated texts decide).
+# textspan_from_statistics 36: min(rank, E) without count (N < rank): the extra eigenvectors carry no
+#   variance; on the cases tried the picks agree (not proven equivalent; test_textspan_with_fewer_images...).
+# concept_entropy 13: > 1e-6 -> >= 1e-6: only a sum off by exactly 1e-6 differs.
+# default_thresholds 7, 9: asarray without dtype float64: entropies are Python floats (float64 anyway).
+# control_roles 10, 12: 1000 * seed - block / 1001 * seed + block: another seeding, still per seed and block.
+# compute_roles 1, 5, 66, 72: batch size 65, workers 1, shuffle None, default workers: the same images, order.
+# compute_roles 40: available >= max_images: sampling all of them keeps every image in order.
+# compute_roles 87, 90: device None: the CPU, where the tests run.
+# compute_roles 130: P rounded to 5 decimals: the shares in the tests are multiples of 1/4 and 1/2.
+# Not killed, not equivalent: compute_roles 191 (probe_factors' seed dropped: the tests use seed 0).
+# mutmut's trampoline keeps the original signature, so default-value mutants (textspan_from_statistics 2;
+# compute_roles 2, 3, 4) survive under mutmut although test_textspan_defaults_are... fails on each of them
+# planted by hand.
