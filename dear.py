@@ -325,7 +325,10 @@ def parse_args(argv=None) -> Config:
         epilog="Examples:\n"
                "  python dear.py --dataset toyworld                # offline demo, tiny CLIP, minutes on a CPU\n"
                "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, ViT-B/16\n"
-               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 datasets",
+               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 datasets\n"
+               "\nEnvironment: DATA (default --root), CLIP_CACHE (CLIP checkpoints, the toy CLIP and the "
+               "head roles;\n  default ~/.cache/clip), DEAR_CACHE (the split files data.py cannot write beside "
+               "a read-only dataset;\n  default ~/.cache/dear)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) +
@@ -345,8 +348,9 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--backbone", default=None,
                    help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
                         ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
-                   "(default: the 4 ImageNet variants and the other 10 datasets)")
+    g.add_argument("--targets", action="append", default=None, help="xd: target datasets, comma-separated "
+                   "or the flag repeated; a folder:PATH target is taken whole, commas and all (default: the 4 "
+                   "ImageNet variants and the other 10 datasets)")
     g.add_argument("--out", default=d.out,
                    help="output root; every run gets its own folder (default: %(default)s)")
     g = p.add_argument_group("the method (the paper's names)")
@@ -414,6 +418,7 @@ def parse_args(argv=None) -> Config:
                    help="only compute (or find) the head roles and copy them to OUT/roles/J<J>/ "
                         "(run_all.sh's roles stage)")
     args = p.parse_args(argv)
+    args.targets = runs.split_targets(args.targets) if args.targets else d.targets
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                      if hasattr(args, f.name)})
 
@@ -433,7 +438,8 @@ def main(argv=None):
     except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining before any run)
         print("\ninterrupted: nothing was kept; rerun the same command to start again", file=sys.stderr)
         sys.exit(130)
-    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}))
+    line = {e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}
+    print(json.dumps(dict(line, **({"hm": round(results["hm"], 2)} if "hm" in results else {}))))
 
 
 if __name__ == "__main__":
