@@ -392,6 +392,9 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--batch-size", type=int, default=None,
                    help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
     g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
+    g.add_argument("--warmup-epochs", type=int, default=None, help="epochs at --warmup-lr before the "
+                   "cosine schedule (default: 1; 0 for xd)")
+    g.add_argument("--warmup-lr", type=float, default=d.warmup_lr, help="(default: %(default)s)")
     g.add_argument("--crop-scale", type=float, default=None,
                    help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")

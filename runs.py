@@ -142,9 +142,18 @@ def variant_name(c: Config) -> str:
     return "_".join(parts) or "default"
 
 
+MAX_VARIANT = 160  # bytes of a variant in a folder name (a file system allows 255 for the whole name)
+
+
 def run_dir(c: Config) -> str:
-    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run."""
-    name = f"{c.method}-{variant_name(c)}-shots{c.shots}-seed{c.seed}"
+    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run. A
+    variant longer than MAX_VARIANT bytes is cut and ends in "~" and 8 hex digits of its SHA256 (results.json
+    records it whole)."""
+    variant = variant_name(c)
+    if len(variant.encode()) > MAX_VARIANT:
+        cut = variant.encode()[:MAX_VARIANT - 9].decode(errors="ignore")
+        variant = f"{cut}~{short(hashlib.sha256(variant.encode()).hexdigest())}"
+    name = f"{c.method}-{variant}-shots{c.shots}-seed{c.seed}"
     return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
 
 
@@ -423,6 +432,8 @@ def check_flags(cfg: Config):
     """The checks of a resolved Config that config.resolve leaves to a run, made before any work."""
     if not 0 <= cfg.seed <= SEED_MAX:
         raise RunError(f"--seed must lie in 0..{SEED_MAX} (numpy's seed range), got {cfg.seed}")
+    if cfg.warmup_epochs < 0:
+        raise RunError(f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     if cfg.eval_batch_size < 1:
         raise RunError(f"--eval-batch-size must be >= 1, got {cfg.eval_batch_size}")
     if cfg.protocol != "xd" and xd_targets(dataclasses.replace(cfg, protocol="xd")) != \
@@ -451,8 +462,8 @@ def check_name_length(rdir: str):
     for part in rdir.split(os.sep):
         if len(part.encode()) > limit:
             raise RunError(f"the run folder name {part[:48]}... is {len(part.encode())} bytes, over the "
-                           f"{limit} the file system allows for one name; shorten it (fewer non-default "
-                           "flags, a shorter checkpoint or dataset folder name)")
+                           f"{limit} the file system allows for one name; shorten it (a shorter --out or "
+                           "dataset folder name)")
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
