@@ -540,9 +540,13 @@ def load_trained(model, load: str, device):
 def export_roles(cfg: Config) -> str:
     """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png to
     <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
-    cfg = resolve(cfg)
+    try:
+        cfg = resolve(cfg)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    check_flags(cfg)
     device = pick_device(cfg.device)
-    model, _ = load_clip(cfg.backbone, device)
+    model, _ = load_clip(cfg.backbone, device, log=lambda msg: print(msg, flush=True))
     dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
     cfg = dataclasses.replace(cfg, J=cfg.J or default_J(model.visual.transformer.layers))
     _, path = load_roles(cfg, model, device, lambda msg: print(msg, flush=True))
