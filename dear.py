@@ -325,10 +325,11 @@ def parse_args(argv=None) -> Config:
         epilog="Examples:\n"
                "  python dear.py --dataset toyworld                # offline demo, tiny CLIP, minutes on a CPU\n"
                "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, ViT-B/16\n"
-               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 datasets\n"
-               "\nEnvironment: DATA (default --root), CLIP_CACHE (CLIP checkpoints, the toy CLIP and the "
-               "head roles;\n  default ~/.cache/clip), DEAR_CACHE (the split files data.py cannot write beside "
-               "a read-only dataset;\n  default ~/.cache/dear)",
+               "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 "
+               "datasets\n\nEnvironment: DATA (default --root), CLIP_CACHE (CLIP checkpoints, the "
+               "toy CLIP and the head roles;\n  default ~/.cache/clip), DEAR_CACHE (the split "
+               "files "
+               "data.py cannot write beside a read-only dataset;\n  default ~/.cache/dear)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) +
@@ -348,9 +349,10 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--backbone", default=None,
                    help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
                         ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", action="append", default=None, help="xd: target datasets, comma-separated "
-                   "or the flag repeated; a folder:PATH target is taken whole, commas and all (default: the 4 "
-                   "ImageNet variants and the other 10 datasets)")
+    g.add_argument("--targets", action="append", default=None,
+                   help="xd: target datasets, comma-separated or the flag repeated; a folder:PATH "
+                        "target is taken whole, commas and all (default: the 4 ImageNet variants "
+                        "and the other 10 datasets)")
     g.add_argument("--out", default=d.out,
                    help="output root; every run gets its own folder (default: %(default)s)")
     g = p.add_argument_group("the method (the paper's names)")
@@ -392,8 +394,8 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--batch-size", type=int, default=None,
                    help="default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)")
     g.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
-    g.add_argument("--warmup-epochs", type=int, default=None, help="epochs at --warmup-lr before the "
-                   "cosine schedule (default: 1; 0 for xd)")
+    g.add_argument("--warmup-epochs", type=int, default=None,
+                   help="epochs at --warmup-lr before the cosine schedule (default: 1; 0 for xd)")
     g.add_argument("--warmup-lr", type=float, default=d.warmup_lr, help="(default: %(default)s)")
     g.add_argument("--crop-scale", type=float, default=None,
                    help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for toyworld)")

@@ -45,14 +45,15 @@ from train import (RunError, atomic_save, evaluate, pick_device, resolve_precisi
                    train)
 from util import read_json, write_atomic
 
-# Every Config field has one way to keep two different runs apart (the guard test walks Config's fields):
-# NAME_FIELDS and VARIANT_FIELDS name the folder, BY_CONTENT fields are compared through `inputs` (by
-# content: two paths to the same data are the same run), COMPARED fields are compared field by field before
-# a folder is reused, and BOOKKEEPING fields change no result (each with the reason).
-NAME_FIELDS = ("dataset", "protocol", "method", "shots", "seed")  # <protocol>/<dataset>/<method>-...
+# Every Config field has one way to keep two different runs apart (the guard test walks Config's
+# fields): NAME_FIELDS and VARIANT_FIELDS name the folder, BY_CONTENT fields are compared through
+# `inputs` (by content: two paths to the same data are the same run), COMPARED fields are compared
+# field by field before a folder is reused, and BOOKKEEPING fields change no result (each with the
+# reason).
+NAME_FIELDS = ("dataset", "protocol", "method", "shots", "seed")  # <protocol>/<dataset>/<method>-..
 BOOKKEEPING = {
     "out": "where the runs are written, not what they compute",
-    "workers": "data-loading processes: the batches are seeded by (seed, epoch, image), not by worker",
+    "workers": "data-loading processes: batches are seeded by (seed, epoch, image), not by worker",
     "eval_batch_size": "evaluation batches: the same images, the same per-image logits",
     "device": "where it runs; the precision actually used is recorded (resolved) and named",
     "eval_only": "what to do: an evaluation gets its own folder under the evaluated run",
@@ -61,18 +62,19 @@ BOOKKEEPING = {
     "force": "what to do with a taken folder",
     "roles_only": "what to do: the roles stage writes no run folder",
 }
-BY_CONTENT = ("root", "backbone", "roles", "resolved", "roles_used")  # and what a run found out itself
+BY_CONTENT = ("root", "backbone", "roles", "resolved", "roles_used")  # + what a run found out
 COMPARED = {"targets": "xd: the target datasets evaluated; a different list asks for another --out"}
 
 _sha_cache = {}
-FRESH_S = 2.0  # a file changed this recently may change again within the clock's granularity: not cached
+FRESH_S = 2.0  # a file changed this recently may change again within one clock tick: not cached
 
 
 def file_sha256(path: str) -> str:
-    """SHA256 of a file's content, remembered per (path, inode, size, mtime, ctime) so that run_all.sh's one
-    process that names hundreds of runs reads each checkpoint once. A file rewritten in place keeps its
-    inode and maybe its size and mtime, but its ctime moves; a file changed within FRESH_S seconds of the
-    hashing is never remembered (two writes within one tick of the file system's clock look the same)."""
+    """SHA256 of a file's content, remembered per (path, inode, size, mtime, ctime) so that
+    run_all.sh's one process that names hundreds of runs reads each checkpoint once. A file
+    rewritten in place keeps its inode and maybe its size and mtime, but its ctime moves; a file
+    changed within FRESH_S seconds of the hashing is never remembered (two writes within one tick of
+    the file system's clock look the same)."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _sha_cache:
@@ -119,9 +121,10 @@ def roles_sha256(path: str) -> str:
 # The Config fields that name a variant when they differ from the defaults of the dataset and protocol.
 VARIANT_FIELDS = ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
                   "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr",
-                  "crop_scale", "precision", "roles_control", "warmup_epochs", "warmup_lr", "weight_decay")
-# A zero-shot run (frozen CLIP, no tokens, no training) depends on these of them only; the others are
-# neither in its name nor compared, so `--method zeroshot --epochs 1` is the one zero-shot run.
+                  "crop_scale", "precision", "roles_control", "warmup_epochs", "warmup_lr",
+                  "weight_decay")
+# A zero-shot run (frozen CLIP, no tokens, no training) depends on these of them only; the others
+# are neither in its name nor compared, so `--method zeroshot --epochs 1` is the one zero-shot run.
 ZEROSHOT_FIELDS = ("backbone", "precision")
 ZEROSHOT_IGNORES = tuple(f for f in VARIANT_FIELDS if f not in ZEROSHOT_FIELDS) + ("roles",)
 
@@ -142,13 +145,13 @@ def variant_name(c: Config) -> str:
     return "_".join(parts) or "default"
 
 
-MAX_VARIANT = 160  # bytes of a variant in a folder name (a file system allows 255 for the whole name)
+MAX_VARIANT = 160  # bytes of a variant in a folder name (a file system allows 255 for a name)
 
 
 def run_dir(c: Config) -> str:
-    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run. A
-    variant longer than MAX_VARIANT bytes is cut and ends in "~" and 8 hex digits of its SHA256 (results.json
-    records it whole)."""
+    """<out>/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>: one folder per distinct run.
+    A variant longer than MAX_VARIANT bytes is cut and ends in "~" and 8 hex digits of its SHA256
+    (results.json records it whole)."""
     variant = variant_name(c)
     if len(variant.encode()) > MAX_VARIANT:
         cut = variant.encode()[:MAX_VARIANT - 9].decode(errors="ignore")
@@ -191,16 +194,17 @@ ABSENT = "(absent)"
 
 
 def differences(saved: dict, current: dict) -> list:
-    """[(field, there, now)] where two comparable configs differ; a field only one side has differs too
-    (a missing field is not the same as None)."""
+    """[(field, there, now)] where two comparable configs differ; a field only one side has differs
+    too (a missing field is not the same as None)."""
     a, b = comparable(saved), comparable(current)
     return [(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b))
             if k not in a or k not in b or a[k] != b[k]]
 
 
 def check_same(rdir: str, current: dict, what: str, saved=None):
-    """Stop unless rdir/config.json (or `saved`, a config recorded elsewhere) describes the same run as
-    `current` (BOOKKEEPING fields aside). `what`: "finished" or "interrupted", for the message."""
+    """Stop unless rdir/config.json (or `saved`, a config recorded elsewhere) describes the same run
+    as `current` (BOOKKEEPING fields aside). `what`: "finished" or "interrupted", for the message.
+    """
     path = os.path.join(rdir, "config.json")
     saved = read_json(path) if saved is None else saved
     if not isinstance(saved, dict):
@@ -210,17 +214,18 @@ def check_same(rdir: str, current: dict, what: str, saved=None):
     if diff:
         shown = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in diff[:4])
         raise RunError(f"{rdir} holds a {what} run of a different configuration ({shown}"
-                       f"{'; ...' if len(diff) > 4 else ''}); choose another --out to keep both, or pass "
-                       "--force to replace it (its results are deleted)")
+                       f"{'; ...' if len(diff) > 4 else ''}); choose another --out to keep both, "
+                       "or pass --force to replace it (its results are deleted)")
 
 
 _held_locks = set()  # fds of the RunLocks this process holds
 
 
 def _forget_locks_in_child():
-    """In a forked child (a DataLoader worker): close the copies of the lock fds. An flock belongs to the
-    open file, which a fork shares, so a worker orphaned by a SIGKILL of the run would keep the folder
-    locked until it noticed; closing its copy leaves the lock with the run's own process alone."""
+    """In a forked child (a DataLoader worker): close the copies of the lock fds. An flock belongs
+    to the open file, which a fork shares, so a worker orphaned by a SIGKILL of the run would keep
+    the folder locked until it noticed; closing its copy leaves the lock with the run's own process
+    alone."""
     for fd in list(_held_locks):
         try:
             os.close(fd)
@@ -234,9 +239,9 @@ if hasattr(os, "register_at_fork"):
 
 
 class RunLock:
-    """An exclusive lock on a run folder (an flock on rdir/.lock, released by the OS when the process dies;
-    forked children drop their copy). A second process on the same folder stops with a message naming
-    the first."""
+    """An exclusive lock on a run folder (an flock on rdir/.lock, released by the OS when the
+    process dies; forked children drop their copy). A second process on the same folder stops with a
+    message naming the first."""
 
     def __init__(self, rdir: str):
         self.path = os.path.join(rdir, ".lock")
@@ -256,7 +261,8 @@ class RunLock:
                            "(a second identical run would only repeat it)") from None
         self.fd = fd
         _held_locks.add(fd)
-        stamp = f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        stamp = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
         os.ftruncate(fd, 0)
         os.pwrite(fd, stamp.encode(), 0)
         return self
@@ -268,8 +274,8 @@ class RunLock:
 
 
 def pin_roles(source: str, rdir: str, probe=None) -> dict:
-    """Copy the roles file a run uses to rdir/roles.json, with its readable forms beside it (roles.md and
-    roles.png, drawn from the copy); returns what config.json records about it."""
+    """Copy the roles file a run uses to rdir/roles.json, with its readable forms beside it
+    (roles.md and roles.png, drawn from the copy); returns what config.json records about it."""
     with open(source, "rb") as f:
         payload = f.read()
     doc = json.loads(payload)
@@ -285,8 +291,9 @@ def pin_roles(source: str, rdir: str, probe=None) -> dict:
 
 
 def load_clip(backbone, device, log=None):
-    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear RunError.
-    log: where the toy CLIP's first pretraining reports (the run's log.txt), else stdout."""
+    """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear
+    RunError. log: where the toy CLIP's first pretraining reports (the run's log.txt), else stdout.
+    """
     try:
         if backbone == toyworld.BACKBONE and log is not None:  # pretrain (once) into the run's log
             toyworld.ensure_pretrained(clip.cache_dir(), log=log)
@@ -329,18 +336,20 @@ def load_roles(cfg, model, device, log):
 
 
 def read_roles(path, model, layers):
-    """A roles file, checked against the backbone (model name, depth, heads, blocks, and the SHA256 of the
-    checkpoint it was computed on, where the file records one)."""
+    """A roles file, checked against the backbone (model name, depth, heads, blocks, and the SHA256
+    of the checkpoint it was computed on, where the file records one)."""
     try:
-        roles = entropy.load_roles(path, model_name=model.name, num_layers=model.visual.transformer.layers,
-                                   num_heads=model.visual.transformer.heads, layers=layers)
+        visual = model.visual.transformer
+        roles = entropy.load_roles(path, model_name=model.name, num_layers=visual.layers,
+                                   num_heads=visual.heads, layers=layers)
     except ValueError as e:
         raise RunError(f"head roles: {e}") from None
-    made_for, loaded = (read_json(path) or {}).get("checkpoint_sha256"), getattr(model, "sha256", None)
+    made_for = (read_json(path) or {}).get("checkpoint_sha256")
+    loaded = getattr(model, "sha256", None)  # clip.load: the SHA256 of the file it read
     if made_for and loaded and made_for != loaded:
-        raise RunError(f"roles file {path} was computed for the checkpoint with SHA256 {made_for}, but the "
-                       f"backbone {model.name} loaded has SHA256 {loaded}; delete the file or give roles "
-                       "made for this checkpoint")
+        raise RunError(f"roles file {path} was computed for the checkpoint with SHA256 {made_for}, "
+                       f"but the backbone {model.name} loaded has SHA256 {loaded}; delete the file "
+                       "or give roles made for this checkpoint")
     return roles
 
 
@@ -359,18 +368,19 @@ def build_dataset(name, root, *args):
 
 
 def xd_targets(cfg):
-    """xd: the target datasets, --targets or the 4 ImageNet variants and the other 10 datasets. cfg.targets
-    is a list of names (the command line: --targets repeated; a folder:PATH target is taken whole, commas
-    and all) or one comma-separated string."""
+    """xd: the target datasets, --targets or the 4 ImageNet variants and the other 10 datasets.
+    cfg.targets is a list of names (the command line: --targets repeated; a folder:PATH target is
+    taken whole, commas and all) or one comma-separated string."""
     if cfg.protocol != "xd":
         return []
     given = cfg.targets.split(",") if isinstance(cfg.targets, str) else list(cfg.targets)
-    return [t for t in given if t] or [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
+    default = [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != cfg.dataset]
+    return [t for t in given if t] or default
 
 
 def split_targets(values) -> list:
-    """--targets as given (the flag may be repeated): a value that starts with folder: is one target,
-    taken whole; any other value is a comma-separated list of names."""
+    """--targets as given (the flag may be repeated): a value that starts with folder: is one
+    target, taken whole; any other value is a comma-separated list of names."""
     found = []
     for value in values:
         found += [value] if value.startswith("folder:") else [t for t in value.split(",") if t]
@@ -393,9 +403,10 @@ def build_eval_sets(cfg):
         except (data.DataError, RunError) as e:
             missing.append((name, str(e).splitlines()[0]))
     if missing:  # one line: which, the first reason, the fix
+        names = ", ".join(n for n, _ in missing)
         raise RunError(f"{len(missing)} xd target dataset(s) missing under --root {cfg.root}: "
-                       f"{', '.join(n for n, _ in missing)} (first: {missing[0][1]}); get them with "
-                       "python data.py download NAME, or pass --targets to choose fewer")
+                       f"{names} (first: {missing[0][1]}); get them with python data.py download "
+                       "NAME, or pass --targets to choose fewer")
     return source, evals
 
 
@@ -413,9 +424,11 @@ def harmonic_mean(base: float, novel: float) -> float:
 
 def eval_only_config(cfg: Config) -> Config:
     """--eval-only --load RUN: the method flags of the finished run RUN (its config.json), on
-    --dataset / --protocol. The seed comes along: --roles-control random shuffles the roles by it."""
+    --dataset / --protocol. The seed comes along: --roles-control random shuffles the roles by it.
+    """
     saved = read_json(os.path.join(cfg.load or "", "config.json"))
-    if not cfg.load or not os.path.exists(os.path.join(cfg.load, "model.pt")) or not isinstance(saved, dict):
+    has_model = bool(cfg.load) and os.path.exists(os.path.join(cfg.load, "model.pt"))
+    if not has_model or not isinstance(saved, dict):
         raise RunError("--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and "
                        f"config.json (got {cfg.load!r})")
     return dataclasses.replace(cfg, **{k: saved[k] for k in EVAL_CARRIES if k in saved})
@@ -423,9 +436,9 @@ def eval_only_config(cfg: Config) -> Config:
 
 # What --eval-only takes from the evaluated run: everything that builds its model (the rest, such as
 # --precision, --novel-logits or --target-beta, is the evaluation's own choice).
-EVAL_CARRIES = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles", "method",
-                "roles_control", "seed")
-SEED_MAX = 2 ** 32 - 1  # numpy's seed range (the few-shot sampler and the workers are seeded through it)
+EVAL_CARRIES = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles",
+                "method", "roles_control", "seed")
+SEED_MAX = 2 ** 32 - 1  # numpy's seed range (the few-shot sampler and the workers use numpy)
 
 
 def check_flags(cfg: Config):
@@ -438,14 +451,15 @@ def check_flags(cfg: Config):
         raise RunError(f"--eval-batch-size must be >= 1, got {cfg.eval_batch_size}")
     if cfg.protocol != "xd" and xd_targets(dataclasses.replace(cfg, protocol="xd")) != \
             xd_targets(dataclasses.replace(cfg, protocol="xd", targets="")):
-        raise RunError(f"--targets applies to --protocol xd only (--protocol {cfg.protocol} evaluates "
-                       f"{cfg.dataset} itself); drop --targets, or add --protocol xd")
+        raise RunError(f"--targets applies to --protocol xd only (--protocol {cfg.protocol} "
+                       f"evaluates {cfg.dataset} itself); drop --targets, or add --protocol xd")
     try:
         device = pick_device(cfg.device)
     except RuntimeError as e:
         raise RunError(f"--device {cfg.device!r} is not a device torch knows ({type(e).__name__}); "
                        "use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and device.index is not None and device.index >= count:
         raise RunError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA "
                        "device(s); use cuda:0 .. or auto")
 
@@ -461,19 +475,21 @@ def check_name_length(rdir: str):
         limit = 255
     for part in rdir.split(os.sep):
         if len(part.encode()) > limit:
-            raise RunError(f"the run folder name {part[:48]}... is {len(part.encode())} bytes, over the "
-                           f"{limit} the file system allows for one name; shorten it (a shorter --out or "
-                           "dataset folder name)")
+            raise RunError(f"the run folder name {part[:48]}... is {len(part.encode())} bytes, "
+                           f"over the {limit} the file system allows for one name; shorten it (a "
+                           "shorter --out or dataset folder name)")
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_error(e: OSError, path: str, size: int, then: str) -> RunError:
-    """A write that failed, as one line naming the file, what is wrong, the space needed and the fix."""
+    """A write that failed, as one line naming the file, what is wrong, the space needed and the
+    fix."""
     why = "no space left on the device" if e.errno in NO_SPACE else (e.strerror or str(e))
-    return RunError(f"cannot write {path}: {why} (about {max(1, size // 2 ** 20)} MB needed); free some "
-                    f"space or choose another --out, then {then}")
+    need = max(1, size // 2 ** 20)
+    return RunError(f"cannot write {path}: {why} (about {need} MB needed); free some space or "
+                    f"choose another --out, then {then}")
 
 
 def save(obj, path: str, as_json=False, then="rerun the same command"):
@@ -494,22 +510,24 @@ RUN_FILES = ("results.json", "model.pt", "checkpoint.pt", "roles.json", "roles.m
 
 
 def retire(rdir: str):
-    """--force: delete what the folder's run wrote, results first, before anything new is written."""
+    """--force: delete what the folder's run wrote, results first, before anything new is written.
+    """
     for name in RUN_FILES:
         if os.path.exists(os.path.join(rdir, name)):
             os.remove(os.path.join(rdir, name))
 
 
 def finished(rdir: str, results_path: str, ckpt: str, config: dict) -> dict:
-    """The results of a finished run, if rdir holds one of `config`; else a RunError saying what to do.
-    results.json is written last and records the config it was made with ("identity"); both it and
-    config.json must match."""
+    """The results of a finished run, if rdir holds one of `config`; else a RunError saying what to
+    do. results.json is written last and records the config it was made with ("identity"); both it
+    and config.json must match."""
     if os.path.exists(ckpt):
-        raise RunError(f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an interrupted "
-                       "restart?), so its results may be another run's; pass --force to start it over")
+        raise RunError(f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an "
+                       "interrupted restart?), so its results may be another run's; pass --force "
+                       "to start it over")
     results = read_json(results_path)
     if not isinstance(results, dict):
-        raise RunError(f"{results_path} is not readable; delete it, or pass --force to redo the run")
+        raise RunError(f"{results_path} is not readable; delete it, or pass --force to redo it")
     check_same(rdir, config, "finished")
     if "identity" in results:  # results.json written by this version: its own record must match too
         check_same(rdir, config, "finished", saved=results["identity"])
@@ -523,18 +541,19 @@ def load_trained(model, load: str, device):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # a truncated file or not a checkpoint
-        raise RunError(f"{path} cannot be read ({type(e).__name__}); it is not a model.pt written by a "
-                       "finished run") from None
+        raise RunError(f"{path} cannot be read ({type(e).__name__}); it is not a model.pt "
+                       "written by a finished run") from None
     want = set(model.trainable_state())
     missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
     if missing or unexpected:
-        raise RunError(f"{path} does not fit the model of {load}: missing keys {missing[:3]}, unexpected "
-                       f"keys {unexpected[:3]} ({len(missing)} and {len(unexpected)} in all; a 'module.' "
-                       "prefix?); give the model.pt this run wrote")
+        raise RunError(f"{path} does not fit the model of {load}: missing keys {missing[:3]}, "
+                       f"unexpected keys {unexpected[:3]} ({len(missing)} and {len(unexpected)} in "
+                       "all; a 'module.' prefix?); give the model.pt this run wrote")
     try:
-        model.load_state_dict(state, strict=False)  # the trainable part only; every key of it checked above
+        model.load_state_dict(state, strict=False)  # the trainable part, its keys checked above
     except RuntimeError as e:
-        raise RunError(f"{path} does not fit the model of {load}: {str(e).splitlines()[-1].strip()}") from None
+        why = str(e).splitlines()[-1].strip()
+        raise RunError(f"{path} does not fit the model of {load}: {why}") from None
 
 
 def export_roles(cfg: Config) -> str:
@@ -560,12 +579,13 @@ def export_roles(cfg: Config) -> str:
 
 
 def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
-    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the results.
+    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json. Returns the
+    results.
 
-    make_model(clip_model, roles, cfg) -> the model (a DeAR module); make_loss(cfg) -> loss_fn(model, out,
-    labels), the loss train.train minimises. The run folder (run_dir) is the run's identity: a finished
-    run is reused, and an interrupted one resumed, only when its config (flags and `inputs`: dataset
-    folder, checkpoint and roles hashes) matches."""
+    make_model(clip_model, roles, cfg) -> the model (a DeAR module); make_loss(cfg) ->
+    loss_fn(model, out, labels), the loss train.train minimises. The run folder (run_dir) is the
+    run's identity: a finished run is reused, and an interrupted one resumed, only when its config
+    (flags and `inputs`: dataset folder, checkpoint and roles hashes) matches."""
     if cfg.eval_only:
         cfg = eval_only_config(cfg)
     try:
@@ -601,8 +621,8 @@ def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
 
 def take_folder(cfg, config, rdir, results_path, ckpt):
     """Holding the lock, before anything is written: --force retires the old run (results first); an
-    interrupted run continues only with --resume and the same config; a fresh start drops a stale pinned
-    roles copy (it takes the roles of now)."""
+    interrupted run continues only with --resume and the same config; a fresh start drops a stale
+    pinned roles copy (it takes the roles of now)."""
     if cfg.force:
         retire(rdir)
     elif os.path.exists(results_path):  # finished by another process since run() looked
@@ -662,8 +682,9 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
             raise RunError(str(e)) from e
         if cfg.eval_only:
             load_trained(model, cfg.load, device)  # before anything of this evaluation is written
-        resolved = {"J": cfg.J, "precision": cfg.precision, "backbone_sha256": getattr(clip_model, "sha256", None)}
-        config = dict(config, resolved=resolved, roles_used=roles_used)  # backbone_sha256: the file loaded
+        resolved = {"J": cfg.J, "precision": cfg.precision,
+                    "backbone_sha256": getattr(clip_model, "sha256", None)}  # of the file loaded
+        config = dict(config, resolved=resolved, roles_used=roles_used)
         save(config, os.path.join(rdir, "config.json"), as_json=True)
         t0 = time.time()
         if cfg.method == "dear" and not cfg.eval_only:
@@ -671,7 +692,8 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
                 f"epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, "
                 f"mask {cfg.mask}")
             train_checked(model, train_ds, cfg, device, rdir, log, make_loss(cfg), ckpt)
-            save(model.trainable_state(), os.path.join(rdir, "model.pt"), then="rerun with --resume")
+            model_pt = os.path.join(rdir, "model.pt")
+            save(model.trainable_state(), model_pt, then="rerun with --resume")
         train_s, t1 = time.time() - t0, time.time()
         results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset,
                    "backbone": cfg.backbone, "shots": cfg.shots, "seed": cfg.seed, "variant": variant,
@@ -696,7 +718,7 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
         if use_tokens:
             results["fusion_weights"] = model.fusion_weights()
         results["timing"] = {"train_s": train_s, "eval_s": time.time() - t1}
-        results["identity"] = config  # the config.json it was made with: what "done already" compares
+        results["identity"] = config  # the config.json it was made with: "done already" compares it
         save(results, results_path, as_json=True, then="rerun the same command (the model is kept)")
         if os.path.exists(ckpt):
             os.remove(ckpt)
@@ -719,8 +741,9 @@ def train_checked(model, train_ds, cfg, device, rdir, log, loss_fn, ckpt):
     except OSError as e:
         if e.errno not in NO_SPACE:
             raise
-        raise disk_error(e, ckpt, 3 * state_bytes(model.trainable_state()),  # weights + AdamW's two moments
-                         "rerun with --resume (the last checkpoint written is kept)") from None
+        size = 3 * state_bytes(model.trainable_state())  # weights + AdamW's two moments
+        then = "rerun with --resume (the last checkpoint written is kept)"
+        raise disk_error(e, ckpt, size, then) from None
 
 
 def control_roles(roles, cfg, log):
