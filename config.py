@@ -208,6 +208,15 @@ def eval_beta(c: Config, dataset: str) -> float:
 # The command line: one flag per field
 
 
+def split_targets(values) -> list:
+    """--targets as given (the flag may be repeated): a value that starts with folder: is one
+    target, taken whole; any other value is a comma-separated list of names."""
+    found = []
+    for value in values:
+        found += [value] if value.startswith("folder:") else [t for t in value.split(",") if t]
+    return found
+
+
 def parse_args(argv=None) -> Config:
     d = Config()
     p = argparse.ArgumentParser(
@@ -219,7 +228,9 @@ def parse_args(argv=None) -> Config:
                "  python dear.py --dataset eurosat --shots 16      # base-to-novel, seed 1, "
                "ViT-B/16\n"
                "  python dear.py --dataset imagenet --protocol xd  # ImageNet -> 4 variants + 10 "
-               "datasets",
+               "datasets\n\nEnvironment: DATA (default --root), CLIP_CACHE (CLIP checkpoints, the "
+               "toy CLIP and the head roles;\n  default ~/.cache/clip), DEAR_CACHE (the split files "
+               "data.py cannot write beside a read-only dataset;\n  default ~/.cache/dear)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", default=d.dataset, help="one of " + ", ".join(data.DATASETS) +
@@ -240,8 +251,10 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--backbone", default=None,
                    help="CLIP name (" + ", ".join(clip.available_models() + [toyworld.BACKBONE]) +
                         ") or a checkpoint path (default: ViT-B/16; toy for --dataset toyworld)")
-    g.add_argument("--targets", default=d.targets, help="xd: comma-separated target datasets "
-                   "(default: the 4 ImageNet variants and the other 10 datasets)")
+    g.add_argument("--targets", action="append", default=None,
+                   help="xd: target datasets, comma-separated or the flag repeated; a folder:PATH "
+                        "target is taken whole, commas and all (default: the 4 ImageNet variants "
+                        "and the other 10 datasets)")
     g.add_argument("--out", default=d.out,
                    help="output root; every run gets its own folder (default: %(default)s)")
     g = p.add_argument_group("the method (the paper's names)")
@@ -285,6 +298,9 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate (default: per protocol, 1e-3; 2e-3 for fewshot, as "
                         "MMRL++'s few-shot config; 1e-3 for ImageNet fewshot, as vit_b16_imagenet)")
+    g.add_argument("--warmup-epochs", type=int, default=None,
+                   help="epochs at --warmup-lr before the cosine schedule (default: 1; 0 for xd)")
+    g.add_argument("--warmup-lr", type=float, default=d.warmup_lr, help="(default: %(default)s)")
     g.add_argument("--crop-scale", type=float, default=None,
                    help="smallest area of the training RandomResizedCrop (default: 0.5; 1.0 for "
                         "toyworld)")
@@ -321,5 +337,6 @@ def parse_args(argv=None) -> Config:
                    help="only compute (or find) the head roles and copy them to OUT/roles/J<J>/ "
                         "(run_all.sh's roles stage)")
     args = p.parse_args(argv)
+    args.targets = split_targets(args.targets) if args.targets else d.targets
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                      if hasattr(args, f.name)})

@@ -442,8 +442,10 @@ def main(argv=None):
         print("\ninterrupted: nothing was kept; rerun the same command to start again",
               file=sys.stderr)
         sys.exit(130)
-    print(json.dumps({e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2)
-                      for e in results["evals"]}))
+    line = {e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}
+    if "hm" in results:  # base-to-novel
+        line["hm"] = round(results["hm"], 2)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":
