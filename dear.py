@@ -30,9 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import clip
-import data
 import runs
-import toyworld
 from clip.model import length_buckets
 from config import Config, parse_args, resolve  # noqa: F401  (resolve: run_all.sh's dear.resolve)
 from runs import run_dir  # noqa: F401  run_all.sh asks dear.py where a run writes (dear.run_dir)
@@ -432,7 +430,7 @@ def main(argv=None):
         if cfg.roles_only:
             return runs.export_roles(cfg)
         results = runs.run(cfg, make_model, make_loss)
-    except (RunError, data.DataError, toyworld.ToyWorldError) as e:
+    except runs.USER_ERRORS as e:  # a problem the user can fix: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except runs.Interrupted as e:

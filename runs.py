@@ -44,6 +44,7 @@ import toyworld
 from config import Config, default_J, eval_beta, resolve
 from train import (RunError, atomic_save, evaluate, pick_device, resolve_precision, seed_everything,
                    train)
+import util
 from util import read_json, write_atomic
 
 # Every Config field has one way to keep two different runs apart (the guard test walks Config's
@@ -291,6 +292,22 @@ def pin_roles(source: str, rdir: str, probe=None) -> dict:
 # What a run reads: the backbone, the head roles, the datasets of its protocol
 
 
+# The errors a user can fix (dear.py prints them as one line and exits with status 2): a bad flag or
+# run folder, a dataset, the toy world, a full disk, a path that cannot be used.
+USER_ERRORS = (RunError, data.DataError, toyworld.ToyWorldError, util.DiskFull, util.PathError)
+
+
+def check_backbone(backbone):
+    """Before any work: the file the backbone needs exists, or can be made (pretrained, downloaded)
+    in a CLIP cache that can be written (toyworld.check_backbone), else one line naming the fix."""
+    try:
+        toyworld.check_backbone(backbone)
+    except toyworld.ToyWorldError as e:
+        raise RunError(str(e)) from None
+    except OSError as e:  # util.PathError: the cache is under a file, or cannot be written
+        raise RunError(str(e)) from None
+
+
 def load_clip(backbone, device, log=None):
     """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear
     RunError. log: where the toy CLIP's first pretraining reports (the run's log.txt), else stdout.
@@ -328,7 +345,7 @@ def load_roles(cfg, model, device, log):
                 log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
                     f"entropy.py on the {split} images of {probe!r} -> {path}")
                 path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool=pool, split=split)
+                                   device=str(device), pool=pool, split=split, caller="dear.py")
         roles = read_roles(path, model, layers)
     except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
@@ -565,6 +582,7 @@ def export_roles(cfg: Config) -> str:
     except ValueError as e:
         raise RunError(str(e)) from None
     check_flags(cfg)
+    check_backbone(cfg.backbone)
     device = pick_device(cfg.device)
     model, _ = load_clip(cfg.backbone, device, log=lambda msg: print(msg, flush=True))
     dest = os.path.join(cfg.out, "roles", f"J{cfg.J or 'default'}")
@@ -592,6 +610,7 @@ def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
     try:
         cfg = resolve(cfg)
         check_flags(cfg)
+        check_backbone(cfg.backbone)
         variant = variant_name(cfg)  # named before J is resolved against the backbone's depth
         config = dict(dataclasses.asdict(cfg), inputs=inputs(cfg, xd_targets(cfg)))
     except ValueError as e:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_clip
 import config
+import data
 import dear
 import runs
 import train
@@ -402,7 +403,7 @@ def test_xd_targets_get_mmrl_pp_test_time_beta():
             "OxfordFlowers": "oxford_flowers", "StanfordCars": "stanford_cars", "EuroSAT": "eurosat",
             "Food101": "food101"}
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
-    assert set(ours.values()) == set(dear.data.DG_TARGETS + dear.data.B2N_DATASETS) - {"imagenet"}
+    assert set(ours.values()) == set(data.DG_TARGETS + data.B2N_DATASETS) - {"imagenet"}
     for name, beta in published.items():
         assert config.eval_beta(xd, ours[name]) == beta, name
     assert config.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
@@ -583,11 +584,11 @@ def fake_roles_doc(model_name=None):
 def test_training_lowers_the_loss(world, tmp_path):
     root, ckpt, dataset = world
     model = DeAR(dear.clip.load(ckpt)[0], roles_all("mixed"), J=3)
-    ds = dear.data.build_dataset(dataset, root, shots=4, seed=1)
+    ds = data.build_dataset(dataset, root, shots=4, seed=1)
     cfg = dear.resolve(dear.Config(epochs=2, batch_size=4, workers=0, lr=5e-3, lambda_reg=0.1))
 
     def train_loss():
-        images = torch.stack([dear.data.test_transform(32)(__import__("PIL").Image.open(p).convert("RGB"))
+        images = torch.stack([data.test_transform(32)(__import__("PIL").Image.open(p).convert("RGB"))
                               for p, _, _ in ds.train])
         labels = torch.tensor([y for _, y, _ in ds.train])
         with torch.no_grad():

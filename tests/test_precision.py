@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import tiny_clip
+import data
 import dear
 import train
 from dear import DeAR
@@ -199,7 +200,7 @@ def labelled_by_fp32(images, device):
     where that top-1 leads the runner-up by more than MARGIN."""
     model = make_model().to(device).eval()
     model.set_classes(CLASSES, "a photo of a {}.")
-    x = torch.stack([dear.data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in images]).to(device)
+    x = torch.stack([data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in images]).to(device)
     with torch.no_grad():
         fused = model(x)["fused"].double()
     top2 = fused.topk(2, -1)

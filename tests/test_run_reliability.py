@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import clip
 import config
 import dear
 import entropy
@@ -372,7 +373,14 @@ def test_the_toy_pretraining_is_logged_into_the_run(world, tmp_path, monkeypatch
     def ensure_pretrained(cache_dir, log=print, **kw):  # stands in for the 2-minute pretraining
         if log:
             log("Pretraining the toy CLIP once (stand-in)")
-        return world[1]
+        path = str(tmp_path / "toy.pt")  # with the SHA256 record a real pretraining writes beside it
+        with open(world[1], "rb") as f:
+            payload = f.read()
+        with open(path, "wb") as f:
+            f.write(payload)
+        with open(toyworld.sha256_file(path), "w") as f:
+            f.write(f"{clip.sha256_of(path)}  toy.pt\n")
+        return path
 
     monkeypatch.setattr(toyworld, "ensure_pretrained", ensure_pretrained)
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
@@ -422,6 +430,8 @@ CONSUMERS = {
         )
     },
     "attr_tokens": "test_dear.test_without_tokens_equals_frozen_clip",
+    "eval_precision": "test_precision.test_evaluate_runs_in_fp32_unless_asked (dtypes inside "
+    "evaluate); test_runs.test_the_precision_used_is_part_of_a_runs_identity",
 }
 
 
@@ -461,6 +471,7 @@ NON_DEFAULT = {
     "lr": 0.004,
     "crop_scale": 0.7,
     "precision": "bf16",
+    "eval_precision": "fp16",
     "roles_control": "random",
     "warmup_epochs": 2,
     "warmup_lr": 2e-4,

@@ -10,6 +10,7 @@ import torch
 
 import config
 import dear
+import toyworld
 import runs
 from test_dear import cli, fake_roles_doc, world  # noqa: F401  (world is a fixture)
 
@@ -154,7 +155,7 @@ def test_a_damaged_checkpoint_asks_for_force(world, tmp_path, capsys, monkeypatc
 def test_ctrl_c_before_any_checkpoint_promises_nothing(world, tmp_path, capsys, monkeypatch):
     def pretraining(*a, **k):  # Ctrl-C while the backbone is made (the toy CLIP's first pretraining)
         raise KeyboardInterrupt
-    monkeypatch.setattr(dear.toyworld, "load_clip", pretraining)
+    monkeypatch.setattr(toyworld, "load_clip", pretraining)
     err = stop_message(cli(world, tmp_path / "runs"), capsys, code=130)
     assert "nothing was kept" in err and "--resume" not in err
 
