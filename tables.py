@@ -250,7 +250,7 @@ def average_cell(tables):
 # own tables, so a backbone part names no ablation either.
 VARIANT_FIELDS = ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim",
                   "mask", "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size",
-                  "lr", "warmup_epochs", "warmup_lr", "weight_decay", "crop_scale", "precision",
+                  "lr", "warmup_epochs", "warmup_lr", "weight_decay", "crop_scale", "precision", "eval_precision",
                   "roles_control", "roles")
 SCHEDULE_FIELDS = ("epochs", "batch_size", "lr", "warmup_epochs", "warmup_lr", "weight_decay")
 _PART = re.compile(r"(%s)-(.*?)(?=_(?:%s)-|$)" % ("|".join(VARIANT_FIELDS), "|".join(VARIANT_FIELDS)))

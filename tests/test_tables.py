@@ -285,3 +285,11 @@ def test_the_full_method_of_another_backbone_is_its_table_row(tmp_path, capsys):
     assert rows[("EuroSAT", tables.OURS_DEAR)][0].mean == 88.0
     assert tables.table_ablations(tables.load_runs(out), "ViT-B/32") is None   # not an ablation
     capsys.readouterr()
+
+
+def test_tables_parse_every_field_runs_puts_in_a_folder_name():
+    """A field runs.py names a variant by but tables.py cannot parse would make the run a variant of
+    its own name (planted: eval_precision missing from tables.VARIANT_FIELDS fails here)."""
+    import runs
+    assert set(runs.VARIANT_FIELDS) <= set(tables.VARIANT_FIELDS)
+    assert set(tables.SCHEDULE_FIELDS) <= set(runs.VARIANT_FIELDS)
