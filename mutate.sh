@@ -19,6 +19,12 @@ TESTS[entropy.py]="tests/test_entropy.py"
 FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
   GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
   assign_role control_roles collect_statistics compute_roles"
+TESTS[train.py]="tests/test_train.py tests/test_precision.py"
+FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights_in
+  epoch_batches train_step make_scaler scale_of resume train evaluate"
+TESTS[data.py]="tests/test_data.py"
+FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
+  test_transform"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift
