@@ -58,4 +58,5 @@ cd "$work"
 echo "mutate.sh: $module, ${#functions[@]} functions, tests ${TESTS[$module]}, in $work" >&2
 start=$(date +%s)
 mutmut run --max-children "${JOBS:-2}" "${globs[@]}" | tail -n +1
-echo "mutate.sh: $(( $(date +%s) - start )) s; survivors: cd $work && mutmut results; mutmut show NAME" >&2
+end=$(date +%s)  # (a $(( $(...) )) here was read as a command substitution)
+echo "mutate.sh: $((end - start)) s; survivors: cd $work && mutmut results; mutmut show NAME" >&2
