@@ -213,3 +213,40 @@ def test_lr_at_warmup_then_cosine_per_epoch():
     assert got[:2] == [1e-5, 1e-5] and got[2:] == pytest.approx(cosine, rel=1e-12)
     assert got[2] == pytest.approx(2e-3)
     assert got[5] == pytest.approx(2e-3 * (1 + math.cos(math.pi / 2)) / 2)
+
+
+# ------------------------------------------------------------------ mutation survivors (mutate.sh)
+
+def test_resolve_precision_bf16_needs_a_gpu_that_supports_it(monkeypatch):
+    """bf16 on a CUDA device without bfloat16 support stops with advice; with support, or for the
+    other precisions, or on a CPU, it resolves; an unknown name lists the choices."""
+    import types
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(train.RunError, match="does not support bfloat16; use --precision fp16"):
+        train.resolve_precision("bf16", cuda)
+    assert train.resolve_precision("fp16", cuda) == "fp16" and train.resolve_precision("fp32", cuda) == "fp32"
+    assert train.resolve_precision("bf16", torch.device("cpu")) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert train.resolve_precision("bf16", cuda) == "bf16"
+    with pytest.raises(train.RunError, match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"):
+        train.resolve_precision("half", torch.device("cpu"))
+    # a config without eval_precision evaluates in fp32, whatever it trains in
+    assert train.eval_precision(types.SimpleNamespace(precision="bf16"), torch.device("cpu")) == "fp32"
+
+
+def test_epoch_batches_drop_the_last_partial_batch():
+    """10 items in batches of 4: two full batches of distinct items (the last 2 dropped, as Dassl);
+    fewer items than a batch: one batch of all of them."""
+    batches = train.epoch_batches(10, 4, 0)
+    assert [len(b) for b in batches] == [4, 4] and len(set(sum(batches, []))) == 8
+    assert sorted(sum(train.epoch_batches(3, 4, 0), [])) == [0, 1, 2]
+
+
+def test_scale_of_is_on_the_device_it_is_asked_for():
+    """A disabled scaler's 1 and a fresh scaler's first scale are made on the device given (here
+    torch's meta device, which needs no GPU), not on the CPU."""
+    meta = torch.device("meta")
+    off = train.scale_of(train.make_scaler(torch.device("cpu"), None), meta)
+    fresh = train.scale_of(train.make_scaler(torch.device("cpu"), torch.float16), meta)
+    assert off.device.type == fresh.device.type == "meta" and off.shape == fresh.shape == ()
