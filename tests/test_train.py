@@ -223,7 +223,8 @@ def test_resolve_precision_bf16_needs_a_gpu_that_supports_it(monkeypatch):
     import types
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    with pytest.raises(train.RunError, match="does not support bfloat16; use --precision fp16"):
+    with pytest.raises(train.RunError, match=r"^--precision bf16: this GPU does not support "
+                       r"bfloat16; use --precision fp16 \(or amp\)$"):
         train.resolve_precision("bf16", cuda)
     assert train.resolve_precision("fp16", cuda) == "fp16" and train.resolve_precision("fp32", cuda) == "fp32"
     assert train.resolve_precision("bf16", torch.device("cpu")) == "bf16"
@@ -250,3 +251,13 @@ def test_scale_of_is_on_the_device_it_is_asked_for():
     off = train.scale_of(train.make_scaler(torch.device("cpu"), None), meta)
     fresh = train.scale_of(train.make_scaler(torch.device("cpu"), torch.float16), meta)
     assert off.device.type == fresh.device.type == "meta" and off.shape == fresh.shape == ()
+
+
+# Equivalent mutants (mutate.sh), one line each:
+# matmul_weights: m.parameters(recurse=True / None) for a Linear or Conv2d (2 mutants): they have no
+#   sub-modules, so their own parameters are all there are (None reads as False).
+# epoch_batches: n > batch_size instead of >=: at n == batch_size the slice keeps all n either way.
+# train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
+#   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
+# Not mutated by mutmut 3 (it skips decorated functions): frozen_weights_in, evaluate; not run in
+#   time: train, resume (see the report of the run).
