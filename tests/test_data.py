@@ -1178,8 +1178,8 @@ def test_folder_split_messages_name_the_folder(tmp_path, capsys):
 
 
 def test_fewshot_split_samples_val_by_default(tmp_path):
-    """fewshot_split(folder, split, shots, seed): val is sampled too (min(shots, 4) per class) unless
-    sample_val=False, which keeps the val list as it is."""
+    """fewshot_split(folder, split, shots, seed): val is sampled too (min(shots, 4) per class)
+    unless sample_val=False, which keeps the val list as it is."""
     train = [(f"t{i}.png", i % 2, f"c{i % 2}") for i in range(12)]
     val = [(f"v{i}.png", i % 2, f"c{i % 2}") for i in range(10)]
     split = {"train": train, "val": val}
@@ -1199,7 +1199,8 @@ def test_fewshot_split_without_a_writable_cache_says_so_and_goes_on(tmp_path, mo
     split = {"train": [(f"t{i}.png", i % 2, "c") for i in range(6)], "val": []}
     assert len(data.fewshot_split(str(tmp_path), split, 1, 1)[0]) == 2
     path = tmp_path / data.FEWSHOT_DIR / "shot_1-seed_1.json"
-    assert f"note: could not cache the few-shot subset at {path} (read-only)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"note: could not cache the few-shot subset at {path} (read-only)" in err
 
 
 def test_subsample_classes_keeps_all_by_default():
@@ -1209,7 +1210,8 @@ def test_subsample_classes_keeps_all_by_default():
 
 def test_transform_default_size_is_clip_224():
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 60, 3), dtype=np.uint8))
-    assert data.train_transform()(image).shape == data.test_transform()(image).shape == (3, 224, 224)
+    assert data.train_transform()(image).shape == (3, 224, 224)
+    assert data.test_transform()(image).shape == (3, 224, 224)
 
 
 def test_to_rgb_scales_mode_i_above_255_and_clips_outside_16_bit():
@@ -1225,11 +1227,12 @@ def test_to_rgb_scales_mode_i_above_255_and_clips_outside_16_bit():
 
 
 # Equivalent mutants (mutate.sh), one line each:
-# fewshot_split: "train"/"val" keys of the fingerprinted source renamed (4 mutants): labels inside the
-#   hash only; this code alone writes and reads the cache, so any names draw and reuse alike.
+# fewshot_split: "train"/"val" keys of the fingerprinted source renamed (4 mutants): labels
+#   inside the hash only; this code alone writes and reads the cache, so any names draw and reuse alike.
 # fewshot_split: val fingerprinted also when sample_val is False: a new val list redraws train from
 #   the same seed, the same subsets (only the cache file is rewritten).
-# fewshot_split: the cache stores val when sample_val is False: a cache hit then returns split["val"].
+# fewshot_split: the cache stores val when sample_val is False: a cache hit then returns
+#   split["val"].
 # to_rgb: np.asarray without dtype=np.float64 (2 mutants): the division by 257.0 is float64 anyway.
 # to_rgb: .astype(None) instead of uint8: a float image of whole values 0..255 converts to the same
 #   RGB bytes.

@@ -226,14 +226,17 @@ def test_resolve_precision_bf16_needs_a_gpu_that_supports_it(monkeypatch):
     with pytest.raises(train.RunError, match=r"^--precision bf16: this GPU does not support "
                        r"bfloat16; use --precision fp16 \(or amp\)$"):
         train.resolve_precision("bf16", cuda)
-    assert train.resolve_precision("fp16", cuda) == "fp16" and train.resolve_precision("fp32", cuda) == "fp32"
+    assert train.resolve_precision("fp16", cuda) == "fp16"
+    assert train.resolve_precision("fp32", cuda) == "fp32"
     assert train.resolve_precision("bf16", torch.device("cpu")) == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert train.resolve_precision("bf16", cuda) == "bf16"
-    with pytest.raises(train.RunError, match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"):
+    with pytest.raises(train.RunError,
+                       match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"):
         train.resolve_precision("half", torch.device("cpu"))
     # a config without eval_precision evaluates in fp32, whatever it trains in
-    assert train.eval_precision(types.SimpleNamespace(precision="bf16"), torch.device("cpu")) == "fp32"
+    cfg = types.SimpleNamespace(precision="bf16")
+    assert train.eval_precision(cfg, torch.device("cpu")) == "fp32"
 
 
 def test_epoch_batches_drop_the_last_partial_batch():
