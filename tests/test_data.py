@@ -1163,7 +1163,8 @@ def test_google_drive_confirm_page_then_file(tmp_path, server):
 
 def test_folder_split_messages_name_the_folder(tmp_path, capsys):
     """The first run says on stderr how many classes it split and where the split went; a changed
-    folder's refusal starts with the folder's own path; a folder without class sub-folders says so."""
+    folder's refusal starts with the folder's own path; a folder without class sub-folders says
+    so."""
     folder = tmp_path / "fruit"
     data.build_dataset(fruit_folder(folder), None)
     split_file = folder / "split_folder.json"
@@ -1228,7 +1229,8 @@ def test_to_rgb_scales_mode_i_above_255_and_clips_outside_16_bit():
 
 # Equivalent mutants (mutate.sh), one line each:
 # fewshot_split: "train"/"val" keys of the fingerprinted source renamed (4 mutants): labels
-#   inside the hash only; this code alone writes and reads the cache, so any names draw and reuse alike.
+#   inside the hash only; this code alone writes and reads the cache, so any names draw and reuse
+#   alike.
 # fewshot_split: val fingerprinted also when sample_val is False: a new val list redraws train from
 #   the same seed, the same subsets (only the cache file is rewritten).
 # fewshot_split: the cache stores val when sample_val is False: a cache hit then returns
