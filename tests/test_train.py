@@ -256,6 +256,23 @@ def test_scale_of_is_on_the_device_it_is_asked_for():
     assert off.device.type == fresh.device.type == "meta" and off.shape == fresh.shape == ()
 
 
+def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_continues(tmp_path):
+    """A checkpoint written before precision and skipped_steps were recorded resumes (as this
+    run's precision, 0 skipped); one with skipped_steps returns them; the log line names the next
+    epoch (1-based) and the step."""
+    cpu, lin = torch.device("cpu"), torch.nn.Linear(2, 2)
+    opt, scaler = torch.optim.AdamW(lin.parameters()), train.make_scaler(torch.device("cpu"), None)
+    base = {"model": lin.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+            "epoch": 3, "step": 2}
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    torch.save(base, old)
+    torch.save({**base, "precision": "fp32", "skipped_steps": 5}, new)
+    logs = []
+    assert train.resume(str(old), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 0)
+    assert logs == [f"resuming from {old}: epoch 4, step 2"]
+    assert train.resume(str(new), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 5)
+
+
 # Equivalent mutants (mutate.sh), one line each:
 # matmul_weights: m.parameters(recurse=True / None) for a Linear or Conv2d (2 mutants): they have no
 #   sub-modules, so their own parameters are all there are (None reads as False).
@@ -263,4 +280,4 @@ def test_scale_of_is_on_the_device_it_is_asked_for():
 # train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
 #   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
 # Not mutated by mutmut 3 (it skips decorated functions): frozen_weights_in, evaluate; not run in
-#   time: train, resume (see the report of the run).
+#   time: train.
