@@ -19,6 +19,12 @@ TESTS[entropy.py]="tests/test_entropy.py"
 FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
   GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
   assign_role control_roles collect_statistics compute_roles"
+TESTS[train.py]="tests/test_train.py tests/test_precision.py"
+FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights_in
+  epoch_batches train_step make_scaler scale_of resume train evaluate"
+TESTS[data.py]="tests/test_data.py"
+FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
+  test_transform"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift
@@ -32,12 +38,17 @@ work=${MUTATE_DIR:-$(mktemp -d)}
 mkdir -p "$work"
 (cd "$here" && git ls-files --cached --others --exclude-standard -z | xargs -0 cp --parents -t "$work")
 name=${module%.py}
+# mutmut reads a list option one item a line
 cat > "$work/setup.cfg" <<CFG
 [mutmut]
 source_paths = .
 only_mutate = $module
-pytest_add_cli_args_test_selection = ${TESTS[$module]}
-pytest_add_cli_args = -p no:cacheprovider -q
+pytest_add_cli_args_test_selection =
+$(printf '    %s\n' ${TESTS[$module]})
+pytest_add_cli_args =
+    -p
+    no:cacheprovider
+    -q
 CFG
 globs=()
 for f in "${functions[@]}"; do  # mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
@@ -47,4 +58,5 @@ cd "$work"
 echo "mutate.sh: $module, ${#functions[@]} functions, tests ${TESTS[$module]}, in $work" >&2
 start=$(date +%s)
 mutmut run --max-children "${JOBS:-2}" "${globs[@]}" | tail -n +1
-echo "mutate.sh: $(( $(date +%s) - start )) s; survivors: cd $work && mutmut results; mutmut show NAME" >&2
+end=$(date +%s)  # (a $(( $(...) )) here was read as a command substitution)
+echo "mutate.sh: $((end - start)) s; survivors: cd $work && mutmut results; mutmut show NAME" >&2

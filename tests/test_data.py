@@ -1157,3 +1157,84 @@ def test_google_drive_confirm_page_then_file(tmp_path, server):
     server.routes["/drive?id=BLOCKED"] = ("text/html", b"<html>Quota exceeded</html>")
     with pytest.raises(download.DownloadError, match="drive.google.com/file/d/BLOCKED/view"):
         download.fetch_drive("BLOCKED", str(tmp_path / "x.json"), gdrive_url=server.url + "/drive")
+
+
+# ------------------------------------------------------------------ mutation survivors (mutate.sh)
+
+def test_folder_split_messages_name_the_folder(tmp_path, capsys):
+    """The first run says on stderr how many classes it split and where the split went; a changed
+    folder's refusal starts with the folder's own path; a folder without class sub-folders says
+    so."""
+    folder = tmp_path / "fruit"
+    data.build_dataset(fruit_folder(folder), None)
+    split_file = folder / "split_folder.json"
+    assert f"wrote the 3-class split of {folder} to {split_file}" in capsys.readouterr().err
+    make_image(str(folder / "plum" / "99.png"))
+    with pytest.raises(data.DataError) as err:
+        data.build_dataset(f"folder:{folder}", None)
+    assert str(err.value).startswith(f"{folder} no longer matches its split {split_file}")
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(data.DataError, match=r"bare has no class sub-folders\.\nExpected layout"):
+        data.build_dataset(f"folder:{tmp_path / 'bare'}", None)
+
+
+def test_fewshot_split_samples_val_by_default(tmp_path):
+    """fewshot_split(folder, split, shots, seed): val is sampled too (min(shots, 4) per class)
+    unless sample_val=False, which keeps the val list as it is."""
+    train = [(f"t{i}.png", i % 2, f"c{i % 2}") for i in range(12)]
+    val = [(f"v{i}.png", i % 2, f"c{i % 2}") for i in range(10)]
+    split = {"train": train, "val": val}
+    got_train, got_val = data.fewshot_split(str(tmp_path / "a"), split, 2, 1)
+    assert len(got_train) == 4 and len(got_val) == 4 and set(got_val) <= set(val)
+    kept = data.fewshot_split(str(tmp_path / "b"), split, 2, 1, sample_val=False)[1]
+    assert kept == val
+    # the second call of each reads the cache: the same val as the draw (sampled, or the list kept)
+    assert data.fewshot_split(str(tmp_path / "a"), split, 2, 1) == (got_train, got_val)
+    assert data.fewshot_split(str(tmp_path / "b"), split, 2, 1, sample_val=False)[1] == val
+
+
+def test_fewshot_split_without_a_writable_cache_says_so_and_goes_on(tmp_path, monkeypatch, capsys):
+    def refuse(path, *a, **k):
+        raise OSError("read-only")
+    monkeypatch.setattr(data, "write_json_atomic", refuse)
+    split = {"train": [(f"t{i}.png", i % 2, "c") for i in range(6)], "val": []}
+    assert len(data.fewshot_split(str(tmp_path), split, 1, 1)[0]) == 2
+    path = tmp_path / data.FEWSHOT_DIR / "shot_1-seed_1.json"
+    err = capsys.readouterr().err
+    assert f"note: could not cache the few-shot subset at {path} (read-only)" in err
+
+
+def test_subsample_classes_keeps_all_by_default():
+    items = [("a.png", 0, "a"), ("b.png", 1, "b"), ("c.png", 2, "c")]
+    assert data.subsample_classes(items, items[:1], items) == (items, items[:1], items)
+
+
+def test_transform_default_size_is_clip_224():
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    assert data.train_transform()(image).shape == (3, 224, 224)
+    assert data.test_transform()(image).shape == (3, 224, 224)
+
+
+def test_to_rgb_scales_mode_i_above_255_and_clips_outside_16_bit():
+    """Mode "I" holding 256 is scaled (256 / 257 -> 1, not PIL's clip to 255); values outside
+    0..65535 clip to 0 and 255 (a wrap-around through uint8 would give 254 and 0 or 16)."""
+    just_above = np.array([[0, 256]], dtype=np.int32)  # its maximum is 256
+    assert (np.asarray(data.to_rgb(Image.fromarray(just_above)))[..., 0] == [0, 1]).all()
+    levels = np.array([[0, 256], [-514, 65792]], dtype=np.int32)
+    got = np.asarray(data.to_rgb(Image.fromarray(levels)))[..., 0]
+    assert (got == np.array([[0, 1], [0, 255]], dtype=np.uint8)).all()
+    above = np.array([[70000, 257 * 7]], dtype=np.int32)  # 272 before the clip
+    assert (np.asarray(data.to_rgb(Image.fromarray(above)))[..., 2] == [255, 7]).all()
+
+
+# Equivalent mutants (mutate.sh), one line each:
+# fewshot_split: "train"/"val" keys of the fingerprinted source renamed (4 mutants): labels
+#   inside the hash only; this code alone writes and reads the cache, so any names draw and reuse
+#   alike.
+# fewshot_split: val fingerprinted also when sample_val is False: a new val list redraws train from
+#   the same seed, the same subsets (only the cache file is rewritten).
+# fewshot_split: the cache stores val when sample_val is False: a cache hit then returns
+#   split["val"].
+# to_rgb: np.asarray without dtype=np.float64 (2 mutants): the division by 257.0 is float64 anyway.
+# to_rgb: .astype(None) instead of uint8: a float image of whole values 0..255 converts to the same
+#   RGB bytes.

@@ -213,3 +213,71 @@ def test_lr_at_warmup_then_cosine_per_epoch():
     assert got[:2] == [1e-5, 1e-5] and got[2:] == pytest.approx(cosine, rel=1e-12)
     assert got[2] == pytest.approx(2e-3)
     assert got[5] == pytest.approx(2e-3 * (1 + math.cos(math.pi / 2)) / 2)
+
+
+# ------------------------------------------------------------------ mutation survivors (mutate.sh)
+
+def test_resolve_precision_bf16_needs_a_gpu_that_supports_it(monkeypatch):
+    """bf16 on a CUDA device without bfloat16 support stops with advice; with support, or for the
+    other precisions, or on a CPU, it resolves; an unknown name lists the choices."""
+    import types
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(train.RunError, match=r"^--precision bf16: this GPU does not support "
+                       r"bfloat16; use --precision fp16 \(or amp\)$"):
+        train.resolve_precision("bf16", cuda)
+    assert train.resolve_precision("fp16", cuda) == "fp16"
+    assert train.resolve_precision("fp32", cuda) == "fp32"
+    assert train.resolve_precision("bf16", torch.device("cpu")) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert train.resolve_precision("bf16", cuda) == "bf16"
+    with pytest.raises(train.RunError,
+                       match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"):
+        train.resolve_precision("half", torch.device("cpu"))
+    # a config without eval_precision evaluates in fp32, whatever it trains in
+    cfg = types.SimpleNamespace(precision="bf16")
+    assert train.eval_precision(cfg, torch.device("cpu")) == "fp32"
+
+
+def test_epoch_batches_drop_the_last_partial_batch():
+    """10 items in batches of 4: two full batches of distinct items (the last 2 dropped, as Dassl);
+    fewer items than a batch: one batch of all of them."""
+    batches = train.epoch_batches(10, 4, 0)
+    assert [len(b) for b in batches] == [4, 4] and len(set(sum(batches, []))) == 8
+    assert sorted(sum(train.epoch_batches(3, 4, 0), [])) == [0, 1, 2]
+
+
+def test_scale_of_is_on_the_device_it_is_asked_for():
+    """A disabled scaler's 1 and a fresh scaler's first scale are made on the device given (here
+    torch's meta device, which needs no GPU), not on the CPU."""
+    meta = torch.device("meta")
+    off = train.scale_of(train.make_scaler(torch.device("cpu"), None), meta)
+    fresh = train.scale_of(train.make_scaler(torch.device("cpu"), torch.float16), meta)
+    assert off.device.type == fresh.device.type == "meta" and off.shape == fresh.shape == ()
+
+
+def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_continues(tmp_path):
+    """A checkpoint written before precision and skipped_steps were recorded resumes (as this
+    run's precision, 0 skipped); one with skipped_steps returns them; the log line names the next
+    epoch (1-based) and the step."""
+    cpu, lin = torch.device("cpu"), torch.nn.Linear(2, 2)
+    opt, scaler = torch.optim.AdamW(lin.parameters()), train.make_scaler(torch.device("cpu"), None)
+    base = {"model": lin.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+            "epoch": 3, "step": 2}
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    torch.save(base, old)
+    torch.save({**base, "precision": "fp32", "skipped_steps": 5}, new)
+    logs = []
+    assert train.resume(str(old), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 0)
+    assert logs == [f"resuming from {old}: epoch 4, step 2"]
+    assert train.resume(str(new), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 5)
+
+
+# Equivalent mutants (mutate.sh), one line each:
+# matmul_weights: m.parameters(recurse=True / None) for a Linear or Conv2d (2 mutants): they have no
+#   sub-modules, so their own parameters are all there are (None reads as False).
+# epoch_batches: n > batch_size instead of >=: at n == batch_size the slice keeps all n either way.
+# train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
+#   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
+# Not mutated by mutmut 3 (it skips decorated functions): frozen_weights_in, evaluate; not run in
+#   time: train.
