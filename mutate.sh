@@ -19,6 +19,12 @@ TESTS[entropy.py]="tests/test_entropy.py"
 FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
   GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
   assign_role control_roles collect_statistics compute_roles"
+TESTS[dear.py]="tests/test_dear.py tests/test_pruning.py"
+FUNCTIONS[dear.py]="role_mask block_masks insert mix AttributeTokens.* DeAR.forward DeAR.frozen_prefix
+  DeAR.frozen_feature DeAR.token_blocks DeAR.image_features DeAR.encode_classes DeAR.set_classes
+  DeAR.alpha cosine_logits fuse reference_forward reference_images reference_classes dear_loss make_loss"
+TESTS[config.py]="tests/test_dear.py tests/test_runs.py"
+FUNCTIONS[config.py]="resolve check_numbers eval_beta default_J"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift
