@@ -38,12 +38,16 @@ work=${MUTATE_DIR:-$(mktemp -d)}
 mkdir -p "$work"
 (cd "$here" && git ls-files --cached --others --exclude-standard -z | xargs -0 cp --parents -t "$work")
 name=${module%.py}
-cat > "$work/setup.cfg" <<CFG
+cat > "$work/setup.cfg" <<CFG  # lists: one item a line
 [mutmut]
 source_paths = .
 only_mutate = $module
-pytest_add_cli_args_test_selection = ${TESTS[$module]}
-pytest_add_cli_args = -p no:cacheprovider -q
+pytest_add_cli_args_test_selection =
+$(printf '    %s\n' ${TESTS[$module]})
+pytest_add_cli_args =
+    -p
+    no:cacheprovider
+    -q
 CFG
 globs=()
 for f in "${functions[@]}"; do  # mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
