@@ -106,3 +106,18 @@ def test_forward_equals_reference_forward(attr_tokens):
         assert g_ours[0].abs().max() > 0
         for a, b in zip(g_ours, g_ref):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_text_side_in_half_precision_keeps_the_towers_dtype():
+    """A half-precision text tower (the fp16/bf16 evaluation's frozen weights): the fp32 text tokens
+    are cast to the tower's dtype before they enter, in the plain computation as in encode_classes,
+    and both agree."""
+    model = perturbed(DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6), seed=2)
+    model.clip.half()
+    model.set_classes(["red fox", "cat", "sea lion"], "a photo of a {}.")
+    t, t0 = reference_classes(model)
+    ours = model.encode_classes()
+    assert t.dtype == ours.dtype == torch.float16
+    assert torch.allclose(ours.float(), t.float(), atol=3e-3)
+    assert torch.allclose(model.t0.float(), t0.float(), atol=3e-3)
+    assert (t.float() - t0.float()).abs().max() > 0.05  # the tokens do change t
