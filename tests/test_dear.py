@@ -294,6 +294,26 @@ def test_loss_terms_on_hand_set_features():
     assert total.item() == pytest.approx(ce + 3.0 * (0.75 + 0.1) + 0.5 * math.log(2), rel=1e-6)
 
 
+def test_loss_regularisers_are_cosines_per_row():
+    """Three images, two classes, features of unequal norms: each regulariser is the mean over rows of
+    1 - cos(row, its frozen row), not a cosine down the batch (over dim 0) or of unnormalised dot products."""
+    out = {"f_cls": torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 3.0], [1.0, 1.0, 0.0]]),
+           "f0": torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 1.0, 0.0]]),
+           "t": torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]),
+           "fused": torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.0]])}
+    t0 = torch.tensor([[3.0, 4.0, 0.0], [0.0, 1.0, 1.0]])
+    s2 = math.sqrt(0.5)
+    reg_img = ((1 - s2) + (1 - s2) + (1 - s2)) / 3     # 45 degrees in every row
+    reg_txt = ((1 - 0.6) + (1 - s2)) / 2               # cos 3/5, then 45 degrees
+    alpha = torch.tensor([0.4, 0.2, 0.1, 0.1, 0.1, 0.1])
+    total, parts = dear.dear_loss(out, torch.tensor([0, 1, 1]), t0, alpha, lambda_reg=0.3,
+                                  lambda_fusion=2.0)
+    assert parts["reg_img"] == pytest.approx(reg_img, rel=1e-6)
+    assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-6)
+    ce = F.cross_entropy(out["fused"], torch.tensor([0, 1, 1])).item()
+    assert total.item() == pytest.approx(ce + 0.3 * (reg_img + reg_txt) - 2.0 * math.log(0.4), rel=1e-6)
+
+
 def test_harmonic_mean_by_hand():
     assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
     assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
