@@ -295,8 +295,9 @@ def test_loss_terms_on_hand_set_features():
 
 
 def test_loss_regularisers_are_cosines_per_row():
-    """Three images, two classes, features of unequal norms: each regulariser is the mean over rows of
-    1 - cos(row, its frozen row), not a cosine down the batch (over dim 0) or of unnormalised dot products."""
+    """Three images, two classes, features of unequal norms: each regulariser is the mean over rows
+    of 1 - cos(row, its frozen row), not a cosine down the batch (over dim 0) or of unnormalised
+    dot products."""
     out = {"f_cls": torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 3.0], [1.0, 1.0, 0.0]]),
            "f0": torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 1.0, 0.0]]),
            "t": torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]),
@@ -311,7 +312,8 @@ def test_loss_regularisers_are_cosines_per_row():
     assert parts["reg_img"] == pytest.approx(reg_img, rel=1e-6)
     assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-6)
     ce = F.cross_entropy(out["fused"], torch.tensor([0, 1, 1])).item()
-    assert total.item() == pytest.approx(ce + 0.3 * (reg_img + reg_txt) - 2.0 * math.log(0.4), rel=1e-6)
+    expected = ce + 0.3 * (reg_img + reg_txt) - 2.0 * math.log(0.4)
+    assert total.item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_harmonic_mean_by_hand():

@@ -124,9 +124,10 @@ def test_text_side_in_half_precision_keeps_the_towers_dtype():
 
 
 def test_text_side_without_tokens_is_the_frozen_text_feature():
-    """--no-attr-tokens: the plain computation's t is read at EOT itself (no K-place shift) and equals t^0
-    and encode_classes (the frozen features), for prompts of several lengths."""
+    """--no-attr-tokens: the plain computation's t is read at EOT itself (no K-place shift) and
+    equals t^0 and encode_classes (the frozen features), for prompts of several lengths."""
     model = DeAR(tiny_clip(text_layers=4), None, J=2, attr_tokens=False)
     model.set_classes(["red fox of the hills", "cat", "sea lion"], "a photo of a {}.")
     t, t0 = reference_classes(model)
-    assert torch.allclose(t, t0, atol=1e-6) and torch.allclose(t, model.encode_classes(), atol=1e-5)
+    assert torch.allclose(t, t0, atol=1e-6)
+    assert torch.allclose(t, model.encode_classes(), atol=1e-5)
