@@ -469,6 +469,36 @@ def test_schedule_values():
     assert runs.variant_name(dear.Config(dataset="dtd", protocol="fewshot", lr=2e-3)) == "default"
 
 
+def test_resolve_fills_only_what_is_missing():
+    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in the
+    table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
+    where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0)."""
+    assert dear.resolve(dear.Config(dataset="dtd")).backbone == "ViT-B/16"
+    assert dear.resolve(dear.Config(dataset="toyworld")).backbone == "toy"
+    other = dear.resolve(dear.Config(dataset="folder:/x"))
+    assert (other.beta, other.lambda_reg, other.crop_scale) == (0.9, 1.0, 0.5)
+    given = dear.resolve(dear.Config(dataset="dtd", lambda_reg=0.25, beta=0.35))
+    assert (given.beta, given.lambda_reg) == (0.35, 0.25)
+    assert dear.resolve(dear.Config(dataset="toyworld", crop_scale=0.3)).crop_scale == 0.3
+    assert dear.resolve(dear.Config(dataset="toyworld")).crop_scale == 1.0
+
+
+def test_refusals_name_the_flag_and_its_choices():
+    """A bad name of a field with an underscore: the message names its flag (dashes) and the choices,
+    exactly."""
+    with pytest.raises(ValueError) as err:
+        dear.resolve(dear.Config(novel_logits="attr"))
+    assert str(err.value) == "unknown --novel-logits 'attr'; choose fused, cls"
+
+
+def test_default_J_and_eval_beta_off_the_common_cases():
+    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n run
+    on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
+    assert config.default_J(6) == 5 and isinstance(config.default_J(6), int)
+    b2n = dear.resolve(dear.Config(dataset="imagenet", beta=0.35))
+    assert config.eval_beta(b2n, "dtd") == 0.35
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="text tower has only 2"):
         DeAR(tiny_clip(text_layers=2), roles_all("mixed"), J=2)
