@@ -469,10 +469,11 @@ def test_schedule_values():
     assert runs.variant_name(dear.Config(dataset="dtd", protocol="fewshot", lr=2e-3)) == "default"
 
 
-def test_resolve_fills_only_what_is_missing():
+def test_resolve_fills_only_what_is_missing(monkeypatch):
     """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in the
     table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
-    where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0)."""
+    where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0); data
+    loader workers min(4, CPUs) unless given."""
     assert dear.resolve(dear.Config(dataset="dtd")).backbone == "ViT-B/16"
     assert dear.resolve(dear.Config(dataset="toyworld")).backbone == "toy"
     other = dear.resolve(dear.Config(dataset="folder:/x"))
@@ -481,6 +482,10 @@ def test_resolve_fills_only_what_is_missing():
     assert (given.beta, given.lambda_reg) == (0.35, 0.25)
     assert dear.resolve(dear.Config(dataset="toyworld", crop_scale=0.3)).crop_scale == 0.3
     assert dear.resolve(dear.Config(dataset="toyworld")).crop_scale == 1.0
+    for cpus, workers in ((8, 4), (2, 2)):  # data loaders: at most 4, at most the CPUs
+        monkeypatch.setattr(config, "available_cpus", lambda: cpus)
+        assert dear.resolve(dear.Config()).workers == workers
+    assert dear.resolve(dear.Config(workers=0)).workers == 0
 
 
 def test_refusals_name_the_flag_and_its_choices():
@@ -734,3 +739,22 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
                     (2, n, half), (3, n, half), ("ln_post", (), half),   # f^0 as before
                     (2, n + K, f32), (3, n + K, f32),               # blocks J..L with the tokens
                     ("ln_post", (), f32), ("ln_post", (K,), f32)]   # f_cls, f_attr
+
+
+# Equivalent mutants (mutate.sh): survivors that no input can tell apart from the real code.
+# - dear.py, every F.normalize(..., dim=-1) on a 2-D tensor ([B, E] or [C, E]) turned into dim=+1
+#   or the default (dim=1): reference_images 8, 18, 67, 70; reference_classes 8, 23, 65, 74;
+#   image_features 13, 14 (f_cls); encode_classes 76, 77; cosine_logits 17, 18 (t).
+# - dear.py dear_loss 21, 26, 36, 39: F.cosine_similarity's dim=-1 turned into +1 or the default
+#   (1) on the 2-D features [B, E] and [C, E].
+# - dear.py reference_classes 21, 72: tokens.argmax(-1) -> argmax(+1) on the 2-D ids [C, T].
+# - dear.py reference_images 12, reference_classes 15: run_blocks(x, 0, None): end None runs to
+#   the last block, which is model.L (model.Lt).
+# - dear.py dear_loss 4, 5: autocast(enabled=False) -> enabled (True): no op of the loss autocasts
+#   to half precision (cross_entropy and cosine_similarity are fp32 ops of autocast on CUDA; on a
+#   CPU none of them is listed), so the values are the same bit for bit.
+# - dear.py fuse 13: einsum "K,BKC->BC" is the same contraction as "k,bkc->bc".
+# - dear.py image_features 8: x[:, 1:2 + K] on x [B, 1 + K, D] (token_blocks returns CLS and the
+#   K tokens only) is x[:, 1:1 + K].
+# - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
+#   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
