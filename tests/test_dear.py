@@ -758,3 +758,4 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 #   K tokens only) is x[:, 1:1 + K].
 # - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
 #   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
+# - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).

@@ -131,3 +131,14 @@ def test_text_side_without_tokens_is_the_frozen_text_feature():
     t, t0 = reference_classes(model)
     assert torch.allclose(t, t0, atol=1e-6)
     assert torch.allclose(t, model.encode_classes(), atol=1e-5)
+
+
+def test_last_block_computes_only_the_rows_read():
+    """Shortcut 1 on the image side: token_blocks returns CLS and the K tokens only, [B, 1+K, D],
+    with the values of the plain computation's first 1+K rows."""
+    model = perturbed(DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7), seed=3)
+    images = torch.randn(2, 3, 32, 32)
+    x = model.token_blocks(model.frozen_prefix(images))
+    assert x.shape == (2, 1 + K, model.clip.visual.transformer.width)
+    f_cls, f_attr, _ = reference_images(model, images)
+    assert torch.allclose(F.normalize(model.clip.visual.head(x[:, 0]), dim=-1), f_cls, atol=1e-5)
