@@ -759,3 +759,5 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 # - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
 #   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
 # - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
+# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats every
+#   variant other than "none" and "generalization-only" as "role" (resolve refuses other names).
