@@ -65,6 +65,19 @@ def test_mask_variants():
     assert full.shape == (H, 1 + K + P, 1 + K + P)
 
 
+def test_block_masks_one_per_block_with_the_variant():
+    """block_masks: one mask per block first..L-1, each block its own roles under the given variant;
+    --mask none: exactly one None per block."""
+    shape = roles_all("attribute", "shape")
+    roles = {l: mixed_roles()[1] if l % 2 else shape[l] for l in range(1, 5)}
+    masks = dear.block_masks(roles, 1, 4, P, "generalization-only")
+    assert len(masks) == 3
+    for b, m in zip(range(1, 4), masks):
+        assert torch.equal(m, role_mask(roles[b + 1], P, "generalization-only"))
+    assert not torch.equal(masks[1], role_mask(roles[3], P, "role"))
+    assert dear.block_masks(roles, 1, 4, P, "none") == [None] * 3
+
+
 def test_mask_none_equals_plain_insertion():
     """--mask none and an all-mixed role table give the same features as inserting tokens with no mask."""
     clip_model = tiny_clip(text_layers=3)
@@ -761,3 +774,5 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 # - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
 # - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats every
 #   variant other than "none" and "generalization-only" as "role" (resolve refuses other names).
+# - dear.py role_mask 85: torch.zeros(L, L) broadcasts to [H, L, L] in masked_fill; 95: "-INF" is
+#   float("-inf").
