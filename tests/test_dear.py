@@ -493,6 +493,8 @@ def test_resolve_fills_only_what_is_missing(monkeypatch):
     assert (other.beta, other.lambda_reg, other.crop_scale) == (0.9, 1.0, 0.5)
     given = dear.resolve(dear.Config(dataset="dtd", lambda_reg=0.25, beta=0.35))
     assert (given.beta, given.lambda_reg) == (0.35, 0.25)
+    kept = dear.resolve(dear.Config(dataset="dtd", batch_size=7, warmup_epochs=3))  # table: 4, 1
+    assert (kept.batch_size, kept.warmup_epochs) == (7, 3)
     assert dear.resolve(dear.Config(dataset="toyworld", crop_scale=0.3)).crop_scale == 0.3
     assert dear.resolve(dear.Config(dataset="toyworld")).crop_scale == 1.0
     for cpus, workers in ((8, 4), (2, 2)):  # data loaders: at most 4, at most the CPUs
