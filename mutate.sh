@@ -25,6 +25,12 @@ FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmu
 TESTS[data.py]="tests/test_data.py"
 FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
   test_transform"
+TESTS[dear.py]="tests/test_dear.py tests/test_pruning.py"
+FUNCTIONS[dear.py]="role_mask block_masks insert mix AttributeTokens.* DeAR.forward DeAR.frozen_prefix
+  DeAR.frozen_feature DeAR.token_blocks DeAR.image_features DeAR.encode_classes DeAR.set_classes
+  DeAR.alpha cosine_logits fuse reference_forward reference_images reference_classes dear_loss make_loss"
+TESTS[config.py]="tests/test_dear.py tests/test_runs.py"
+FUNCTIONS[config.py]="resolve check_numbers eval_beta default_J"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift

@@ -66,6 +66,19 @@ def test_mask_variants():
     assert full.shape == (H, 1 + K + P, 1 + K + P)
 
 
+def test_block_masks_one_per_block_with_the_variant():
+    """block_masks: one mask per block first..L-1, each block its own roles under the given variant;
+    --mask none: exactly one None per block."""
+    shape = roles_all("attribute", "shape")
+    roles = {l: mixed_roles()[1] if l % 2 else shape[l] for l in range(1, 5)}
+    masks = dear.block_masks(roles, 1, 4, P, "generalization-only")
+    assert len(masks) == 3
+    for b, m in zip(range(1, 4), masks):
+        assert torch.equal(m, role_mask(roles[b + 1], P, "generalization-only"))
+    assert not torch.equal(masks[1], role_mask(roles[3], P, "role"))
+    assert dear.block_masks(roles, 1, 4, P, "none") == [None] * 3
+
+
 def test_mask_none_equals_plain_insertion():
     """--mask none and an all-mixed role table give the same features as inserting tokens with no mask."""
     clip_model = tiny_clip(text_layers=3)
@@ -295,6 +308,28 @@ def test_loss_terms_on_hand_set_features():
     assert total.item() == pytest.approx(ce + 3.0 * (0.75 + 0.1) + 0.5 * math.log(2), rel=1e-6)
 
 
+def test_loss_regularisers_are_cosines_per_row():
+    """Three images, two classes, features of unequal norms: each regulariser is the mean over rows
+    of 1 - cos(row, its frozen row), not a cosine down the batch (over dim 0) or of unnormalised
+    dot products."""
+    out = {"f_cls": torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 3.0], [1.0, 1.0, 0.0]]),
+           "f0": torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 1.0, 0.0]]),
+           "t": torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]),
+           "fused": torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.0]])}
+    t0 = torch.tensor([[3.0, 4.0, 0.0], [0.0, 1.0, 1.0]])
+    s2 = math.sqrt(0.5)
+    reg_img = ((1 - s2) + (1 - s2) + (1 - s2)) / 3     # 45 degrees in every row
+    reg_txt = ((1 - 0.6) + (1 - s2)) / 2               # cos 3/5, then 45 degrees
+    alpha = torch.tensor([0.4, 0.2, 0.1, 0.1, 0.1, 0.1])
+    total, parts = dear.dear_loss(out, torch.tensor([0, 1, 1]), t0, alpha, lambda_reg=0.3,
+                                  lambda_fusion=2.0)
+    assert parts["reg_img"] == pytest.approx(reg_img, rel=1e-6)
+    assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-6)
+    ce = F.cross_entropy(out["fused"], torch.tensor([0, 1, 1])).item()
+    expected = ce + 0.3 * (reg_img + reg_txt) - 2.0 * math.log(0.4)
+    assert total.item() == pytest.approx(expected, rel=1e-6)
+
+
 def test_harmonic_mean_by_hand():
     assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
     assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
@@ -446,6 +481,43 @@ def test_schedule_values():
     toy = dear.resolve(dear.Config(dataset="toyworld", protocol="fewshot"))
     assert (toy.epochs, toy.batch_size, toy.lr) == (50, 32, 1e-3)
     assert runs.variant_name(dear.Config(dataset="dtd", protocol="fewshot", lr=2e-3)) == "default"
+
+
+def test_resolve_fills_only_what_is_missing(monkeypatch):
+    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in the
+    table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
+    where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0); data
+    loader workers min(4, CPUs) unless given."""
+    assert dear.resolve(dear.Config(dataset="dtd")).backbone == "ViT-B/16"
+    assert dear.resolve(dear.Config(dataset="toyworld")).backbone == "toy"
+    other = dear.resolve(dear.Config(dataset="folder:/x"))
+    assert (other.beta, other.lambda_reg, other.crop_scale) == (0.9, 1.0, 0.5)
+    given = dear.resolve(dear.Config(dataset="dtd", lambda_reg=0.25, beta=0.35))
+    assert (given.beta, given.lambda_reg) == (0.35, 0.25)
+    kept = dear.resolve(dear.Config(dataset="dtd", batch_size=7, warmup_epochs=3))  # table: 4, 1
+    assert (kept.batch_size, kept.warmup_epochs) == (7, 3)
+    assert dear.resolve(dear.Config(dataset="toyworld", crop_scale=0.3)).crop_scale == 0.3
+    assert dear.resolve(dear.Config(dataset="toyworld")).crop_scale == 1.0
+    for cpus, workers in ((8, 4), (2, 2)):  # data loaders: at most 4, at most the CPUs
+        monkeypatch.setattr(config, "available_cpus", lambda: cpus)
+        assert dear.resolve(dear.Config()).workers == workers
+    assert dear.resolve(dear.Config(workers=0)).workers == 0
+
+
+def test_refusals_name_the_flag_and_its_choices():
+    """A bad name of a field with an underscore: the message names its flag (dashes) and the choices,
+    exactly."""
+    with pytest.raises(ValueError) as err:
+        dear.resolve(dear.Config(novel_logits="attr"))
+    assert str(err.value) == "unknown --novel-logits 'attr'; choose fused, cls"
+
+
+def test_default_J_and_eval_beta_off_the_common_cases():
+    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n run
+    on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
+    assert config.default_J(6) == 5 and isinstance(config.default_J(6), int)
+    b2n = dear.resolve(dear.Config(dataset="imagenet", beta=0.35))
+    assert config.eval_beta(b2n, "dtd") == 0.35
 
 
 def test_bad_values_are_refused():
@@ -683,3 +755,27 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
                     (2, n, half), (3, n, half), ("ln_post", (), half),   # f^0 as before
                     (2, n + K, f32), (3, n + K, f32),               # blocks J..L with the tokens
                     ("ln_post", (), f32), ("ln_post", (K,), f32)]   # f_cls, f_attr
+
+
+# Equivalent mutants (mutate.sh): survivors that no input can tell apart from the real code.
+# - dear.py, every F.normalize(..., dim=-1) on a 2-D tensor ([B, E] or [C, E]) turned into dim=+1
+#   or the default (dim=1): reference_images 8, 18, 67, 70; reference_classes 8, 23, 65, 74;
+#   image_features 13, 14 (f_cls); encode_classes 76, 77; cosine_logits 17, 18 (t).
+# - dear.py dear_loss 21, 26, 36, 39: F.cosine_similarity's dim=-1 turned into +1 or the default
+#   (1) on the 2-D features [B, E] and [C, E].
+# - dear.py reference_classes 21, 72: tokens.argmax(-1) -> argmax(+1) on the 2-D ids [C, T].
+# - dear.py reference_images 12, reference_classes 15: run_blocks(x, 0, None): end None runs to
+#   the last block, which is model.L (model.Lt).
+# - dear.py dear_loss 4, 5: autocast(enabled=False) -> enabled (True): no op of the loss autocasts
+#   to half precision (cross_entropy and cosine_similarity are fp32 ops of autocast on CUDA; on a
+#   CPU none of them is listed), so the values are the same bit for bit.
+# - dear.py fuse 13: einsum "K,BKC->BC" is the same contraction as "k,bkc->bc".
+# - dear.py image_features 8: x[:, 1:2 + K] on x [B, 1 + K, D] (token_blocks returns CLS and the
+#   K tokens only) is x[:, 1:1 + K].
+# - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
+#   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
+# - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
+# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats every
+#   variant other than "none" and "generalization-only" as "role" (resolve refuses other names).
+# - dear.py role_mask 85: torch.zeros(L, L) broadcasts to [H, L, L] in masked_fill; 95: "-INF" is
+#   float("-inf").

@@ -106,3 +106,39 @@ def test_forward_equals_reference_forward(attr_tokens):
         assert g_ours[0].abs().max() > 0
         for a, b in zip(g_ours, g_ref):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_text_side_in_half_precision_keeps_the_towers_dtype():
+    """A half-precision text tower (the fp16/bf16 evaluation's frozen weights): the fp32 text tokens
+    are cast to the tower's dtype before they enter, in the plain computation as in encode_classes,
+    and both agree."""
+    model = perturbed(DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6), seed=2)
+    model.clip.half()
+    model.set_classes(["red fox", "cat", "sea lion"], "a photo of a {}.")
+    t, t0 = reference_classes(model)
+    ours = model.encode_classes()
+    assert t.dtype == ours.dtype == torch.float16
+    assert torch.allclose(ours.float(), t.float(), atol=3e-3)
+    assert torch.allclose(model.t0.float(), t0.float(), atol=3e-3)
+    assert (t.float() - t0.float()).abs().max() > 0.05  # the tokens do change t
+
+
+def test_text_side_without_tokens_is_the_frozen_text_feature():
+    """--no-attr-tokens: the plain computation's t is read at EOT itself (no K-place shift) and
+    equals t^0 and encode_classes (the frozen features), for prompts of several lengths."""
+    model = DeAR(tiny_clip(text_layers=4), None, J=2, attr_tokens=False)
+    model.set_classes(["red fox of the hills", "cat", "sea lion"], "a photo of a {}.")
+    t, t0 = reference_classes(model)
+    assert torch.allclose(t, t0, atol=1e-6)
+    assert torch.allclose(t, model.encode_classes(), atol=1e-5)
+
+
+def test_last_block_computes_only_the_rows_read():
+    """Shortcut 1 on the image side: token_blocks returns CLS and the K tokens only, [B, 1+K, D],
+    with the values of the plain computation's first 1+K rows."""
+    model = perturbed(DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7), seed=3)
+    images = torch.randn(2, 3, 32, 32)
+    x = model.token_blocks(model.frozen_prefix(images))
+    assert x.shape == (2, 1 + K, model.clip.visual.transformer.width)
+    f_cls, f_attr, _ = reference_images(model, images)
+    assert torch.allclose(F.normalize(model.clip.visual.head(x[:, 0]), dim=-1), f_cls, atol=1e-5)
