@@ -19,9 +19,11 @@ roles file. Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.f
 `block_masks` reads the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
 is a flag; see README.md, "Where this reproduction had to choose".
 """
+
 import copy
 import json
 import os
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import sys
 
@@ -34,7 +36,6 @@ import runs
 from clip.model import length_buckets
 from config import Config, parse_args, resolve  # noqa: F401  (resolve: run_all.sh's dear.resolve)
 from runs import run_dir  # noqa: F401  run_all.sh asks dear.py where a run writes (dear.run_dir)
-from train import RunError
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
@@ -73,8 +74,8 @@ def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
 def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
     """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of
     block l-1). x: [B, L, D]; fresh: [K, D]. A new tensor (no in-place write, simple autograd)."""
-    tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1:1 + K]  # [B, K, D]
-    return torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
+    tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1 : 1 + K]  # [B, K, D]
+    return torch.cat([x[:, :1], tokens, x[:, 1 + K :]], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
     """
     H, L = len(head_roles), 1 + K + num_patches
     allowed = torch.ones(H, L, L, dtype=torch.bool)
-    attr = torch.arange(1, 1 + K)                   # positions of the attribute tokens
+    attr = torch.arange(1, 1 + K)  # positions of the attribute tokens
     orig = torch.tensor([0] + list(range(1 + K, L)))  # CLS and patches
     eye = torch.eye(K, dtype=torch.bool)
     for h, entry in enumerate(head_roles):
@@ -104,13 +105,13 @@ def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tens
         if variant == "none" or role == "mixed" or as_mixed:
             continue
         a = allowed[h]
-        a[attr[:, None], :] = False                  # attribute rows: nothing ...
-        a[:, attr] = False                           # ... and attribute columns: nobody,
-        a[attr[:, None], attr[None, :]] = eye        # except each token itself.
+        a[attr[:, None], :] = False  # attribute rows: nothing ...
+        a[:, attr] = False  # ... and attribute columns: nobody,
+        a[attr[:, None], attr[None, :]] = eye  # except each token itself.
         if role == "attribute":
             i = 1 + ATTRIBUTES.index(entry["attribute"])
-            a[i, orig] = True                        # attr_a reads the originals
-            a[orig, i] = True                        # the originals read attr_a
+            a[i, orig] = True  # attr_a reads the originals
+            a[orig, i] = True  # the originals read attr_a
     mask = torch.zeros(H, L, L)
     return mask.masked_fill(~allowed, float("-inf"))
 
@@ -136,8 +137,17 @@ class DeAR(nn.Module):
     once per block; 3. prompts run in groups of similar length, padded only to their group's
     longest; 4. blocks 1..J-1 run once for f^0 and f_cls, and once per class list for the text."""
 
-    def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
-                 alpha_cls=0.7):
+    def __init__(
+        self,
+        clip_model,
+        roles,
+        J=9,
+        beta=0.9,
+        rep_dim=512,
+        mask="role",
+        attr_tokens=True,
+        alpha_cls=0.7,
+    ):
         super().__init__()
         self.clip = clip_model.eval()
         for p in self.clip.parameters():
@@ -151,8 +161,9 @@ class DeAR(nn.Module):
         self.Lt = clip_model.transformer.layers
         self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
         if self.first_text < 0:
-            raise ValueError(f"J = {J} puts tokens in {n} blocks, but the text tower has only "
-                             f"{self.Lt}")
+            raise ValueError(
+                f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}"
+            )
         widths = visual.transformer.width, clip_model.transformer.width
         self.tokens = AttributeTokens(n, rep_dim, *widths)
         self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
@@ -196,20 +207,31 @@ class DeAR(nn.Module):
         fused logits [B, C] and the features the loss reads. The towers may run under autocast; the
         head is fp32."""
         scale = self.clip.logit_scale
-        t = self.encode_classes() if t is None else t       # [C, E]     t: text tokens in J..L
-        x = self.frozen_prefix(images)                      # [B, 1+P, D]  blocks 1..J-1, frozen
+        t = self.encode_classes() if t is None else t  # [C, E]     t: text tokens in J..L
+        x = self.frozen_prefix(images)  # [B, 1+P, D]  blocks 1..J-1, frozen
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
-        if not self.use_tokens:                             # zero-shot CLIP: f^0 alone
+        if not self.use_tokens:  # zero-shot CLIP: f^0 alone
             logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
-            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(),
-                    "t": t}
-        x = self.token_blocks(x)                            # [B, 1+K, D]  tokens from J, role masks
-        f_cls, f_attr = self.image_features(x)              # [B, E], [B, K, E]
+            return {
+                "logits": logits,
+                "fused": logits[:, 0],
+                "f_cls": feats[:, 0],
+                "f0": f0.float(),
+                "t": t,
+            }
+        x = self.token_blocks(x)  # [B, 1+K, D]  tokens from J, role masks
+        f_cls, f_attr = self.image_features(x)  # [B, E], [B, K, E]
         feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
-        logits, feats, t = cosine_logits(feats, t, scale)   # [B, 1+K, C]  the six logit sets
-        fused = fuse(logits, self.alpha())                  # [B, C]       sum_k alpha_k logits_k
-        return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": feats[:, 1:],
-                "f0": None if f0 is None else f0.float(), "t": t}
+        logits, feats, t = cosine_logits(feats, t, scale)  # [B, 1+K, C]  the six logit sets
+        fused = fuse(logits, self.alpha())  # [B, C]       sum_k alpha_k logits_k
+        return {
+            "logits": logits,
+            "fused": fused,
+            "f_cls": feats[:, 0],
+            "f_attr": feats[:, 1:],
+            "f0": None if f0 is None else f0.float(),
+            "t": t,
+        }
 
     # --- the image side --------------------------------------------------------------------------
     @torch.no_grad()  # blocks 1..J-1 never change: no autograd
@@ -235,18 +257,18 @@ class DeAR(nn.Module):
         residual adds and LayerNorm inputs are fp32), whatever the prefix's dtype."""
         x = x.float()
         for i, b in enumerate(range(self.first, self.L)):
-            fresh = self.tokens.vision(i).float()                       # [K, D]
+            fresh = self.tokens.vision(i).float()  # [K, D]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
-            rows = slice(0, 1 + K) if b == self.L - 1 else None         # last block: [B, 1+K, D]
-            mask = getattr(self, f"mask_{i}")                           # [H, 1+K+P, 1+K+P] or None
+            rows = slice(0, 1 + K) if b == self.L - 1 else None  # last block: [B, 1+K, D]
+            mask = getattr(self, f"mask_{i}")  # [H, 1+K+P, 1+K+P] or None
             x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=mask, rows=rows)
         return x
 
     def image_features(self, x):
         """f_cls [B, E] (CLS through the frozen ln_post and proj) and f_attr [B, K, E] (the K tokens
         through ln_post and the trainable P_attr), normalised. x [B, 1+K, D]."""
-        f_cls = self.clip.visual.head(x[:, 0])                          # [B, E]
-        f_attr = self.clip.visual.ln_post(x[:, 1:1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
+        f_cls = self.clip.visual.head(x[:, 0])  # [B, E]
+        f_attr = self.clip.visual.ln_post(x[:, 1 : 1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
         return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
 
     def encode_images(self, images, with_frozen=False):
@@ -276,19 +298,19 @@ class DeAR(nn.Module):
         device = self.P_attr.device
         m = self.clip
         tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
-        eot = tokens.argmax(-1)                                   # [C] EOT has the largest id
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)    # [T] 1 while all prompts agree
-        S = min(int(same.sum()), int(eot.min()))                  # keep at least EOT per class
+        eot = tokens.argmax(-1)  # [C] EOT has the largest id
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T] 1 while all prompts agree
+        S = min(int(same.sum()), int(eot.min()))  # keep at least EOT per class
         groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):            # EOTs at rows [r] (<= n)
+        for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows [r] (<= n)
             x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
             frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
-            t0.append(m.text_head(frozen, pick))                  # [c, E]
-            groups.append((idx, x[:, S:], rows - S, pick))        # [c, n + 1 - S, W]
+            t0.append(m.text_head(frozen, pick))  # [c, E]
+            groups.append((idx, x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
             order.append(idx)
-            self.text_shared = x[:1, :S]                          # [1, S, W], equal in every group
+            self.text_shared = x[:1, :S]  # [1, S, W], equal in every group
         self.text_groups = groups
-        self.text_order = torch.cat(order).argsort()                    # group order -> class order
+        self.text_order = torch.cat(order).argsort()  # group order -> class order
         self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
         self.prompt_tokens, self.classnames = tokens, list(classnames)
 
@@ -299,16 +321,18 @@ class DeAR(nn.Module):
         if not self.use_tokens:
             return self.t0
         m, groups = self.clip, self.text_groups
-        shared = self.text_shared                                 # [1, S, W]: [SOT, common words]
-        parts = [x for _, x, _, _ in groups]                      # [c, n, W]: the rest of a prompt
+        shared = self.text_shared  # [1, S, W]: [SOT, common words]
+        parts = [x for _, x, _, _ in groups]  # [c, n, W]: the rest of a prompt
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(shared.dtype)          # [K, W]
+            fresh = self.tokens.text(i).to(shared.dtype)  # [K, W]
             # [1, S + K, W]: [SOT, t_1..t_K, common words]; the tokens see SOT and earlier tokens,
             # the words after them see them
             shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)
             last = b == self.Lt - 1
-            parts = [m.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
-                     for x, g in zip(parts, groups)]              # causal over [shared, x]
+            parts = [
+                m.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
+                for x, g in zip(parts, groups)
+            ]  # causal over [shared, x]
             if not last:
                 shared = m.run_text_blocks(shared, b, b + 1)
         t = torch.cat([m.text_head(x, g[3]) for x, g in zip(parts, groups)])  # [C, E]
@@ -322,8 +346,8 @@ def cosine_logits(feats, t, logit_scale):
     logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half
     precision close classes would tie or swap. Returns the logits and the fp32 features."""
     with torch.autocast(feats.device.type, enabled=False):
-        feats = F.normalize(feats.float(), dim=-1)                # [B, S, E]
-        t = F.normalize(t.float(), dim=-1)                        # [C, E]
+        feats = F.normalize(feats.float(), dim=-1)  # [B, S, E]
+        t = F.normalize(t.float(), dim=-1)  # [C, E]
         return logit_scale.float().exp() * feats @ t.t(), feats, t  # [B, S, C]
 
 
@@ -345,30 +369,43 @@ def reference_forward(model, images, with_frozen=True):
     f_cls, f_attr, f0 = reference_images(model, images)
     if not model.use_tokens:
         logits, feats, t = cosine_logits(f0.unsqueeze(1), t0, model.clip.logit_scale)
-        return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t,
-                "t0": t0}
-    feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)                  # [B, 1+K, E]
+        return {
+            "logits": logits,
+            "fused": logits[:, 0],
+            "f_cls": feats[:, 0],
+            "f0": f0,
+            "t": t,
+            "t0": t0,
+        }
+    feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
     logits, feats, t = cosine_logits(feats, t, model.clip.logit_scale)
-    return {"logits": logits, "fused": fuse(logits, model.alpha()), "f_cls": feats[:, 0],
-            "f_attr": feats[:, 1:], "f0": f0 if with_frozen else None, "t": t, "t0": t0}
+    return {
+        "logits": logits,
+        "fused": fuse(logits, model.alpha()),
+        "f_cls": feats[:, 0],
+        "f_attr": feats[:, 1:],
+        "f0": f0 if with_frozen else None,
+        "t": t,
+        "t0": t0,
+    }
 
 
 def reference_images(model, images):
     """f_cls [B, E], f_attr [B, K, E] and f^0 [B, E], normalised: every block on every position."""
     visual = model.clip.visual
-    x = visual.embed(images)                                            # [B, 1+P, D]
+    x = visual.embed(images)  # [B, 1+P, D]
     f0 = F.normalize(visual.head(visual.run_blocks(x, 0, model.L)[:, 0]), dim=-1)
     for b in range(model.L):
-        i = b - model.first                                             # < 0: before block J
+        i = b - model.first  # < 0: before block J
         if i >= 0:
-            fresh = model.tokens.vision(i).float()                      # [K, D]
+            fresh = model.tokens.vision(i).float()  # [K, D]
             x = insert(x.float(), fresh) if i == 0 else mix(x, fresh, model.beta)  # [B, 1+K+P, D]
         mask = getattr(model, f"mask_{i}") if i >= 0 else None
-        x = visual.run_blocks(x, b, b + 1, attn_mask=mask)              # every position
+        x = visual.run_blocks(x, b, b + 1, attn_mask=mask)  # every position
     if not model.use_tokens:
         return f0, None, f0
     f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
-    f_attr = F.normalize(visual.ln_post(x[:, 1:1 + K]) @ model.P_attr, dim=-1)
+    f_attr = F.normalize(visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr, dim=-1)
     return f_cls, f_attr, f0
 
 
@@ -376,16 +413,16 @@ def reference_classes(model):
     """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context
     length, through every text block on every position (causal), the K tokens after SOT from block J
     on."""
-    m, tokens = model.clip, model.prompt_tokens                        # [C, T]
-    x = m.embed_text(tokens)                                            # [C, T, W]
+    m, tokens = model.clip, model.prompt_tokens  # [C, T]
+    x = m.embed_text(tokens)  # [C, T, W]
     t0 = F.normalize(m.text_head(m.run_text_blocks(x, 0, model.Lt), tokens.argmax(-1)), dim=-1)
     for b in range(model.Lt):
         i = b - model.first_text
         if i >= 0 and model.use_tokens:
-            fresh = model.tokens.text(i).to(x.dtype)                    # [K, W]
+            fresh = model.tokens.text(i).to(x.dtype)  # [K, W]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, model.beta)  # [C, T + K, W]
         x = m.run_text_blocks(x, b, b + 1)
-    shift = K if model.use_tokens else 0                                # tokens move EOT K places
+    shift = K if model.use_tokens else 0  # tokens move EOT K places
     return F.normalize(m.text_head(x, tokens.argmax(-1) + shift), dim=-1), t0
 
 
@@ -409,14 +446,24 @@ def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
 
 def make_model(clip_model, roles, cfg: Config) -> DeAR:
     """The model of a run (runs.run calls it with the backbone and the head roles it loaded)."""
-    return DeAR(clip_model, roles, J=cfg.J, beta=cfg.beta, rep_dim=cfg.rep_dim, mask=cfg.mask,
-                attr_tokens=cfg.method == "dear" and cfg.attr_tokens, alpha_cls=cfg.alpha_cls)
+    return DeAR(
+        clip_model,
+        roles,
+        J=cfg.J,
+        beta=cfg.beta,
+        rep_dim=cfg.rep_dim,
+        mask=cfg.mask,
+        attr_tokens=cfg.method == "dear" and cfg.attr_tokens,
+        alpha_cls=cfg.alpha_cls,
+    )
 
 
 def make_loss(cfg: Config):
     """The DeAR loss with a run's weights, as train.train calls it: loss_fn(model, out, labels)."""
+
     def loss_fn(model, out, labels):
         return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+
     return loss_fn
 
 
@@ -437,8 +484,10 @@ def main(argv=None):
         print(f"\n{e}", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining)
-        print("\ninterrupted: nothing was kept; rerun the same command to start again",
-              file=sys.stderr)
+        print(
+            "\ninterrupted: nothing was kept; rerun the same command to start again",
+            file=sys.stderr,
+        )
         sys.exit(130)
     line = {e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}
     if "hm" in results:  # base-to-novel

@@ -12,11 +12,13 @@ which dear.py jobs fill them; this file does the rest, in one Python process:
 Called only by run_all.sh (`bash run_all.sh --help` is the user's documentation); its command line
 is run_all.sh's private interface. Messages start with "run_all.sh:": that is what the user ran.
 """
+
 import argparse
 import errno
 import importlib.util
 import io
 import os
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import re
 import shlex
@@ -30,7 +32,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PLAIN = re.compile(r"[A-Za-z0-9_./:=,@+%-]+")   # words that need no shell quotes
+PLAIN = re.compile(r"[A-Za-z0-9_./:=,@+%-]+")  # words that need no shell quotes
 
 
 class Stop(Exception):
@@ -48,10 +50,10 @@ def quote(*words):
     for w in words:
         if PLAIN.fullmatch(w):
             out.append(w)
-        elif "\n" in w:   # $'...\n...'
+        elif "\n" in w:  # $'...\n...'
             escaped = w.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
             out.append("$'" + escaped + "'")
-        else:             # 'it'\''s'
+        else:  # 'it'\''s'
             out.append("'" + w.replace("'", "'\\''") + "'")
     return " ".join(out)
 
@@ -62,12 +64,12 @@ def quote(*words):
 
 @dataclass
 class Job:
-    stage: str        # roles, b2n, xd, fewshot, ablations
-    cmd: str          # one shell command line
-    run_dir: str      # "" when unknown (dear.py then says what is wrong when the job runs)
-    J: str = "-"      # the insertion layer whose roles the run needs; "-": the backbone's default
+    stage: str  # roles, b2n, xd, fewshot, ablations
+    cmd: str  # one shell command line
+    run_dir: str  # "" when unknown (dear.py then says what is wrong when the job runs)
+    J: str = "-"  # the insertion layer whose roles the run needs; "-": the backbone's default
     roles: bool = False
-    index: int = 0    # position in run_all.sh's list (names the log of a job without a folder)
+    index: int = 0  # position in run_all.sh's list (names the log of a job without a folder)
 
 
 def load_dear(path):
@@ -87,7 +89,7 @@ def name_job(dear, flags):
         c = dear.resolve(dear.parse_args(shlex.split(flags)))
         roles = c.method == "dear" and c.attr_tokens and c.mask != "none"
         return ("-" if c.J is None else str(c.J)), bool(roles), dear.run_dir(c)
-    except BaseException:   # argparse exits on a bad line: dear.py says what is wrong when it runs
+    except BaseException:  # argparse exits on a bad line: dear.py says what is wrong when it runs
         return "-", False, ""
 
 
@@ -112,7 +114,7 @@ def plan(jobs, roles_flags):
         runs.append(job)
     if roles_flags is None:
         return [], runs
-    js = {job.J for job in runs if job.roles} if runs else {"-"}   # roles alone: the default J
+    js = {job.J for job in runs if job.roles} if runs else {"-"}  # roles alone: the default J
     before, after = roles_flags
     roles = []
     for j in sorted(js, key=lambda j: -1 if j == "-" else int(j)):
@@ -133,18 +135,25 @@ def plural(n):
 def check(names, root, full, err=sys.stderr):
     """True when every dataset is there. "full" (--check): one line per dataset and every fix;
     else one summary with the fix of the first missing one."""
-    import data   # here: the listing needs no torch, and --list needs no data.py
+    import data  # here: the listing needs no torch, and --list needs no data.py
+
     where = os.path.abspath(os.path.expanduser(root))
     made_elsewhere = any(n == "toyworld" or n.startswith("folder:") for n in names)
-    if not os.path.isdir(where) and not made_elsewhere:   # no root: say so once, not per dataset
-        print(f"data root not found: {where}, so the {plural(len(names))} the stages need are all "
-              "missing", file=err)
+    if not os.path.isdir(where) and not made_elsewhere:  # no root: say so once, not per dataset
+        print(
+            f"data root not found: {where}, so the {plural(len(names))} the stages need are all "
+            "missing",
+            file=err,
+        )
         if full:
             print("where each one goes under --root DATA:", file=err)
             for n in names:
                 print(f"  {n:<16} DATA/{data.DATASETS[n].layout()}", file=err)
-        print("Pass --root DATA, the folder that holds the datasets in the layout of CoOp's "
-              "DATASETS.md.", file=err)
+        print(
+            "Pass --root DATA, the folder that holds the datasets in the layout of CoOp's "
+            "DATASETS.md.",
+            file=err,
+        )
         return False
     missing = []
     for name in names:
@@ -159,9 +168,9 @@ def check(names, root, full, err=sys.stderr):
     if not missing:
         return True
     summary = f"{len(missing)} of {plural(len(names))} missing under --root {root}"
-    if full:   # every missing dataset with its fix
+    if full:  # every missing dataset with its fix
         print(f"\n{summary}:\n\n" + "\n\n".join(f"{n}:\n{fix}" for n, fix in missing), file=err)
-    else:      # a summary: which ones, and the fix of the first
+    else:  # a summary: which ones, and the fix of the first
         listed = ", ".join(n for n, _ in missing)
         print(f"{summary}: {listed}\nThe first, {missing[0][0]}:\n" + missing[0][1], file=err)
     return False
@@ -174,11 +183,13 @@ def next_steps(full, here, python, root):
     if not full:
         lines.append(f"  every dataset with its fix:  bash {here}run_all.sh --check {at_root}")
     get = quote(python, data_py, "download")
-    lines += [f"  get a dataset:               {get} NAME {at_root}   "
-              f"({quote(python, data_py)} --help lists the names)",
-              f"  try it offline first:        bash {here}run_all.sh --smoke --out smoke   "
-              "(the toy world on the CPU, no download)",
-              "  or leave stages out with --skip (e.g. --skip xd,fewshot)"]
+    lines += [
+        f"  get a dataset:               {get} NAME {at_root}   "
+        f"({quote(python, data_py)} --help lists the names)",
+        f"  try it offline first:        bash {here}run_all.sh --smoke --out smoke   "
+        "(the toy world on the CPU, no download)",
+        "  or leave stages out with --skip (e.g. --skip xd,fewshot)",
+    ]
     return "\n".join(lines)
 
 
@@ -191,8 +202,10 @@ def check_data(args, full):
         ok = check(args.dataset, args.root, full)
     except Exception:
         traceback.print_exc()
-        print("run_all.sh: the dataset check itself failed (see above); --no-check skips it",
-              file=sys.stderr)
+        print(
+            "run_all.sh: the dataset check itself failed (see above); --no-check skips it",
+            file=sys.stderr,
+        )
         return False
     if not ok:
         print(next_steps(full, args.here, args.python, args.root), file=sys.stderr)
@@ -204,8 +217,9 @@ def make_toyworld(kind, root, pretrain):
     for it; --toy also the transfer sets and (pretrain) the toy CLIP, once, before parallel jobs
     need it."""
     import toyworld
+
     try:
-        with redirect_stdout(io.StringIO()):   # the folders it prints are not news
+        with redirect_stdout(io.StringIO()):  # the folders it prints are not news
             rc = toyworld.main(["dataset", "--root", root] + ["--transfer"] * (kind == "toy"))
         if rc == 0 and pretrain:
             rc = toyworld.main(["pretrain"])
@@ -230,12 +244,14 @@ class OutLock:
 
     def __enter__(self):
         import fcntl  # POSIX
+
         try:
             os.makedirs(self.out, exist_ok=True)
             self.file = open(self.path, "a+")
         except OSError as e:
-            raise Stop(f"cannot write to --out {self.out} ({e.strerror}); choose a writable "
-                       "--out") from None
+            raise Stop(
+                f"cannot write to --out {self.out} ({e.strerror}); choose a writable --out"
+            ) from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -244,17 +260,21 @@ class OutLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise Stop(f"{self.out} is in use by another run_all.sh ({holder}); wait for it to "
-                       "finish, or choose another --out") from None
+            raise Stop(
+                f"{self.out} is in use by another run_all.sh ({holder}); wait for it to "
+                "finish, or choose another --out"
+            ) from None
         self.file.seek(0)
         self.file.truncate()
-        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}, "
-                        f"started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        self.file.write(
+            f"pid {os.getpid()} on {socket.gethostname()}, "
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
         self.file.flush()
         return self
 
     def __exit__(self, *exc):
-        self.file.close()   # closing releases the flock
+        self.file.close()  # closing releases the flock
         return False
 
 
@@ -268,7 +288,7 @@ def fmt_s(s):
 
 def below(out, path):
     """path without its leading "OUT/"."""
-    return path[len(out) + 1:] if path.startswith(out + "/") else path
+    return path[len(out) + 1 :] if path.startswith(out + "/") else path
 
 
 def log_name(out, d):
@@ -289,26 +309,28 @@ def last_lines(path, n=5):
 
 @dataclass
 class Task:
-    name: str         # what the progress lines call it
+    name: str  # what the progress lines call it
     cmd: str
     log: str
-    done: str         # a file that exists once the job has finished; "": always run
+    done: str  # a file that exists once the job has finished; "": always run
 
 
 class Scheduler:
     """Runs Tasks in slots and prints one line per event, and the running totals after each."""
 
     def __init__(self, slots):
-        self.slots = slots or [""]            # "": sequential, dear.py picks the device
+        self.slots = slots or [""]  # "": sequential, dear.py picks the device
         self.parallel = bool(slots)
         self.start = time.time()
         self.n_done = self.n_skip = self.n_failed = self.n_left = self.n_running = 0
-        self.failed = []                      # "NAME  (log: LOG)"
+        self.failed = []  # "NAME  (log: LOG)"
 
     def summary(self):
-        print(f"[{time.strftime('%H:%M:%S')}] done {self.n_done} (skipped {self.n_skip}) | running "
-              f"{self.n_running} | failed {self.n_failed} | left {self.n_left} | elapsed "
-              f"{fmt_s(int(time.time() - self.start))}")
+        print(
+            f"[{time.strftime('%H:%M:%S')}] done {self.n_done} (skipped {self.n_skip}) | running "
+            f"{self.n_running} | failed {self.n_failed} | left {self.n_left} | elapsed "
+            f"{fmt_s(int(time.time() - self.start))}"
+        )
 
     def finished(self, task, rc):
         if rc == 0:
@@ -326,22 +348,23 @@ class Scheduler:
         os.makedirs(os.path.dirname(task.log), exist_ok=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=slot) if self.parallel else None
         with open(task.log, "wb") as log:
-            return subprocess.Popen(["bash", "-c", task.cmd], stdout=log, stderr=subprocess.STDOUT,
-                                    env=env)
+            return subprocess.Popen(
+                ["bash", "-c", task.cmd], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
 
     def run(self, tasks):
         """True when every task finished (or was done already)."""
         queue, ok = list(tasks), True
         self.n_left = len(queue)
-        running = {}                          # slot index -> (task, Popen)
+        running = {}  # slot index -> (task, Popen)
         while queue or running:
             for k, slot in enumerate(self.slots):
-                if k in running and running[k][1].poll() is not None:   # done: the slot is free
+                if k in running and running[k][1].poll() is not None:  # done: the slot is free
                     task, proc = running.pop(k)
                     self.n_running -= 1
                     ok = self.finished(task, proc.returncode) and ok
                     self.summary()
-                while k not in running and queue:                       # the next job in it
+                while k not in running and queue:  # the next job in it
                     task = queue.pop(0)
                     self.n_left -= 1
                     if task.done and os.path.exists(task.done):
@@ -408,24 +431,28 @@ def interrupt(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
-    sys.stdout.reconfigure(line_buffering=True)   # in order with the jobs' and tables.py's output
-    args.dataset = list(dict.fromkeys(args.dataset))   # each once, in order
-    specs = [job.split("\t", 1) for job in args.job]   # [(stage, flags)]
+    sys.stdout.reconfigure(line_buffering=True)  # in order with the jobs' and tables.py's output
+    args.dataset = list(dict.fromkeys(args.dataset))  # each once, in order
+    specs = [job.split("\t", 1) for job in args.job]  # [(stage, flags)]
     try:
         jobs = name_jobs(load_dear(args.dear), args.launcher, specs) if specs else []
     except Exception:
         traceback.print_exc()
-        print(f"run_all.sh: could not ask {args.dear} for its run folders (see the error above)",
-              file=sys.stderr)
+        print(
+            f"run_all.sh: could not ask {args.dear} for its run folders (see the error above)",
+            file=sys.stderr,
+        )
         return 2
     roles_flags = None if args.roles_before is None else (args.roles_before, args.roles_after)
     roles, runs = plan(jobs, roles_flags)
-    if args.mode == "list":   # roles jobs first: they must finish before the others start
+    if args.mode == "list":  # roles jobs first: they must finish before the others start
         for job in roles + runs:
             print(job.cmd)
         if roles:
-            print(f"# the first {len(roles)} line(s) compute head roles: run them before the "
-                  "others", file=sys.stderr)
+            print(
+                f"# the first {len(roles)} line(s) compute head roles: run them before the others",
+                file=sys.stderr,
+            )
         return 0
     if args.mode == "check":
         if args.toyworld:
@@ -441,8 +468,11 @@ def main(argv=None):
         return 2
     except Interrupted:
         print()
-        print("interrupted: rerun the same command; finished runs are skipped, interrupted ones "
-              "resume", file=sys.stderr)
+        print(
+            "interrupted: rerun the same command; finished runs are skipped, interrupted ones "
+            "resume",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -454,22 +484,34 @@ def run(args, roles, runs):
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     gpus = os.environ.get("GPUS", "")
     s = Scheduler(gpus.split())
-    print(f"run_all.sh: {len(roles)} roles job(s), {len(runs)} run(s) -> {args.out} "
-          f"(GPUs: {gpus or 'none, sequential'})")
+    print(
+        f"run_all.sh: {len(roles)} roles job(s), {len(runs)} run(s) -> {args.out} "
+        f"(GPUs: {gpus or 'none, sequential'})"
+    )
     if roles:
         print("== roles")
-        folders = [f"{args.out}/roles/{job.run_dir}" for job in roles]   # run_dir: J<J>
-        tasks = [Task(f"roles/{job.run_dir}", job.cmd, log_name(args.out, d), f"{d}/roles.json")
-                 for job, d in zip(roles, folders)]
+        folders = [f"{args.out}/roles/{job.run_dir}" for job in roles]  # run_dir: J<J>
+        tasks = [
+            Task(f"roles/{job.run_dir}", job.cmd, log_name(args.out, d), f"{d}/roles.json")
+            for job, d in zip(roles, folders)
+        ]
         if not s.run(tasks):
-            print("the roles stage failed: every run needs the head roles; see the log above",
-                  file=sys.stderr)
+            print(
+                "the roles stage failed: every run needs the head roles; see the log above",
+                file=sys.stderr,
+            )
             return 1
     if runs:
         print("== runs")
-        tasks = [Task(f"{job.stage}: {below(args.out, job.run_dir)}", job.cmd,
-                      log_name(args.out, job.run_dir or f"{args.out}/unnamed-{job.index}"),
-                      job.run_dir and os.path.join(job.run_dir, "results.json")) for job in runs]
+        tasks = [
+            Task(
+                f"{job.stage}: {below(args.out, job.run_dir)}",
+                job.cmd,
+                log_name(args.out, job.run_dir or f"{args.out}/unnamed-{job.index}"),
+                job.run_dir and os.path.join(job.run_dir, "results.json"),
+            )
+            for job in runs
+        ]
         s.run(tasks)
     if args.tables:
         print("== tables")

@@ -26,6 +26,7 @@ of its protocol (`build_eval_sets`, every one checked before anything is written
 
 Used by dear.py; imports clip, config, data, entropy, toyworld, train and util.
 """
+
 import dataclasses
 import errno
 import hashlib
@@ -42,8 +43,15 @@ import entropy
 import roles_report
 import toyworld
 from config import Config, default_J, eval_beta, resolve
-from train import (RunError, atomic_save, evaluate, pick_device, resolve_precision, seed_everything,
-                   train)
+from train import (
+    RunError,
+    atomic_save,
+    evaluate,
+    pick_device,
+    resolve_precision,
+    seed_everything,
+    train,
+)
 import util
 from util import read_json, write_atomic
 
@@ -105,8 +113,10 @@ def backbone_sha256(backbone: str) -> str:
         return hashlib.sha256(toyworld.checkpoint_name().encode()).hexdigest()
     path = os.path.expanduser(backbone)
     if not os.path.isfile(path):
-        raise RunError(f"--backbone {backbone!r} is neither one of {clip.available_models() + [toyworld.BACKBONE]} "
-                       "nor a checkpoint file")
+        raise RunError(
+            f"--backbone {backbone!r} is neither one of {clip.available_models() + [toyworld.BACKBONE]} "
+            "nor a checkpoint file"
+        )
     return file_sha256(path)
 
 
@@ -116,15 +126,33 @@ def roles_sha256(path: str) -> str:
     return file_sha256(path)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Naming: one folder per distinct run
 
 # The Config fields that name a variant when they differ from the defaults of the dataset and protocol.
-VARIANT_FIELDS = ("backbone", "J", "beta", "lambda_reg", "lambda_fusion", "alpha_cls", "rep_dim", "mask",
-                  "attr_tokens", "novel_logits", "target_beta", "epochs", "batch_size", "lr",
-                  "crop_scale", "precision", "eval_precision", "roles_control", "warmup_epochs",
-                  "warmup_lr", "weight_decay")
+VARIANT_FIELDS = (
+    "backbone",
+    "J",
+    "beta",
+    "lambda_reg",
+    "lambda_fusion",
+    "alpha_cls",
+    "rep_dim",
+    "mask",
+    "attr_tokens",
+    "novel_logits",
+    "target_beta",
+    "epochs",
+    "batch_size",
+    "lr",
+    "crop_scale",
+    "precision",
+    "eval_precision",
+    "roles_control",
+    "warmup_epochs",
+    "warmup_lr",
+    "weight_decay",
+)
 # A zero-shot run (frozen CLIP, no tokens, no training) depends on these of them only; the others
 # are neither in its name nor compared, so `--method zeroshot --epochs 1` is the one zero-shot run.
 ZEROSHOT_FIELDS = ("backbone", "precision", "eval_precision")
@@ -156,7 +184,7 @@ def run_dir(c: Config) -> str:
     (results.json records it whole)."""
     variant = variant_name(c)
     if len(variant.encode()) > MAX_VARIANT:
-        cut = variant.encode()[:MAX_VARIANT - 9].decode(errors="ignore")
+        cut = variant.encode()[: MAX_VARIANT - 9].decode(errors="ignore")
         variant = f"{cut}~{short(hashlib.sha256(variant.encode()).hexdigest())}"
     name = f"{c.method}-{variant}-shots{c.shots}-seed{c.seed}"
     return os.path.join(c.out, c.protocol, dataset_tag(c.dataset), name)
@@ -173,9 +201,11 @@ def dataset_tag(name: str) -> str:
 
 def inputs(cfg, targets=()) -> dict:
     """What the run reads that its flags do not spell out. `targets`: the xd target dataset names."""
-    found = {"dataset_folder": dataset_folder(cfg.dataset, cfg.root),
-             "backbone_sha256": backbone_sha256(cfg.backbone),
-             "roles_file_sha256": roles_sha256(cfg.roles) if cfg.roles else None}
+    found = {
+        "dataset_folder": dataset_folder(cfg.dataset, cfg.root),
+        "backbone_sha256": backbone_sha256(cfg.backbone),
+        "roles_file_sha256": roles_sha256(cfg.roles) if cfg.roles else None,
+    }
     if targets:
         found["target_folders"] = {t: dataset_folder(t, cfg.root) for t in targets}
     return found
@@ -199,8 +229,11 @@ def differences(saved: dict, current: dict) -> list:
     """[(field, there, now)] where two comparable configs differ; a field only one side has differs
     too (a missing field is not the same as None)."""
     a, b = comparable(saved), comparable(current)
-    return [(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b))
-            if k not in a or k not in b or a[k] != b[k]]
+    return [
+        (k, a.get(k, ABSENT), b.get(k, ABSENT))
+        for k in sorted(set(a) | set(b))
+        if k not in a or k not in b or a[k] != b[k]
+    ]
 
 
 def check_same(rdir: str, current: dict, what: str, saved=None):
@@ -210,14 +243,18 @@ def check_same(rdir: str, current: dict, what: str, saved=None):
     path = os.path.join(rdir, "config.json")
     saved = read_json(path) if saved is None else saved
     if not isinstance(saved, dict):
-        raise RunError(f"{rdir} holds a {what} run but no readable config.json, so it cannot be told apart "
-                       "from another run; choose another --out, or pass --force to redo it")
+        raise RunError(
+            f"{rdir} holds a {what} run but no readable config.json, so it cannot be told apart "
+            "from another run; choose another --out, or pass --force to redo it"
+        )
     diff = differences(saved, current)
     if diff:
         shown = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in diff[:4])
-        raise RunError(f"{rdir} holds a {what} run of a different configuration ({shown}"
-                       f"{'; ...' if len(diff) > 4 else ''}); choose another --out to keep both, "
-                       "or pass --force to replace it (its results are deleted)")
+        raise RunError(
+            f"{rdir} holds a {what} run of a different configuration ({shown}"
+            f"{'; ...' if len(diff) > 4 else ''}); choose another --out to keep both, "
+            "or pass --force to replace it (its results are deleted)"
+        )
 
 
 _held_locks = set()  # fds of the RunLocks this process holds
@@ -251,6 +288,7 @@ class RunLock:
 
     def __enter__(self):
         import fcntl  # POSIX; the lock is what keeps two runs from interleaving one folder
+
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -259,8 +297,10 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
-            raise RunError(f"{os.path.dirname(self.path)} is being written by {holder}; wait for it to finish "
-                           "(a second identical run would only repeat it)") from None
+            raise RunError(
+                f"{os.path.dirname(self.path)} is being written by {holder}; wait for it to finish "
+                "(a second identical run would only repeat it)"
+            ) from None
         self.fd = fd
         _held_locks.add(fd)
         started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -284,8 +324,12 @@ def pin_roles(source: str, rdir: str, probe=None) -> dict:
     write_atomic(os.path.join(rdir, "roles.md"), roles_report.render_markdown(doc))
     roles_report.render_png(doc, os.path.join(rdir, "roles.png"))
     write_atomic(os.path.join(rdir, "roles.json"), payload)
-    return {"source": os.path.abspath(source), "file": "roles.json", "sha256": hashlib.sha256(payload).hexdigest(),
-            "probe": doc.get("probe", probe)}
+    return {
+        "source": os.path.abspath(source),
+        "file": "roles.json",
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "probe": doc.get("probe", probe),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,7 +359,9 @@ def load_clip(backbone, device, log=None):
     try:
         if backbone == toyworld.BACKBONE and log is not None:  # pretrain (once) into the run's log
             toyworld.ensure_pretrained(clip.cache_dir(), log=log)
-        return toyworld.load_clip(backbone, device=device)  # clip.load, plus "toy" (the toy world's tiny CLIP)
+        return toyworld.load_clip(
+            backbone, device=device
+        )  # clip.load, plus "toy" (the toy world's tiny CLIP)
     except (RuntimeError, ValueError, OSError) as e:
         raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
 
@@ -329,25 +375,51 @@ def load_roles(cfg, model, device, log):
     path = cfg.roles
     try:
         if path is None:
-            def cached(probe, split):  # the cache folder is named by everything that changes the roles
-                pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None  # the toy CLIP knows toy words
-                return entropy.default_roles_path(model, layers, clip.cache_dir(), probe, split=split, pool=pool), pool
+
+            def cached(
+                probe, split
+            ):  # the cache folder is named by everything that changes the roles
+                pool = (
+                    "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
+                )  # the toy CLIP knows toy words
+                return entropy.default_roles_path(
+                    model, layers, clip.cache_dir(), probe, split=split, pool=pool
+                ), pool
 
             probe, split = "imagenet", "test"
             path, pool = cached(probe, split)
-            if not os.path.exists(path):  # no ImageNet roles yet: is ImageNet there to probe (reads its listing)?
+            if not os.path.exists(
+                path
+            ):  # no ImageNet roles yet: is ImageNet there to probe (reads its listing)?
                 try:
                     data.build_dataset("imagenet", cfg.root)
                 except data.DataError:
-                    probe, split = cfg.dataset, "train"  # never the test images the model is evaluated on
+                    probe, split = (
+                        cfg.dataset,
+                        "train",
+                    )  # never the test images the model is evaluated on
                     path, pool = cached(probe, split)
             if not os.path.exists(path):  # entropy.run writes there too
-                log(f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the {split} images of {probe!r} -> {path}")
-                path = entropy.run(cfg.backbone, probe, cfg.root, layers=layers, out_dir=os.path.dirname(path),
-                                   device=str(device), pool=pool, split=split, caller="dear.py")
+                log(
+                    f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
+                    f"entropy.py on the {split} images of {probe!r} -> {path}"
+                )
+                path = entropy.run(
+                    cfg.backbone,
+                    probe,
+                    cfg.root,
+                    layers=layers,
+                    out_dir=os.path.dirname(path),
+                    device=str(device),
+                    pool=pool,
+                    split=split,
+                    caller="dear.py",
+                )
         roles = read_roles(path, model, layers)
-    except (ValueError, OSError) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # entropy's errors (bad roles file, too few probe images) are ValueErrors
         raise RunError(f"head roles: {e}") from e
     log(f"head roles: {path}")
     return roles, path
@@ -358,16 +430,23 @@ def read_roles(path, model, layers):
     of the checkpoint it was computed on, where the file records one)."""
     try:
         visual = model.visual.transformer
-        roles = entropy.load_roles(path, model_name=model.name, num_layers=visual.layers,
-                                   num_heads=visual.heads, layers=layers)
+        roles = entropy.load_roles(
+            path,
+            model_name=model.name,
+            num_layers=visual.layers,
+            num_heads=visual.heads,
+            layers=layers,
+        )
     except ValueError as e:
         raise RunError(f"head roles: {e}") from None
     made_for = (read_json(path) or {}).get("checkpoint_sha256")
     loaded = getattr(model, "sha256", None)  # clip.load: the SHA256 of the file it read
     if made_for and loaded and made_for != loaded:
-        raise RunError(f"roles file {path} was computed for the checkpoint with SHA256 {made_for}, "
-                       f"but the backbone {model.name} loaded has SHA256 {loaded}; delete the file "
-                       "or give roles made for this checkpoint")
+        raise RunError(
+            f"roles file {path} was computed for the checkpoint with SHA256 {made_for}, "
+            f"but the backbone {model.name} loaded has SHA256 {loaded}; delete the file "
+            "or give roles made for this checkpoint"
+        )
     return roles
 
 
@@ -380,8 +459,10 @@ def build_dataset(name, root, *args):
         return data.build_dataset(name, root, *args)
     except data.DataError as e:
         if name in data.DATASETS and not os.path.isdir(dataset_folder(name, root)):
-            raise RunError(f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
-                           "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)") from e
+            raise RunError(
+                f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
+                "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)"
+            ) from e
         raise
 
 
@@ -422,9 +503,11 @@ def build_eval_sets(cfg):
             missing.append((name, str(e).splitlines()[0]))
     if missing:  # one line: which, the first reason, the fix
         names = ", ".join(n for n, _ in missing)
-        raise RunError(f"{len(missing)} xd target dataset(s) missing under --root {cfg.root}: "
-                       f"{names} (first: {missing[0][1]}); get them with python data.py download "
-                       "NAME, or pass --targets to choose fewer")
+        raise RunError(
+            f"{len(missing)} xd target dataset(s) missing under --root {cfg.root}: "
+            f"{names} (first: {missing[0][1]}); get them with python data.py download "
+            "NAME, or pass --targets to choose fewer"
+        )
     return source, evals
 
 
@@ -447,16 +530,29 @@ def eval_only_config(cfg: Config) -> Config:
     saved = read_json(os.path.join(cfg.load or "", "config.json"))
     has_model = bool(cfg.load) and os.path.exists(os.path.join(cfg.load, "model.pt"))
     if not has_model or not isinstance(saved, dict):
-        raise RunError("--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and "
-                       f"config.json (got {cfg.load!r})")
+        raise RunError(
+            "--eval-only needs --load RUN_DIR, a finished run folder holding model.pt and "
+            f"config.json (got {cfg.load!r})"
+        )
     return dataclasses.replace(cfg, **{k: saved[k] for k in EVAL_CARRIES if k in saved})
 
 
 # What --eval-only takes from the evaluated run: everything that builds its model (the rest, such as
 # --precision, --novel-logits or --target-beta, is the evaluation's own choice).
-EVAL_CARRIES = ("backbone", "J", "beta", "rep_dim", "mask", "attr_tokens", "alpha_cls", "roles",
-                "method", "roles_control", "seed")
-SEED_MAX = 2 ** 32 - 1  # numpy's seed range (the few-shot sampler and the workers use numpy)
+EVAL_CARRIES = (
+    "backbone",
+    "J",
+    "beta",
+    "rep_dim",
+    "mask",
+    "attr_tokens",
+    "alpha_cls",
+    "roles",
+    "method",
+    "roles_control",
+    "seed",
+)
+SEED_MAX = 2**32 - 1  # numpy's seed range (the few-shot sampler and the workers use numpy)
 
 
 def check_flags(cfg: Config):
@@ -467,19 +563,26 @@ def check_flags(cfg: Config):
         raise RunError(f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     if cfg.eval_batch_size < 1:
         raise RunError(f"--eval-batch-size must be >= 1, got {cfg.eval_batch_size}")
-    if cfg.protocol != "xd" and xd_targets(dataclasses.replace(cfg, protocol="xd")) != \
-            xd_targets(dataclasses.replace(cfg, protocol="xd", targets="")):
-        raise RunError(f"--targets applies to --protocol xd only (--protocol {cfg.protocol} "
-                       f"evaluates {cfg.dataset} itself); drop --targets, or add --protocol xd")
+    if cfg.protocol != "xd" and xd_targets(dataclasses.replace(cfg, protocol="xd")) != xd_targets(
+        dataclasses.replace(cfg, protocol="xd", targets="")
+    ):
+        raise RunError(
+            f"--targets applies to --protocol xd only (--protocol {cfg.protocol} "
+            f"evaluates {cfg.dataset} itself); drop --targets, or add --protocol xd"
+        )
     try:
         device = pick_device(cfg.device)
     except RuntimeError as e:
-        raise RunError(f"--device {cfg.device!r} is not a device torch knows ({type(e).__name__}); "
-                       "use auto, cpu, cuda or cuda:N") from None
+        raise RunError(
+            f"--device {cfg.device!r} is not a device torch knows ({type(e).__name__}); "
+            "use auto, cpu, cuda or cuda:N"
+        ) from None
     count = torch.cuda.device_count() if device.type == "cuda" else 0
     if device.type == "cuda" and device.index is not None and device.index >= count:
-        raise RunError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA "
-                       "device(s); use cuda:0 .. or auto")
+        raise RunError(
+            f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA "
+            "device(s); use cuda:0 .. or auto"
+        )
 
 
 def check_name_length(rdir: str):
@@ -493,9 +596,11 @@ def check_name_length(rdir: str):
         limit = 255
     for part in rdir.split(os.sep):
         if len(part.encode()) > limit:
-            raise RunError(f"the run folder name {part[:48]}... is {len(part.encode())} bytes, "
-                           f"over the {limit} the file system allows for one name; shorten it (a "
-                           "shorter --out or dataset folder name)")
+            raise RunError(
+                f"the run folder name {part[:48]}... is {len(part.encode())} bytes, "
+                f"over the {limit} the file system allows for one name; shorten it (a "
+                "shorter --out or dataset folder name)"
+            )
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -505,9 +610,11 @@ def disk_error(e: OSError, path: str, size: int, then: str) -> RunError:
     """A write that failed, as one line naming the file, what is wrong, the space needed and the
     fix."""
     why = "no space left on the device" if e.errno in NO_SPACE else (e.strerror or str(e))
-    need = max(1, size // 2 ** 20)
-    return RunError(f"cannot write {path}: {why} (about {need} MB needed); free some space or "
-                    f"choose another --out, then {then}")
+    need = max(1, size // 2**20)
+    return RunError(
+        f"cannot write {path}: {why} (about {need} MB needed); free some space or "
+        f"choose another --out, then {then}"
+    )
 
 
 def save(obj, path: str, as_json=False, then="rerun the same command"):
@@ -523,13 +630,19 @@ def state_bytes(state: dict) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-RUN_FILES = ("results.json", "model.pt", "checkpoint.pt", "roles.json", "roles.md", "roles.png",
-             "config.json")  # results.json first: once it is gone the folder holds no finished run
+RUN_FILES = (
+    "results.json",
+    "model.pt",
+    "checkpoint.pt",
+    "roles.json",
+    "roles.md",
+    "roles.png",
+    "config.json",
+)  # results.json first: once it is gone the folder holds no finished run
 
 
 def retire(rdir: str):
-    """--force: delete what the folder's run wrote, results first, before anything new is written.
-    """
+    """--force: delete what the folder's run wrote, results first, before anything new is written."""
     for name in RUN_FILES:
         if os.path.exists(os.path.join(rdir, name)):
             os.remove(os.path.join(rdir, name))
@@ -540,9 +653,11 @@ def finished(rdir: str, results_path: str, ckpt: str, config: dict) -> dict:
     do. results.json is written last and records the config it was made with ("identity"); both it
     and config.json must match."""
     if os.path.exists(ckpt):
-        raise RunError(f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an "
-                       "interrupted restart?), so its results may be another run's; pass --force "
-                       "to start it over")
+        raise RunError(
+            f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an "
+            "interrupted restart?), so its results may be another run's; pass --force "
+            "to start it over"
+        )
     results = read_json(results_path)
     if not isinstance(results, dict):
         raise RunError(f"{results_path} is not readable; delete it, or pass --force to redo it")
@@ -559,14 +674,18 @@ def load_trained(model, load: str, device):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # a truncated file or not a checkpoint
-        raise RunError(f"{path} cannot be read ({type(e).__name__}); it is not a model.pt "
-                       "written by a finished run") from None
+        raise RunError(
+            f"{path} cannot be read ({type(e).__name__}); it is not a model.pt "
+            "written by a finished run"
+        ) from None
     want = set(model.trainable_state())
     missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
     if missing or unexpected:
-        raise RunError(f"{path} does not fit the model of {load}: missing keys {missing[:3]}, "
-                       f"unexpected keys {unexpected[:3]} ({len(missing)} and {len(unexpected)} in "
-                       "all; a 'module.' prefix?); give the model.pt this run wrote")
+        raise RunError(
+            f"{path} does not fit the model of {load}: missing keys {missing[:3]}, "
+            f"unexpected keys {unexpected[:3]} ({len(missing)} and {len(unexpected)} in "
+            "all; a 'module.' prefix?); give the model.pt this run wrote"
+        )
     try:
         model.load_state_dict(state, strict=False)  # the trainable part, its keys checked above
     except RuntimeError as e:
@@ -622,8 +741,11 @@ def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
     check_name_length(rdir)
     results_path, ckpt = os.path.join(rdir, "results.json"), os.path.join(rdir, "checkpoint.pt")
     device = pick_device(cfg.device)
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device),  # amp: fp16/32
-                              eval_precision=resolve_precision(cfg.eval_precision, device))
+    cfg = dataclasses.replace(
+        cfg,
+        precision=resolve_precision(cfg.precision, device),  # amp: fp16/32
+        eval_precision=resolve_precision(cfg.eval_precision, device),
+    )
     # the precisions used are part of the identity: amp on a CPU (fp32) is not amp on CUDA (fp16)
     config["precisions"] = {"train": cfg.precision, "eval": cfg.eval_precision}
     if os.path.exists(results_path) and not cfg.force:
@@ -633,11 +755,24 @@ def run(cfg: Config, make_model, make_loss, log_to_stdout=True) -> dict:
         os.makedirs(rdir, exist_ok=True)
         lock = RunLock(rdir).__enter__()
     except OSError as e:
-        raise RunError(f"cannot write the run folder {rdir} ({e.strerror}); choose a writable --out") \
-            from None
+        raise RunError(
+            f"cannot write the run folder {rdir} ({e.strerror}); choose a writable --out"
+        ) from None
     try:
-        return _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals,
-                           make_model, make_loss, log_to_stdout)
+        return _run_locked(
+            cfg,
+            config,
+            variant,
+            rdir,
+            results_path,
+            ckpt,
+            device,
+            train_ds,
+            evals,
+            make_model,
+            make_loss,
+            log_to_stdout,
+        )
     finally:
         lock.__exit__(None, None, None)
 
@@ -651,8 +786,10 @@ def take_folder(cfg, config, rdir, results_path, ckpt):
     elif os.path.exists(results_path):  # finished by another process since run() looked
         raise RunError(f"{rdir} was finished meanwhile by another process; rerun to reuse it")
     if os.path.exists(ckpt) and not cfg.resume:
-        raise RunError(f"{rdir} holds an interrupted run; pass --resume to continue it or --force to "
-                       "start over")
+        raise RunError(
+            f"{rdir} holds an interrupted run; pass --resume to continue it or --force to "
+            "start over"
+        )
     if os.path.exists(ckpt):
         check_same(rdir, config, "interrupted")
     pinned = os.path.join(rdir, "roles.json")
@@ -664,8 +801,20 @@ def take_folder(cfg, config, rdir, results_path, ckpt):
     return pinned
 
 
-def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds, evals, make_model,
-                make_loss, log_to_stdout):
+def _run_locked(
+    cfg,
+    config,
+    variant,
+    rdir,
+    results_path,
+    ckpt,
+    device,
+    train_ds,
+    evals,
+    make_model,
+    make_loss,
+    log_to_stdout,
+):
     """The body of `run`, holding the run folder's lock."""
     pinned = take_folder(cfg, config, rdir, results_path, ckpt)
     log_file = open(os.path.join(rdir, "log.txt"), "a")
@@ -678,19 +827,25 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
             print(line, flush=True)
 
     try:
-        log(f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | "
-            f"{device} -> {rdir}")
+        log(
+            f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | "
+            f"{device} -> {rdir}"
+        )
         clip_model, _ = load_clip(cfg.backbone, device, log=log)
         L = clip_model.visual.transformer.layers
         J = cfg.J or default_J(L)
         if not 1 <= J <= L:
-            raise RunError(f"--J {J} is beyond the backbone: {cfg.backbone} has {L} blocks, so J must lie "
-                           f"in 1..{L}")
+            raise RunError(
+                f"--J {J} is beyond the backbone: {cfg.backbone} has {L} blocks, so J must lie "
+                f"in 1..{L}"
+            )
         cfg = dataclasses.replace(cfg, J=J)
         use_tokens = cfg.method == "dear" and cfg.attr_tokens
         roles, roles_used = None, None
         if use_tokens and cfg.mask != "none":
-            if os.path.exists(pinned):  # resumed or evaluated: the run's own roles, whatever the cache
+            if os.path.exists(
+                pinned
+            ):  # resumed or evaluated: the run's own roles, whatever the cache
                 roles, source = read_roles(pinned, clip_model, list(range(J, L + 1))), pinned
                 log(f"head roles: the run's own copy {pinned}")
             else:
@@ -698,47 +853,83 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
             roles_used = pin_roles(source, rdir)
         if roles is not None and cfg.roles_control != "none":
             roles = control_roles(roles, cfg, log)
-        seed_everything(cfg.seed)  # here, after anything that may draw random numbers (pretraining, roles)
+        seed_everything(
+            cfg.seed
+        )  # here, after anything that may draw random numbers (pretraining, roles)
         try:
             model = make_model(clip_model, roles, cfg).to(device)
         except ValueError as e:
             raise RunError(str(e)) from e
         if cfg.eval_only:
             load_trained(model, cfg.load, device)  # before anything of this evaluation is written
-        resolved = {"J": cfg.J, "precision": cfg.precision,
-                    "backbone_sha256": getattr(clip_model, "sha256", None)}  # of the file loaded
+        resolved = {
+            "J": cfg.J,
+            "precision": cfg.precision,
+            "backbone_sha256": getattr(clip_model, "sha256", None),
+        }  # of the file loaded
         config = dict(config, resolved=resolved, roles_used=roles_used)
         save(config, os.path.join(rdir, "config.json"), as_json=True)
         t0, stats = time.time(), None  # stats: train.train's report (None: no training, or none)
         if cfg.method == "dear" and not cfg.eval_only:
-            log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} "
+            log(
+                f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} "
                 f"epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, "
-                f"mask {cfg.mask}")
+                f"mask {cfg.mask}"
+            )
             stats = train_checked(model, train_ds, cfg, device, rdir, log, make_loss(cfg), ckpt)
             model_pt = os.path.join(rdir, "model.pt")
             save(model.trainable_state(), model_pt, then="rerun with --resume")
         train_s, t1 = time.time() - t0, time.time()
-        results = {"method": cfg.method, "protocol": cfg.protocol, "dataset": cfg.dataset,
-                   "backbone": cfg.backbone, "shots": cfg.shots, "seed": cfg.seed, "variant": variant,
-                   "config": dataclasses.asdict(cfg), "inputs": config["inputs"],
-                   "roles_used": roles_used, "precisions": config["precisions"], "evals": []}
+        results = {
+            "method": cfg.method,
+            "protocol": cfg.protocol,
+            "dataset": cfg.dataset,
+            "backbone": cfg.backbone,
+            "shots": cfg.shots,
+            "seed": cfg.seed,
+            "variant": variant,
+            "config": dataclasses.asdict(cfg),
+            "inputs": config["inputs"],
+            "roles_used": roles_used,
+            "precisions": config["precisions"],
+            "evals": [],
+        }
         if stats is not None:  # what train.train reports, e.g. the steps the GradScaler skipped
             results["train"] = stats
-        if train_ds is not None and cfg.method == "dear" and not cfg.eval_only:  # the shots each class had
+        if (
+            train_ds is not None and cfg.method == "dear" and not cfg.eval_only
+        ):  # the shots each class had
             counts = train_ds.shots_per_class
-            results["train_shots"] = {"asked": cfg.shots, "min": min(counts), "max": max(counts),
-                                      "per_class": counts}
+            results["train_shots"] = {
+                "asked": cfg.shots,
+                "min": min(counts),
+                "max": max(counts),
+                "per_class": counts,
+            }
         datasets = [ds for ds in [train_ds] + [e[0] for e in evals] if ds is not None]
-        results["warnings"] = list(dict.fromkeys(w for ds in datasets for w in ds.warnings))  # each once
+        results["warnings"] = list(
+            dict.fromkeys(w for ds in datasets for w in ds.warnings)
+        )  # each once
         for ds, split, rule in evals:
             beta = eval_beta(cfg, ds.name)  # xd targets: MMRL++'s test-time beta
             model.set_beta(beta)
-            r = evaluate(model, ds.test, ds.classnames, ds.template, cfg, device, logits=rule, log=log,
-                         name=f"{ds.name}/{split}")
+            r = evaluate(
+                model,
+                ds.test,
+                ds.classnames,
+                ds.template,
+                cfg,
+                device,
+                logits=rule,
+                log=log,
+                name=f"{ds.name}/{split}",
+            )
             results["evals"].append({"dataset": ds.name, "split": split, "beta": beta, **r})
             log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits, beta {beta})")
         if cfg.protocol == "b2n":
-            results["hm"] = harmonic_mean(results["evals"][0]["accuracy"], results["evals"][1]["accuracy"])
+            results["hm"] = harmonic_mean(
+                results["evals"][0]["accuracy"], results["evals"][1]["accuracy"]
+            )
             log(f"HM {results['hm']:.2f}")
         if use_tokens:
             results["fusion_weights"] = model.fusion_weights()
@@ -751,10 +942,14 @@ def _run_locked(cfg, config, variant, rdir, results_path, ckpt, device, train_ds
         return results
     except KeyboardInterrupt:
         if os.path.exists(ckpt):
-            raise Interrupted(f"interrupted: the last checkpoint is kept in {ckpt}; rerun the same command "
-                              "with --resume") from None
-        raise Interrupted("interrupted before the first checkpoint: nothing was kept to resume; rerun the "
-                          "same command to start again") from None
+            raise Interrupted(
+                f"interrupted: the last checkpoint is kept in {ckpt}; rerun the same command "
+                "with --resume"
+            ) from None
+        raise Interrupted(
+            "interrupted before the first checkpoint: nothing was kept to resume; rerun the "
+            "same command to start again"
+        ) from None
     finally:
         log_file.close()
 
@@ -778,7 +973,15 @@ def control_roles(roles, cfg, log):
         roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
     except ValueError as e:
         raise RunError(str(e)) from e
-    log(f"roles control {cfg.roles_control}: " + "; ".join(
-        f"block {b}: " + " ".join(h["role"][0].upper() + (":" + h["attribute"] if h["attribute"] else "")
-                                  for h in heads) for b, heads in sorted(roles.items())))
+    log(
+        f"roles control {cfg.roles_control}: "
+        + "; ".join(
+            f"block {b}: "
+            + " ".join(
+                h["role"][0].upper() + (":" + h["attribute"] if h["attribute"] else "")
+                for h in heads
+            )
+            for b, heads in sorted(roles.items())
+        )
+    )
     return roles

@@ -32,6 +32,7 @@ Command line:
     python toyworld.py pretrain [--steps N] [--seed S] [--cache-dir DIR]
     python toyworld.py zeroshot [--checkpoint PATH]
 """
+
 import argparse
 import hashlib
 import inspect
@@ -39,6 +40,7 @@ import io
 import json
 import math
 import os
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
 import shutil
 import sys
@@ -62,13 +64,21 @@ TEMPLATE = "a photo of a {}."
 
 # RGB in [0, 1] before SATURATION: strongly saturated hues.
 PALETTE = {
-    "red": (0.86, 0.18, 0.18), "green": (0.20, 0.67, 0.24), "blue": (0.20, 0.35, 0.86),
-    "yellow": (0.90, 0.82, 0.18), "purple": (0.60, 0.24, 0.80), "orange": (0.95, 0.55, 0.14),
+    "red": (0.86, 0.18, 0.18),
+    "green": (0.20, 0.67, 0.24),
+    "blue": (0.20, 0.35, 0.86),
+    "yellow": (0.90, 0.82, 0.18),
+    "purple": (0.60, 0.24, 0.80),
+    "orange": (0.95, 0.55, 0.14),
 }
-SATURATION = 0.25    # object colours move to 25% of the way from their own grey (same brightness) to PALETTE:
-                     # pale colours, so that colour is not by far the easiest factor to see (1.0 in recipe v1)
-DARK = 0.35          # stripes and dots are the object colour times DARK (same hue; 0.55 in recipe v1)
-TEXTURE_ON = "object"  # or "background": the object is solid and the texture patterns the ground around it,
+SATURATION = (
+    0.25  # object colours move to 25% of the way from their own grey (same brightness) to PALETTE:
+)
+# pale colours, so that colour is not by far the easiest factor to see (1.0 in recipe v1)
+DARK = 0.35  # stripes and dots are the object colour times DARK (same hue; 0.55 in recipe v1)
+TEXTURE_ON = (
+    "object"  # or "background": the object is solid and the texture patterns the ground around it,
+)
 BACKGROUND_DARK = 0.6  # darkening the ground by this factor (a knob for toy-CLIP experiments)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -80,16 +90,48 @@ SPLIT_FILE = "split_zhou_ToyWorld.json"
 # The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks, width 128,
 # 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant = 2x2 patches) and is
 # about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the longest toy caption.
-TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
-                  context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
-                  transformer_layers=4, vision_heads=4)
-DEFAULT_STEPS = 400   # recipe v1: 200 (v2 learns nothing in 200 steps and colour alone in 300)
-CAPTION_FACTORS = (1, 0, 0, 0)  # (p1, p2, p3, p4): a caption names exactly k factors with probability p_k, drawn
-FACTOR_WEIGHTS = (1, 1, 1, 1)   # with these weights; v2: one factor per caption, each factor equally often.
-CAPTION_DROP = (0.15, 0.0, 0.5, 0.5)  # CAPTION_FACTORS None (recipe v1): each factor left out with this chance
-GROUP = 1            # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
-GROUP_FACTORS = (0, 1, 2, 3)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
-RECIPE = "v2"        # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
+TOY_CONFIG = dict(
+    embed_dim=64,
+    image_resolution=32,
+    vision_layers=4,
+    vision_width=128,
+    vision_patch_size=8,
+    context_length=16,
+    vocab_size=49408,
+    transformer_width=128,
+    transformer_heads=4,
+    transformer_layers=4,
+    vision_heads=4,
+)
+DEFAULT_STEPS = 400  # recipe v1: 200 (v2 learns nothing in 200 steps and colour alone in 300)
+CAPTION_FACTORS = (
+    1,
+    0,
+    0,
+    0,
+)  # (p1, p2, p3, p4): a caption names exactly k factors with probability p_k, drawn
+FACTOR_WEIGHTS = (
+    1,
+    1,
+    1,
+    1,
+)  # with these weights; v2: one factor per caption, each factor equally often.
+CAPTION_DROP = (
+    0.15,
+    0.0,
+    0.5,
+    0.5,
+)  # CAPTION_FACTORS None (recipe v1): each factor left out with this chance
+GROUP = 1  # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
+GROUP_FACTORS = (
+    0,
+    1,
+    2,
+    3,
+)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
+RECIPE = (
+    "v2"  # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
+)
 # Recipe v1, the first toy world (its CLIP barely specialises; README, "worlds tried"): these knobs, 200 steps
 V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)
 # TextSpan's N (texts per head) for the toy CLIP. Its pool spans only about 13 directions (6 colours, 4 shapes,
@@ -107,9 +149,14 @@ class ToyWorldError(Exception):
 # Rendering
 # ---------------------------------------------------------------------------------------------
 
+
 def _check_factors(color, shape, texture, location):
-    for value, vocab, name in ((color, COLORS, "color"), (shape, SHAPES, "shape"),
-                               (texture, TEXTURES, "texture"), (location, LOCATIONS, "location")):
+    for value, vocab, name in (
+        (color, COLORS, "color"),
+        (shape, SHAPES, "shape"),
+        (texture, TEXTURES, "texture"),
+        (location, LOCATIONS, "location"),
+    ):
         if value not in vocab:
             raise ToyWorldError(f"unknown {name} {value!r}; choose one of: {', '.join(vocab)}")
 
@@ -118,11 +165,13 @@ def shape_mask(shape, x, y, cx, cy, r):
     """Boolean mask of `shape` centred at (cx, cy) with half-size r, on pixel-centre grids x, y."""
     dx, dy = x - cx, y - cy
     if shape == "circle":
-        return dx ** 2 + dy ** 2 <= r ** 2
+        return dx**2 + dy**2 <= r**2
     if shape == "square":
-        return (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)   # 0.85: about the circle's area
-    if shape == "triangle":  # apex up; the half-width grows linearly from 0 at the apex to r at the base
-        t = (dy + r) / (1.8 * r)                                     # 0 at the apex, 1 at the base
+        return (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)  # 0.85: about the circle's area
+    if (
+        shape == "triangle"
+    ):  # apex up; the half-width grows linearly from 0 at the apex to r at the base
+        t = (dy + r) / (1.8 * r)  # 0 at the apex, 1 at the base
         return (t >= 0) & (t <= 1) & (np.abs(dx) <= t * r)
     if shape == "cross":
         arm = 0.33 * r
@@ -134,15 +183,15 @@ def texture_dark(texture, x, y, size, rng):
     """Boolean mask of the pixels that the texture darkens (stripes or dots)."""
     if texture == "solid":
         return np.zeros_like(x, dtype=bool)
-    period = size / 8                                                # 4 px at 32x32
+    period = size / 8  # 4 px at 32x32
     phase = rng.uniform(0, period)
-    if texture == "striped":                                         # diagonal stripes, half dark
+    if texture == "striped":  # diagonal stripes, half dark
         return ((x + y + phase) % period) < period / 2
-    if texture == "dotted":                                          # a square grid of dark dots
+    if texture == "dotted":  # a square grid of dark dots
         period = size * 5 / 32
         gx = (x + phase) % period - period / 2
         gy = (y + phase) % period - period / 2
-        return gx ** 2 + gy ** 2 <= (0.28 * period) ** 2
+        return gx**2 + gy**2 <= (0.28 * period) ** 2
     raise ToyWorldError(f"unknown texture {texture!r}; choose one of: {', '.join(TEXTURES)}")
 
 
@@ -151,15 +200,15 @@ def render_array(color, shape, texture, location, seed, size=32, scale=1.0, nois
     scale (object size) and noise (pixel noise std) differ from their defaults only in the transfer sets."""
     _check_factors(color, shape, texture, location)
     rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5     # pixel centres, [size, size] each
+    y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size] each
     # background: grey level, a faint colour tint and a gentle brightness gradient
     grey = rng.uniform(0.30, 0.70)
     tint = rng.uniform(-0.03, 0.03, size=3)
     gx, gy = rng.uniform(-0.10, 0.10, size=2)
     bg = grey + gx * (x / size - 0.5) + gy * (y / size - 0.5)
-    if TEXTURE_ON == "background":                                 # experiments: the ground is patterned
+    if TEXTURE_ON == "background":  # experiments: the ground is patterned
         bg = bg * np.where(texture_dark(texture, x, y, size, rng), BACKGROUND_DARK, 1.0)
-    img = bg[..., None] + tint                                     # [size, size, 3]
+    img = bg[..., None] + tint  # [size, size, 3]
     # object: half-size about 0.2 of the image, centred in its quadrant with a little jitter
     row, col = location.split()
     r = size * rng.uniform(0.19, 0.22) * scale
@@ -167,13 +216,15 @@ def render_array(color, shape, texture, location, seed, size=32, scale=1.0, nois
     cy = size * (0.25 if row == "top" else 0.75) + rng.uniform(-0.04, 0.04) * size
     obj = shape_mask(shape, x, y, cx, cy, r)
     rgb = np.array(PALETTE[color])
-    if SATURATION != 1.0:                                          # towards the colour's own grey
+    if SATURATION != 1.0:  # towards the colour's own grey
         rgb = rgb.mean() + SATURATION * (rgb - rgb.mean())
     rgb = rgb * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
     if TEXTURE_ON == "object":
-        rgb = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb  # [size, size, 3]
+        rgb = (
+            np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb
+        )  # [size, size, 3]
     img = np.where(obj[..., None], rgb, img)
-    img = img + rng.normal(0.0, noise, size=img.shape)             # mild pixel noise
+    img = img + rng.normal(0.0, noise, size=img.shape)  # mild pixel noise
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
@@ -193,6 +244,7 @@ def caption(color, shape, texture, location):
 # ---------------------------------------------------------------------------------------------
 # The dataset (CoOp layout)
 # ---------------------------------------------------------------------------------------------
+
 
 def class_list():
     """The 24 (colour, shape) classes in label order: the base half first, then the novel half.
@@ -220,16 +272,34 @@ def dataset_items():
         for label, (color, shape) in enumerate(class_list()):
             folder = f"{color}_{shape}"
             for i in range(SPLIT_SIZES[split]):
-                k = (i + label) % (len(TEXTURES) * len(LOCATIONS))   # offset by label: no class starts alike
+                k = (i + label) % (
+                    len(TEXTURES) * len(LOCATIONS)
+                )  # offset by label: no class starts alike
                 texture, location = TEXTURES[k % len(TEXTURES)], LOCATIONS[k // len(TEXTURES)]
                 seed = 1_000_000 * (split_index + 1) + 1000 * label + i
-                items.append(dict(split=split, label=label, classname=f"{color} {shape}", folder=folder,
-                                  file=f"{folder}/{split}_{i:03d}.png", color=color, shape=shape,
-                                  texture=texture, location=location, seed=seed))
+                items.append(
+                    dict(
+                        split=split,
+                        label=label,
+                        classname=f"{color} {shape}",
+                        folder=folder,
+                        file=f"{folder}/{split}_{i:03d}.png",
+                        color=color,
+                        shape=shape,
+                        texture=texture,
+                        location=location,
+                        seed=seed,
+                    )
+                )
     return items
 
 
-FACTORS = {"color": COLORS, "shape": SHAPES, "texture": TEXTURES, "location": LOCATIONS}  # name -> vocabulary
+FACTORS = {
+    "color": COLORS,
+    "shape": SHAPES,
+    "texture": TEXTURES,
+    "location": LOCATIONS,
+}  # name -> vocabulary
 
 
 def factor_labels(paths):
@@ -265,8 +335,11 @@ def _drawing_functions():
         fn = todo.pop()
         if fn.__name__ not in found:
             found[fn.__name__] = fn
-            todo += [g for g in map(globals().get, _code_names(fn.__code__))
-                     if inspect.isfunction(g) and g.__module__ == __name__]
+            todo += [
+                g
+                for g in map(globals().get, _code_names(fn.__code__))
+                if inspect.isfunction(g) and g.__module__ == __name__
+            ]
     return found
 
 
@@ -313,11 +386,15 @@ def check_rendering(folder):
     if os.path.isfile(path):
         drawn = drawn_knobs(path)
     else:
-        drawn = dict(render_knobs(), saturation=V1["SATURATION"], dark=V1["DARK"], texture_on="object")
+        drawn = dict(
+            render_knobs(), saturation=V1["SATURATION"], dark=V1["DARK"], texture_on="object"
+        )
     if drawn != render_knobs():
-        raise ToyWorldError(f"{folder} was drawn with other rendering knobs ({drawn}) than this toy world "
-                            f"(recipe {RECIPE}: {render_knobs()}); delete it (it is remade in seconds) or use "
-                            f"another --root")
+        raise ToyWorldError(
+            f"{folder} was drawn with other rendering knobs ({drawn}) than this toy world "
+            f"(recipe {RECIPE}: {render_knobs()}); delete it (it is remade in seconds) or use "
+            f"another --root"
+        )
 
 
 def _user_mkdtemp(prefix, parent):
@@ -342,8 +419,10 @@ def ensure_dataset(root):
         check_rendering(final)
         return final
     if os.path.exists(final):
-        raise ToyWorldError(f"{final} exists but has no {SPLIT_FILE}; it is not a toy-world dataset. "
-                            f"Move or delete it, then run again.")
+        raise ToyWorldError(
+            f"{final} exists but has no {SPLIT_FILE}; it is not a toy-world dataset. "
+            f"Move or delete it, then run again."
+        )
     os.makedirs(root, exist_ok=True)
     tmp = _user_mkdtemp(".toyworld-", root)
     try:
@@ -359,7 +438,7 @@ def ensure_dataset(root):
             json.dump(render_knobs(), f)
         try:
             os.rename(tmp, final)
-        except OSError:                       # another process finished first: keep its copy
+        except OSError:  # another process finished first: keep its copy
             if not os.path.isfile(os.path.join(final, SPLIT_FILE)):
                 raise
     finally:
@@ -373,8 +452,11 @@ def ensure_dataset(root):
 #   small     the same 24 classes, objects at 60% of their size            (a domain shift)
 #   textures  18 new classes, colour + texture ("red striped"); shape varies (new labels of the same
 #             world, like transfer to another dataset)
-TRANSFER = {"noisy": ("color shape", dict(noise=0.08)), "small": ("color shape", dict(scale=0.6)),
-            "textures": ("color texture", {})}
+TRANSFER = {
+    "noisy": ("color shape", dict(noise=0.08)),
+    "small": ("color shape", dict(scale=0.6)),
+    "textures": ("color texture", {}),
+}
 TRANSFER_IMAGES = 40  # per class; data.py's folder reader keeps 30% of them (12) as the test split
 
 
@@ -382,8 +464,9 @@ def ensure_transfer(root):
     """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return their folders."""
     root = os.path.abspath(os.path.expanduser(root))
     base = os.path.join(root, "toyworld-transfer")
-    if not os.path.isfile(os.path.join(base, RENDER_FILE)) and \
-            not any(os.path.isdir(os.path.join(base, name)) for name in TRANSFER):  # a new folder: record the knobs
+    if not os.path.isfile(os.path.join(base, RENDER_FILE)) and not any(
+        os.path.isdir(os.path.join(base, name)) for name in TRANSFER
+    ):  # a new folder: record the knobs
         write_atomic(os.path.join(base, RENDER_FILE), json.dumps(render_knobs()))
     check_rendering(base)
     folders = {}
@@ -399,15 +482,25 @@ def ensure_transfer(root):
             for label, (a, b) in enumerate(pairs):
                 os.makedirs(os.path.join(tmp, f"{a}_{b}"))
                 for i in range(TRANSFER_IMAGES):
-                    f = {"color": COLORS[i % len(COLORS)], "shape": SHAPES[i % len(SHAPES)],
-                         "texture": TEXTURES[i % len(TEXTURES)], "location": LOCATIONS[(i // 3) % len(LOCATIONS)]}
+                    f = {
+                        "color": COLORS[i % len(COLORS)],
+                        "shape": SHAPES[i % len(SHAPES)],
+                        "texture": TEXTURES[i % len(TEXTURES)],
+                        "location": LOCATIONS[(i // 3) % len(LOCATIONS)],
+                    }
                     f.update({first: a, second: b})
-                    seed = 10_000_000 * (t_index + 1) + 1000 * label + i     # disjoint from the dataset's seeds
-                    Image.fromarray(render_array(f["color"], f["shape"], f["texture"], f["location"], seed, **style),
-                                    mode="RGB").save(os.path.join(tmp, f"{a}_{b}", f"{i:03d}.png"))
+                    seed = (
+                        10_000_000 * (t_index + 1) + 1000 * label + i
+                    )  # disjoint from the dataset's seeds
+                    Image.fromarray(
+                        render_array(
+                            f["color"], f["shape"], f["texture"], f["location"], seed, **style
+                        ),
+                        mode="RGB",
+                    ).save(os.path.join(tmp, f"{a}_{b}", f"{i:03d}.png"))
             try:
                 os.rename(tmp, final)
-            except OSError:                   # another process finished first: keep its copy
+            except OSError:  # another process finished first: keep its copy
                 if not os.path.isdir(final):
                     raise
         finally:
@@ -418,6 +511,7 @@ def ensure_transfer(root):
 # ---------------------------------------------------------------------------------------------
 # Pretraining the tiny CLIP
 # ---------------------------------------------------------------------------------------------
+
 
 def to_tensor(arrays):
     """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (as the test transform)."""
@@ -443,28 +537,41 @@ def sample_batch(n, generator, group=None):
     g = generator
     group = GROUP if group is None else group
     sizes = torch.tensor([len(COLORS), len(SHAPES), len(TEXTURES), len(LOCATIONS)])
-    img_f = (torch.rand(n, 4, generator=g) * sizes).long()                   # [n, 4]
+    img_f = (torch.rand(n, 4, generator=g) * sizes).long()  # [n, 4]
     if CAPTION_FACTORS is None:
         keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
-    else:                                                                    # exactly k named factors
-        named = torch.multinomial(torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g) + 1  # [n]
+    else:  # exactly k named factors
+        named = (
+            torch.multinomial(
+                torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g
+            )
+            + 1
+        )  # [n]
         w = torch.tensor(FACTOR_WEIGHTS, dtype=torch.float).expand(n, 4)
-        order = torch.multinomial(w, 4, generator=g)                          # [n, 4]: factors in drawn order
-        keep = torch.zeros(n, 4, dtype=torch.bool).scatter(1, order, torch.arange(4).expand(n, 4) < named[:, None])
+        order = torch.multinomial(w, 4, generator=g)  # [n, 4]: factors in drawn order
+        keep = torch.zeros(n, 4, dtype=torch.bool).scatter(
+            1, order, torch.arange(4).expand(n, 4) < named[:, None]
+        )
     if group > 1:
         for start in range(0, n, group):
-            k = GROUP_FACTORS[int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))]  # the factor it varies
+            k = GROUP_FACTORS[
+                int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))
+            ]  # the factor it varies
             m = min(group, n - start)
-            img_f[start:start + m] = img_f[start]                               # three factors shared ...
+            img_f[start : start + m] = img_f[start]  # three factors shared ...
             values = torch.randperm(int(sizes[k]), generator=g).repeat(math.ceil(m / int(sizes[k])))
-            img_f[start:start + m, k] = values[:m]                              # ... the fourth differs
-            keep[start:start + m, k] = True                                     # and is named
-    cap_f = torch.where(keep, img_f, torch.full_like(img_f, -1))            # [n, 4]
+            img_f[start : start + m, k] = values[:m]  # ... the fourth differs
+            keep[start : start + m, k] = True  # and is named
+    cap_f = torch.where(keep, img_f, torch.full_like(img_f, -1))  # [n, 4]
     photo = torch.rand(n, generator=g) < 0.5
-    seeds = torch.randint(0, 2 ** 31 - 1, (n,), generator=g) + 2 ** 32      # disjoint from dataset seeds
+    seeds = torch.randint(0, 2**31 - 1, (n,), generator=g) + 2**32  # disjoint from dataset seeds
     texts = []
     for (c, s, t, l), p in zip(cap_f.tolist(), photo.tolist()):
-        words = [COLORS[c] if c >= 0 else None, TEXTURES[t] if t >= 0 else None, SHAPES[s] if s >= 0 else "object"]
+        words = [
+            COLORS[c] if c >= 0 else None,
+            TEXTURES[t] if t >= 0 else None,
+            SHAPES[s] if s >= 0 else "object",
+        ]
         text = "a " + " ".join(w for w in words if w)
         if l >= 0:
             text += f" in the {LOCATIONS[l]}"
@@ -484,6 +591,7 @@ def contrastive_loss(logits, truth):
 
 def build_toy_model():
     from clip.model import CLIP
+
     return CLIP(**TOY_CONFIG)
 
 
@@ -495,8 +603,17 @@ def toy_state_dict(model):
     return sd
 
 
-def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3, weight_decay=0.05,
-             warmup=0.05, log=print, log_every=20):
+def pretrain(
+    steps=DEFAULT_STEPS,
+    seed=0,
+    out_path=None,
+    batch_size=128,
+    lr=1e-3,
+    weight_decay=0.05,
+    warmup=0.05,
+    log=print,
+    log_every=20,
+):
     """Train the tiny CLIP contrastively on toy-world pairs; return (model, info dict).
 
     Images and captions are generated on the fly over all factor combinations, including the
@@ -504,6 +621,7 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
     AdamW, linear warm-up then cosine decay. Deterministic in `seed`: torch.manual_seed for the
     weights, one torch.Generator for the data. Saves to out_path atomically when given."""
     from clip.tokenizer import tokenize
+
     torch.manual_seed(seed)
     model = build_toy_model().train()
     gen = torch.Generator().manual_seed(seed)
@@ -511,29 +629,50 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
     # (with SparseAdam) updates only those rows, instead of 6 M parameters per step. Unused rows keep their init.
     model.token_embedding.sparse = True
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)
-            and n != "token_embedding.weight"]
-    opts = [torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                               {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98), eps=1e-6),
-            torch.optim.SparseAdam([model.token_embedding.weight], lr=lr, betas=(0.9, 0.98), eps=1e-6)]
+    rest = [
+        p
+        for n, p in model.named_parameters()
+        if not (p.ndim >= 2 and "embedding" not in n) and n != "token_embedding.weight"
+    ]
+    opts = [
+        torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": rest, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=(0.9, 0.98),
+            eps=1e-6,
+        ),
+        torch.optim.SparseAdam([model.token_embedding.weight], lr=lr, betas=(0.9, 0.98), eps=1e-6),
+    ]
     n_warm = max(1, int(warmup * steps))
     token_cache = {}
     t0, loss_avg = time.time(), None
     for step in range(1, steps + 1):
-        lr_now = lr * step / n_warm if step <= n_warm else \
-            lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
+        lr_now = (
+            lr * step / n_warm
+            if step <= n_warm
+            else lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
+        )
         for opt in opts:
             for group in opt.param_groups:
                 group["lr"] = lr_now
         img_f, cap_f, texts, seeds = sample_batch(batch_size, gen)
-        images = to_tensor([render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
-                            for (c, s, t, l), sd in zip(img_f.tolist(), seeds)])     # [B, 3, 32, 32]
+        images = to_tensor(
+            [
+                render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
+                for (c, s, t, l), sd in zip(img_f.tolist(), seeds)
+            ]
+        )  # [B, 3, 32, 32]
         for t in texts:
             if t not in token_cache:
                 token_cache[t] = tokenize([t], context_length=TOY_CONFIG["context_length"])[0]
-        tokens = torch.stack([token_cache[t] for t in texts])                       # [B, 16]
+        tokens = torch.stack([token_cache[t] for t in texts])  # [B, 16]
         # truth[i, j]: every factor that caption j names equals image i's factor
-        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(-1)  # [B, B]
+        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(
+            -1
+        )  # [B, B]
         logits, _ = model(images, tokens)
         loss = contrastive_loss(logits, truth)
         for opt in opts:
@@ -542,16 +681,27 @@ def pretrain(steps=DEFAULT_STEPS, seed=0, out_path=None, batch_size=128, lr=1e-3
         for opt in opts:
             opt.step()
         with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))                              # as in CLIP
+            model.logit_scale.clamp_(0, math.log(100))  # as in CLIP
         loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
         if log and (step % log_every == 0 or step == steps):
             el = time.time() - t0
-            log(f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
-                f"elapsed {fmt_time(el)}  ETA {fmt_time(el / step * (steps - step))}")
+            log(
+                f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
+                f"elapsed {fmt_time(el)}  ETA {fmt_time(el / step * (steps - step))}"
+            )
     model.token_embedding.sparse = False
     model.eval()
-    info = dict(recipe=RECIPE, steps=steps, seed=seed, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
-                final_loss=round(loss_avg, 4), train_seconds=round(time.time() - t0, 1), config=TOY_CONFIG)
+    info = dict(
+        recipe=RECIPE,
+        steps=steps,
+        seed=seed,
+        batch_size=batch_size,
+        lr=lr,
+        weight_decay=weight_decay,
+        final_loss=round(loss_avg, 4),
+        train_seconds=round(time.time() - t0, 1),
+        config=TOY_CONFIG,
+    )
     if out_path:
         save_checkpoint(model, out_path, info)
     return model, info
@@ -585,13 +735,17 @@ def verify_checkpoint(path):
         with open(sha256_file(path)) as f:
             recorded = f.read().split()[0]
     except (OSError, IndexError):
-        raise ToyWorldError(f"the toy CLIP checkpoint {path} has no readable SHA256 record beside "
-                            f"it ({os.path.basename(sha256_file(path))}), so its content cannot "
-                            f"be checked; {again}") from None
+        raise ToyWorldError(
+            f"the toy CLIP checkpoint {path} has no readable SHA256 record beside "
+            f"it ({os.path.basename(sha256_file(path))}), so its content cannot "
+            f"be checked; {again}"
+        ) from None
     actual = clip.sha256_of(path)
     if actual != recorded:
-        raise ToyWorldError(f"the toy CLIP checkpoint {path} is not the file its pretraining wrote "
-                            f"(SHA256 {actual[:12]}..., recorded {recorded[:12]}...); {again}")
+        raise ToyWorldError(
+            f"the toy CLIP checkpoint {path} is not the file its pretraining wrote "
+            f"(SHA256 {actual[:12]}..., recorded {recorded[:12]}...); {again}"
+        )
     return actual
 
 
@@ -615,8 +769,9 @@ def load_clip(name_or_path, device=None, download_root=None):
     path = ensure_pretrained(clip.cache_dir(download_root))
     model, preprocess = clip.load(path, device=device)
     if model.sha256 != verify_checkpoint(path):  # replaced between the check and the read
-        raise ToyWorldError(f"the toy CLIP checkpoint {path} changed while it was loaded; "
-                            "load it again")
+        raise ToyWorldError(
+            f"the toy CLIP checkpoint {path} changed while it was loaded; load it again"
+        )
     model.name, model.checkpoint_path = BACKBONE, path
     return model, preprocess
 
@@ -662,8 +817,9 @@ def check_backbone(backbone, download_root=None):
             check_cache(os.path.dirname(path))
     elif not os.path.isfile(path):
         names = clip.available_models() + [BACKBONE]
-        raise ToyWorldError(f"--backbone {backbone!r} is neither one of {names} "
-                            "nor a checkpoint file")
+        raise ToyWorldError(
+            f"--backbone {backbone!r} is neither one of {names} nor a checkpoint file"
+        )
     return path
 
 
@@ -683,9 +839,11 @@ def check_cache(cache_dir, needed=0):
         raise ToyWorldError(str(e)) from None
     free = shutil.disk_usage(cache_dir).free
     if free < needed:
-        raise ToyWorldError(f"the CLIP cache {cache_dir} has {util.fmt_bytes(free)} free; the toy "
-                            f"CLIP checkpoint needs {util.fmt_bytes(needed)}: free some space, or "
-                            f"{CACHE_FIX}")
+        raise ToyWorldError(
+            f"the CLIP cache {cache_dir} has {util.fmt_bytes(free)} free; the toy "
+            f"CLIP checkpoint needs {util.fmt_bytes(needed)}: free some space, or "
+            f"{CACHE_FIX}"
+        )
 
 
 def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
@@ -703,15 +861,19 @@ def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
     def waiting(holder):
         if log:
             log(f"Waiting for {holder}, which is pretraining the toy CLIP into {path}")
-    lock = util.FileLock(path + ".lock", f"the toy CLIP pretraining into {path}", blocking=True,
-                         on_wait=waiting)
+
+    lock = util.FileLock(
+        path + ".lock", f"the toy CLIP pretraining into {path}", blocking=True, on_wait=waiting
+    )
     with lock:
         if os.path.isfile(path):  # the process we waited for made it
             verify_checkpoint(path)
             return path
         if log:
-            log(f"Pretraining the toy CLIP once ({steps} steps, seed {seed}); "
-                f"it is cached at {path}")
+            log(
+                f"Pretraining the toy CLIP once ({steps} steps, seed {seed}); "
+                f"it is cached at {path}"
+            )
         try:
             pretrain(steps=steps, seed=seed, out_path=path, log=log)
         except util.DiskFull as e:
@@ -723,6 +885,7 @@ def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
 # Zero-shot evaluation on the dataset's classes
 # ---------------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
 def zero_shot(model, split="test", template=TEMPLATE, batch_size=256):
     """Zero-shot accuracy (percent) of `model` on the toy classes: {"all", "base", "novel"}.
@@ -730,18 +893,28 @@ def zero_shot(model, split="test", template=TEMPLATE, batch_size=256):
     Images are the dataset's own images of `split` (rendered in memory, identical to the PNGs). As in
     base-to-novel evaluation, "base" and "novel" compete only among their own half of the classes."""
     from clip.tokenizer import tokenize
+
     model.eval()
     names = classnames()
     tokens = tokenize([template.format(n) for n in names], context_length=model.context_length)
-    text = F.normalize(model.encode_text(tokens).float(), dim=-1)                # [C, E]
+    text = F.normalize(model.encode_text(tokens).float(), dim=-1)  # [C, E]
     items = [it for it in dataset_items() if it["split"] == split]
     labels = torch.tensor([it["label"] for it in items])
     feats = []
     for i in range(0, len(items), batch_size):
-        arrays = [render_array(it["color"], it["shape"], it["texture"], it["location"], it["seed"],
-                               model.visual.input_resolution) for it in items[i:i + batch_size]]
+        arrays = [
+            render_array(
+                it["color"],
+                it["shape"],
+                it["texture"],
+                it["location"],
+                it["seed"],
+                model.visual.input_resolution,
+            )
+            for it in items[i : i + batch_size]
+        ]
         feats.append(F.normalize(model.encode_image(to_tensor(arrays)).float(), dim=-1))
-    sims = torch.cat(feats) @ text.T                                               # [N, C]
+    sims = torch.cat(feats) @ text.T  # [N, C]
     m = math.ceil(len(names) / 2)
     out = {}
     for key, lo, hi in (("all", 0, len(names)), ("base", 0, m), ("novel", m, len(names))):
@@ -755,13 +928,16 @@ def zero_shot(model, split="test", template=TEMPLATE, batch_size=256):
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+
 def _log_err(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The toy world: procedural images with DeAR's attributes as "
-                                            "factors, and a tiny CLIP pretrained on them.")
+    p = argparse.ArgumentParser(
+        description="The toy world: procedural images with DeAR's attributes as "
+        "factors, and a tiny CLIP pretrained on them."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("render", help="render one image to a PNG")
     r.add_argument("--color", required=True, help=", ".join(COLORS))
@@ -773,20 +949,32 @@ def main(argv=None):
     r.add_argument("--out", required=True, help="output PNG path")
     d = sub.add_parser("dataset", help="write the toy dataset under ROOT/toyworld (once)")
     d.add_argument("--root", required=True, help="data root, the same as dear.py --root")
-    d.add_argument("--transfer", action="store_true", help="also the transfer sets, ROOT/toyworld-transfer/<name> "
-                                                           "(" + ", ".join(TRANSFER) + "), read as folder:PATH")
+    d.add_argument(
+        "--transfer",
+        action="store_true",
+        help="also the transfer sets, ROOT/toyworld-transfer/<name> "
+        "(" + ", ".join(TRANSFER) + "), read as folder:PATH",
+    )
     t = sub.add_parser("pretrain", help="pretrain the tiny CLIP into the CLIP cache (once)")
-    t.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
+    t.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})"
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--cache-dir", default=None, help="default: $CLIP_CACHE, else ~/.cache/clip")
-    t.add_argument("--force", action="store_true", help="pretrain again even if the checkpoint exists")
+    t.add_argument(
+        "--force", action="store_true", help="pretrain again even if the checkpoint exists"
+    )
     z = sub.add_parser("zeroshot", help="zero-shot accuracy of a toy checkpoint on the toy classes")
-    z.add_argument("--checkpoint", default=None, help="default: the cached toy CLIP (pretrained if missing)")
+    z.add_argument(
+        "--checkpoint", default=None, help="default: the cached toy CLIP (pretrained if missing)"
+    )
     z.add_argument("--split", default="test", choices=("train", "val", "test"))
     args = p.parse_args(argv)
     try:
         if args.cmd == "render":
-            render(args.color, args.shape, args.texture, args.location, args.seed, args.size).save(args.out)
+            render(args.color, args.shape, args.texture, args.location, args.seed, args.size).save(
+                args.out
+            )
             print(f"{caption(args.color, args.shape, args.texture, args.location)} -> {args.out}")
         elif args.cmd == "dataset":
             print(ensure_dataset(args.root))
@@ -794,23 +982,37 @@ def main(argv=None):
                 print("\n".join(ensure_transfer(args.root).values()))
         elif args.cmd in ("pretrain", "zeroshot"):
             from clip import cache_dir
+
             ckpt = getattr(args, "checkpoint", None)
             if ckpt is None:
                 cache = cache_dir(getattr(args, "cache_dir", None))
-                path = os.path.join(cache, checkpoint_name(args.steps if args.cmd == "pretrain" else DEFAULT_STEPS,
-                                                           getattr(args, "seed", 0)))
+                path = os.path.join(
+                    cache,
+                    checkpoint_name(
+                        args.steps if args.cmd == "pretrain" else DEFAULT_STEPS,
+                        getattr(args, "seed", 0),
+                    ),
+                )
                 if args.cmd == "pretrain" and args.force and os.path.exists(path):
                     os.remove(path)
-                ckpt = ensure_pretrained(cache, **({"steps": args.steps, "seed": args.seed}
-                                                   if args.cmd == "pretrain" else {}), log=_log_err)
+                ckpt = ensure_pretrained(
+                    cache,
+                    **({"steps": args.steps, "seed": args.seed} if args.cmd == "pretrain" else {}),
+                    log=_log_err,
+                )
             if not os.path.isfile(ckpt):
-                raise ToyWorldError(f"checkpoint {ckpt} does not exist; run `python toyworld.py pretrain` first")
+                raise ToyWorldError(
+                    f"checkpoint {ckpt} does not exist; run `python toyworld.py pretrain` first"
+                )
             from clip.model import build_model
+
             model = build_model(torch.load(ckpt, map_location="cpu", weights_only=True))
             acc = zero_shot(model, split=getattr(args, "split", "test"))
-            print(f"{ckpt}\nzero-shot accuracy (%): all {acc['all']:.1f}  base {acc['base']:.1f}  "
-                  f"novel {acc['novel']:.1f}  (chance: all {100 / len(classnames()):.1f}, "
-                  f"base/novel {100 / math.ceil(len(classnames()) / 2):.1f})")
+            print(
+                f"{ckpt}\nzero-shot accuracy (%): all {acc['all']:.1f}  base {acc['base']:.1f}  "
+                f"novel {acc['novel']:.1f}  (chance: all {100 / len(classnames()):.1f}, "
+                f"base/novel {100 / math.ceil(len(classnames()) / 2):.1f})"
+            )
     except ToyWorldError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ autocast) as MMRL's test() does, unless cfg.eval_precision asks for fp16 or bf16
 
 Used by dear.py (and bench.py); imports data.py and util.py only.
 """
+
 import contextlib
 import io
 import math
@@ -59,7 +60,9 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError(f"--device {name} was asked for but CUDA is not available here; use --device cpu")
+        raise RunError(
+            f"--device {name} was asked for but CUDA is not available here; use --device cpu"
+        )
     return torch.device(name)
 
 
@@ -79,13 +82,17 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "amp":
         return "fp16" if device.type == "cuda" else "fp32"
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RunError("--precision bf16: this GPU does not support bfloat16; use --precision fp16 (or amp)")
+        raise RunError(
+            "--precision bf16: this GPU does not support bfloat16; use --precision fp16 (or amp)"
+        )
     return precision
 
 
 def autocast_dtype(device: torch.device, precision: str = "amp"):
     """The autocast dtype of a precision on device: torch.float16, torch.bfloat16, or None (fp32, no autocast)."""
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[resolve_precision(precision, device)]
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[
+        resolve_precision(precision, device)
+    ]
 
 
 def autocast(device: torch.device, dtype):
@@ -174,7 +181,7 @@ def epoch_batches(n: int, batch_size: int, seed: int):
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     if n >= batch_size:
         order = order[: n - n % batch_size]
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def atomic_save(obj, path: str, as_json=False):
@@ -200,7 +207,9 @@ def train_step(model, images, labels, loss_fn, opt, scaler, amp):
     loss, parts = loss_fn(model, out, labels)
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    scaler.unscale_(opt)  # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
+    scaler.unscale_(
+        opt
+    )  # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
     scaler.step(opt)
     scaler.update()
     return loss, parts, out
@@ -239,11 +248,15 @@ def resume(ckpt, model, opt, scaler, precision, device, log):
             scaler.load_state_dict(state["scaler"])
     except Exception as e:  # a truncated file, another run's checkpoint, or not a checkpoint at all
         first_line = str(e).splitlines()[0] if str(e) else ""
-        raise RunError(f"the checkpoint {ckpt} cannot be resumed ({type(e).__name__}: "
-                       f"{first_line}); pass --force to start the run over") from None
+        raise RunError(
+            f"the checkpoint {ckpt} cannot be resumed ({type(e).__name__}: "
+            f"{first_line}); pass --force to start the run over"
+        ) from None
     if saved_precision != precision:
-        raise RunError(f"{ckpt} was written with --precision {saved_precision}; resume with that "
-                       f"precision (this run has {precision}), or pass --force to start over")
+        raise RunError(
+            f"{ckpt} was written with --precision {saved_precision}; resume with that "
+            f"precision (this run has {precision}), or pass --force to start over"
+        )
     log(f"resuming from {ckpt}: epoch {state['epoch'] + 1}, step {state['step']}")
     return state["epoch"], state["step"], state.get("skipped_steps", 0)
 
@@ -261,7 +274,9 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
     the checkpoint on disk is always the last good one."""
     params = [p for p in model.trainable() if p.requires_grad]
     if not params:
-        log("no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP")
+        log(
+            "no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP"
+        )
         return {"steps": 0, "skipped_steps": 0, "final_scale": None}
     model.set_classes(ds.classnames, ds.template)  # fp32, before the frozen weights change dtype
     precision = resolve_precision(cfg.precision, device)
@@ -272,20 +287,34 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     scaler = make_scaler(device, amp)
     ckpt = os.path.join(rdir, "checkpoint.pt")
-    start_epoch, start_step, skipped_before = resume(ckpt, model, opt, scaler, precision, device,
-                                                     log)
+    start_epoch, start_step, skipped_before = resume(
+        ckpt, model, opt, scaler, precision, device, log
+    )
 
     def save(epoch, step, skipped):
-        atomic_save({"model": model.trainable_state(), "optimizer": opt.state_dict(),
-                     "scaler": scaler.state_dict(), "precision": precision, "epoch": epoch,
-                     "step": step, "skipped_steps": skipped}, ckpt)
+        atomic_save(
+            {
+                "model": model.trainable_state(),
+                "optimizer": opt.state_dict(),
+                "scaler": scaler.state_dict(),
+                "precision": precision,
+                "epoch": epoch,
+                "step": step,
+                "skipped_steps": skipped,
+            },
+            ckpt,
+        )
 
     transform = data.train_transform(model.clip.visual.input_resolution, min_scale=cfg.crop_scale)
     steps = len(epoch_batches(len(ds.train), cfg.batch_size, 0))  # per epoch
     sampler = EpochSampler()
     loader = torch.utils.data.DataLoader(  # one loader, its workers alive across epochs
-        Augmented(ds.train, transform), batch_sampler=sampler, num_workers=cfg.workers,
-        pin_memory=device.type == "cuda", persistent_workers=cfg.workers > 0)
+        Augmented(ds.train, transform),
+        batch_sampler=sampler,
+        num_workers=cfg.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=cfg.workers > 0,
+    )
     step_ids = torch.arange(steps, device=device).float()  # the step index as a device number
     zero = torch.zeros((), device=device)
     # running sums on the device, read only by wait_and_check
@@ -303,13 +332,15 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
         stacked = torch.stack([sums[k] for k in names] + [skipped])
         values = torch.cat([stacked] + bad).tolist()  # the one wait
         got = dict(zip(names + ["skipped"], values))
-        bad = values[len(names) + 1:]
+        bad = values[len(names) + 1 :]
         if bad and bad[0] >= 0:
             detail = ", ".join(f"{k} {v:.4g}" for k, v in zip(part_names, bad[2:]))
-            raise RunError(f"the loss became {bad[1]} at epoch {epoch + 1}, step {int(bad[0]) + 1} "
-                           f"(parts: {detail}); the last good checkpoint is kept in {ckpt}. Try a "
-                           "lower --lr, or --precision fp32 to rule out a mixed-precision "
-                           "overflow.")
+            raise RunError(
+                f"the loss became {bad[1]} at epoch {epoch + 1}, step {int(bad[0]) + 1} "
+                f"(parts: {detail}); the last good checkpoint is kept in {ckpt}. Try a "
+                "lower --lr, or --precision fp32 to rule out a mixed-precision "
+                "overflow."
+            )
         return got
 
     with frozen_weights_in(amp, model.clip):
@@ -318,8 +349,10 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
                 group["lr"] = lr_at(epoch, cfg)
             epoch_seed = cfg.seed * 1000 + epoch
             first = start_step if epoch == start_epoch else 0
-            sampler.batches = [[(epoch_seed, i) for i in b]
-                               for b in epoch_batches(len(ds.train), cfg.batch_size, epoch_seed)[first:]]
+            sampler.batches = [
+                [(epoch_seed, i) for i in b]
+                for b in epoch_batches(len(ds.train), cfg.batch_size, epoch_seed)[first:]
+            ]
             model.train()
             # since the last log line: loss, ce, steps; this epoch: correct
             sums = {k: zero.clone() for k in ("loss", "ce", "n", "correct")}
@@ -339,8 +372,9 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
                         new_scale = scale_of(scaler, device)
                         skipped += (new_scale < scale).float()
                         scale = new_scale
-                    row = torch.stack([step_ids[step], loss]
-                                      + [parts[k].detach().float() for k in part_names])
+                    row = torch.stack(
+                        [step_ids[step], loss] + [parts[k].detach().float() for k in part_names]
+                    )
                     if first_bad is None:
                         first_bad = torch.full_like(row, -1.0)
                     new_bad = (first_bad[0] < 0) & ~torch.isfinite(loss)  # the first one only
@@ -352,11 +386,13 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
                     for k in ("loss", "ce", "n"):
                         sums[k].zero_()
                     eta = (time.time() - t_start) / done * (total - done)
-                    log(f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} loss "
+                    log(
+                        f"epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} loss "
                         f"{got['loss'] / got['n']:.4f} (ce {got['ce'] / got['n']:.3f}) "
                         f"lr {lr_at(epoch, cfg):.2e} acc {100 * got['correct'] / seen:.1f}% "
                         + (f"skipped {skipped_read} " if scaler.is_enabled() else "")
-                        + f"eta {fmt_time(eta)}")
+                        + f"eta {fmt_time(eta)}"
+                    )
                 if time.time() - last_save > ckpt_every_s and step + 1 < steps:
                     skipped_read = int(wait_and_check(epoch, sums)["skipped"])
                     save(epoch, step + 1, skipped_read)
@@ -392,8 +428,11 @@ def evaluate(model, items, classnames, template, cfg, device, logits="fused", lo
     amp = autocast_dtype(device, precision)
     loader = torch.utils.data.DataLoader(
         data.ImageList(items, data.test_transform(model.clip.visual.input_resolution)),
-        batch_size=cfg.eval_batch_size, shuffle=False, num_workers=cfg.workers,
-        pin_memory=device.type == "cuda")
+        batch_size=cfg.eval_batch_size,
+        shuffle=False,
+        num_workers=cfg.workers,
+        pin_memory=device.type == "cuda",
+    )
     C = len(classnames)
     correct = torch.zeros(C, dtype=torch.long, device=device)  # per true class
     count = torch.zeros(C, dtype=torch.long, device=device)
@@ -414,7 +453,18 @@ def evaluate(model, items, classnames, template, cfg, device, logits="fused", lo
                 log(f"  eval {name}: {i + 1}/{n_batches} batches, eta {fmt_time(eta)}")
     correct, count = correct.cpu(), count.cpu()
     acc = 100.0 * correct.sum().item() / max(1, count.sum().item())
-    per_class = [{"class": c, "accuracy": 100.0 * correct[k].item() / max(1, count[k].item()),
-                  "n": count[k].item()} for k, c in enumerate(classnames)]
-    return {"accuracy": acc, "n": int(count.sum()), "logits": logits, "precision": precision,
-            "per_class": per_class}
+    per_class = [
+        {
+            "class": c,
+            "accuracy": 100.0 * correct[k].item() / max(1, count[k].item()),
+            "n": count[k].item(),
+        }
+        for k, c in enumerate(classnames)
+    ]
+    return {
+        "accuracy": acc,
+        "n": int(count.sum()),
+        "logits": logits,
+        "precision": precision,
+        "per_class": per_class,
+    }

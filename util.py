@@ -7,6 +7,7 @@ does not use it, so that clip/ stays a stand-alone copy of OpenAI's package. Byt
 checksum live in clip/ (`clip.stream`, the one download loop), which download.py reuses for the dataset
 archives.
 """
+
 import errno
 import hashlib
 import json
@@ -67,15 +68,21 @@ def fingerprint(obj):
 def fmt_time(seconds):
     """Seconds as 1m05s, or 1h02m past an hour: the one duration format of the progress lines."""
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def progress(what, done, total, start):
     """One progress line on stderr, rewritten in place, with speed and ETA."""
     elapsed = max(time.time() - start, 1e-6)
     eta = (total - done) * elapsed / max(done, 1)
-    sys.stderr.write(f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {fmt_time(eta)})   "
-                     + ("\n" if done >= total else ""))
+    sys.stderr.write(
+        f"\r{what} {done}/{total} ({done / elapsed:.1f}/s, ETA {fmt_time(eta)})   "
+        + ("\n" if done >= total else "")
+    )
     sys.stderr.flush()
 
 
@@ -86,6 +93,7 @@ def progress(what, done, total, start):
 class DiskFull(OSError):
     """A write failed for want of space (ENOSPC) or quota (EDQUOT). str() is one line naming the
     file, the bytes it needed and the space left, so each caller's one-line error says where."""
+
     ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
     def __init__(self, path, needed, cause=None):
@@ -99,8 +107,10 @@ class DiskFull(OSError):
         except OSError:
             free = ""
         why = "the disk quota is exceeded" if self.errno == errno.EDQUOT else "the disk is full"
-        return (f"cannot write {self.path}: {why} (it needs {fmt_bytes(self.needed)}{free}); "
-                "free some space on that disk, or write elsewhere, and rerun")
+        return (
+            f"cannot write {self.path}: {why} (it needs {fmt_bytes(self.needed)}{free}); "
+            "free some space on that disk, or write elsewhere, and rerun"
+        )
 
 
 class PathError(OSError):
@@ -138,8 +148,10 @@ def check_path_names(path, fix="choose a shorter --out"):
     for name in path.split(os.sep):
         size = len(os.fsencode(name))
         if size > limit:
-            raise PathError(errno.ENAMETOOLONG, f"a folder name in {path} is {size} bytes; "
-                                                f"the limit is {limit} (NAME_MAX): {fix}")
+            raise PathError(
+                errno.ENAMETOOLONG,
+                f"a folder name in {path} is {size} bytes; the limit is {limit} (NAME_MAX): {fix}",
+            )
 
 
 def _first_existing(path):
@@ -194,6 +206,7 @@ def _lock_owner(fd):
     The struct flock layout (short, short, off_t, off_t, pid_t) is read as 64-bit Linux's."""
     import fcntl
     import struct
+
     if not sys.platform.startswith("linux") or struct.calcsize("P") != 8:
         return None
     # the whole file, as lockf locks it; 28 bytes of fields, padded to the struct's 32
@@ -246,6 +259,7 @@ class FileLock:
 
     def acquire(self):
         import fcntl  # POSIX
+
         here = self._held_here()
         if here is not None:  # opening and closing the file again would drop our own lock
             raise LockHeld(self.what, here)

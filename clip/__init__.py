@@ -14,6 +14,7 @@ Like OpenAI's package, clip/ imports nothing of the project around it. Its users
 dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives through `stream`,
 the project's one download loop.
 """
+
 import errno
 import hashlib
 import http.client
@@ -29,7 +30,14 @@ import zipfile
 
 import torch
 from PIL import Image
-from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
+from torchvision.transforms import (
+    CenterCrop,
+    Compose,
+    InterpolationMode,
+    Normalize,
+    Resize,
+    ToTensor,
+)
 
 from .model import CLIP, build_model
 from .tokenizer import tokenize
@@ -39,13 +47,13 @@ __all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "
 # name -> URL; the second-to-last path component is the file's SHA256. Tests point this at 127.0.0.1.
 MODELS = {
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
-                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+    "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
     "ViT-B/16": "https://openaipublic.azureedge.net/clip/models/"
-                "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
+    "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
     "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/"
-                "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
+    "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
     "ViT-L/14@336px": "https://openaipublic.azureedge.net/clip/models/"
-                      "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
+    "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02/ViT-L-14-336px.pt",
 }
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -77,8 +85,10 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
     speed = done / elapsed
     if total:
         eta = (total - done) / speed if speed > 0 else 0.0
-        msg = f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB ({100 * done / total:.0f}%), " \
-              f"{speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
+        msg = (
+            f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB ({100 * done / total:.0f}%), "
+            f"{speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
+        )
     else:
         msg = f"\rdownloading {name}: {done / 2**20:.1f} MiB, {speed / 2**20:.1f} MiB/s"
     sys.stderr.write(msg + ("\n" if final else ""))
@@ -118,15 +128,19 @@ def download(url: str, root: str) -> str:
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise RuntimeError(f"the CLIP cache {root} cannot be created ({e.strerror}); "
-                           "set CLIP_CACHE to a writable folder") from None
+        raise RuntimeError(
+            f"the CLIP cache {root} cannot be created ({e.strerror}); "
+            "set CLIP_CACHE to a writable folder"
+        ) from None
     expected = url.split("/")[-2]
     target = os.path.join(root, os.path.basename(url))
     if os.path.isfile(target):
         actual = sha256_of(target)
         if actual == expected:
             return target
-        sys.stderr.write(f"{target} has SHA256 {actual}, expected {expected}; downloading it again\n")
+        sys.stderr.write(
+            f"{target} has SHA256 {actual}, expected {expected}; downloading it again\n"
+        )
 
     name = os.path.basename(url)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=name + ".", suffix=".part")
@@ -141,16 +155,20 @@ def download(url: str, root: str) -> str:
                 except OSError as e:
                     if e.errno in DISK_FULL:
                         raise
-                    raise RuntimeError(f"download of {url} failed: {e}; check the network (or put "
-                                       f"the file, with SHA256 {expected}, at {target})") from None
+                    raise RuntimeError(
+                        f"download of {url} failed: {e}; check the network (or put "
+                        f"the file, with SHA256 {expected}, at {target})"
+                    ) from None
         except OSError as e:
             if e.errno in DISK_FULL:  # a full disk is no network fault: say where and how much
                 raise RuntimeError(_no_room(target, size, e)) from None
             raise
         actual = h.hexdigest()
         if actual != expected:
-            raise RuntimeError(f"download of {url} has the wrong checksum: expected SHA256 {expected}, "
-                               f"got {actual}; the file was not kept, try again")
+            raise RuntimeError(
+                f"download of {url} has the wrong checksum: expected SHA256 {expected}, "
+                f"got {actual}; the file was not kept, try again"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -164,9 +182,11 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 def _no_room(target: str, size: int, e: OSError) -> str:
     """One line for a download that filled the disk: the file, the bytes it needs, the room left."""
     free = shutil.disk_usage(os.path.dirname(target)).free
-    return (f"cannot write {target}: {e.strerror} (it needs {size / 2**20:.1f} MiB, "
-            f"{free / 2**20:.1f} MiB free there); free some space there, or set CLIP_CACHE "
-            "to a folder on another disk")
+    return (
+        f"cannot write {target}: {e.strerror} (it needs {size / 2**20:.1f} MiB, "
+        f"{free / 2**20:.1f} MiB free there); free some space there, or set CLIP_CACHE "
+        "to a folder on another disk"
+    )
 
 
 def _is_torchscript(path: str) -> bool:
@@ -191,9 +211,11 @@ def read_state_dict(path: str) -> dict:
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path} is neither a TorchScript archive nor a state dict saved with torch.save "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); delete it or "
-                         "give another checkpoint") from None
+        raise ValueError(
+            f"{path} is neither a TorchScript archive nor a state dict saved with torch.save "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); delete it or "
+            "give another checkpoint"
+        ) from None
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -207,13 +229,15 @@ def _convert_to_rgb(image: Image.Image) -> Image.Image:
 
 def transform(n_px: int):
     """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
-    return Compose([
-        Resize(n_px, interpolation=InterpolationMode.BICUBIC),
-        CenterCrop(n_px),
-        _convert_to_rgb,
-        ToTensor(),
-        Normalize(MEAN, STD),
-    ])
+    return Compose(
+        [
+            Resize(n_px, interpolation=InterpolationMode.BICUBIC),
+            CenterCrop(n_px),
+            _convert_to_rgb,
+            ToTensor(),
+            Normalize(MEAN, STD),
+        ]
+    )
 
 
 def load(name_or_path: str, device=None, download_root=None):
@@ -234,8 +258,10 @@ def load(name_or_path: str, device=None, download_root=None):
     elif os.path.isfile(os.path.expanduser(str(name_or_path))):
         path, name = os.path.expanduser(str(name_or_path)), str(name_or_path)
     else:
-        raise ValueError(f"model {name_or_path!r} not found; give one of {available_models()} "
-                         "or the path of a checkpoint file")
+        raise ValueError(
+            f"model {name_or_path!r} not found; give one of {available_models()} "
+            "or the path of a checkpoint file"
+        )
     # a downloaded file was just checked against the hash in its URL; hash anything else here
     sha = MODELS[name].split("/")[-2] if name in MODELS else sha256_of(path)
     if name not in MODELS:  # a local copy of a published checkpoint gets its published name

@@ -16,6 +16,7 @@ Differences from OpenAI's reference code, all numerically neutral:
 
 Blocks are counted from 0 here; `run_blocks(x, start, end)` runs blocks start..end-1.
 """
+
 import math
 from collections import OrderedDict
 from typing import List, Optional, Union
@@ -33,7 +34,9 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+        out = F.layer_norm(
+            x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps
+        )
         return out.to(dtype)
 
 
@@ -65,8 +68,14 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
         nn.init.xavier_uniform_(self.in_proj_weight)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
-                rows: Rows = None, past: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = False,
+        rows: Rows = None,
+        past: Optional[torch.Tensor] = None,
+    ):
         """x [B, L, D] -> [B, R, D]. rows: None (every position, R = L) or the positions whose output is wanted
         (a slice or 1-D index): keys and values still come from all of x, queries only from those rows.
         past [1 or B, P, D]: positions that precede x (already layer-normed); they give keys and values only,
@@ -79,7 +88,9 @@ class MultiheadAttention(nn.Module):
             q, k, v = F.linear(x, W, b).split(D, dim=-1)  # 3 x [B, L, D]
         else:
             k, v = F.linear(x, W[D:], b[D:]).split(D, dim=-1)  # 2 x [B, L, D]
-            q = F.linear(x if rows is None else x[:, rows], W[:D], b[:D])  # [B, R, D]: only the rows read later
+            q = F.linear(
+                x if rows is None else x[:, rows], W[:D], b[:D]
+            )  # [B, R, D]: only the rows read later
             if past is not None:  # the shared positions before x: their keys and values go first
                 kp, vp = F.linear(past, W[D:], b[D:]).split(D, dim=-1)  # 2 x [1 or B, P, D]
                 k = torch.cat([kp.expand(B, -1, -1), k], dim=1)  # [B, P + L, D]
@@ -90,12 +101,16 @@ class MultiheadAttention(nn.Module):
         v = v.view(B, S, H, hs).transpose(1, 2)  # [B, H, S, hs]
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
-                raise TypeError("attn_mask must be an additive float mask (0 = allowed, -inf = blocked), "
-                                "not a bool mask")
+                raise TypeError(
+                    "attn_mask must be an additive float mask (0 = allowed, -inf = blocked), "
+                    "not a bool mask"
+                )
             attn_mask = attn_mask.to(dtype=q.dtype, device=q.device)
             if rows is not None:
                 attn_mask = attn_mask[..., rows, :]  # only the query rows that are computed
-            if attn_mask.dim() == 3:  # per-head [H, R, S] -> [1, H, R, S]: the fused kernels take 2-D or 4-D masks
+            if (
+                attn_mask.dim() == 3
+            ):  # per-head [H, R, S] -> [1, H, R, S]: the fused kernels take 2-D or 4-D masks
                 attn_mask = attn_mask.unsqueeze(0)
         if need_weights:
             # the plain path: softmax(Q K^T / sqrt(hs) + mask) V, keeping the weights
@@ -119,21 +134,32 @@ class ResidualAttentionBlock(nn.Module):
         super().__init__()
         self.attn = MultiheadAttention(d_model, n_head)
         self.ln_1 = LayerNorm(d_model)
-        self.mlp = nn.Sequential(OrderedDict([
-            ("c_fc", nn.Linear(d_model, d_model * 4)),
-            ("gelu", QuickGELU()),
-            ("c_proj", nn.Linear(d_model * 4, d_model)),
-        ]))
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                [
+                    ("c_fc", nn.Linear(d_model, d_model * 4)),
+                    ("gelu", QuickGELU()),
+                    ("c_proj", nn.Linear(d_model * 4, d_model)),
+                ]
+            )
+        )
         self.ln_2 = LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Rows = None,
-                past: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        rows: Rows = None,
+        past: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x [B, L, D] -> [B, R, D]. rows: compute only these output positions (the attention still reads
         every position; the MLP runs on the rows alone). past [1 or B, P, D]: this block's input at P positions
         that precede x, shared by the batch; x attends to them (see MultiheadAttention)."""
         h = self.ln_1(x)
         hp = None if past is None else self.ln_1(past)
-        x = (x if rows is None else x[:, rows]) + self.attn(h, attn_mask=attn_mask, rows=rows, past=hp)
+        x = (x if rows is None else x[:, rows]) + self.attn(
+            h, attn_mask=attn_mask, rows=rows, past=hp
+        )
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -144,10 +170,18 @@ class Transformer(nn.Module):
         self.width = width
         self.layers = layers
         self.heads = heads
-        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+        self.resblocks = nn.ModuleList(
+            [ResidualAttentionBlock(width, heads) for _ in range(layers)]
+        )
 
-    def forward(self, x: torch.Tensor, attn_mask: Mask = None, start: int = 0, end: Optional[int] = None,
-                rows: Rows = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Mask = None,
+        start: int = 0,
+        end: Optional[int] = None,
+        rows: Rows = None,
+    ):
         """Run blocks start..end-1 (0-based) on x [B, L, D].
 
         attn_mask: None, one tensor used by every block, or a list with one entry (tensor or None)
@@ -160,8 +194,10 @@ class Transformer(nn.Module):
         blocks = self.resblocks[start:end]
         if isinstance(attn_mask, (list, tuple)):
             if len(attn_mask) != len(blocks):
-                raise ValueError(f"got {len(attn_mask)} masks for {len(blocks)} blocks ({start}..{end - 1}); "
-                                 "give one per block, or a single tensor for all")
+                raise ValueError(
+                    f"got {len(attn_mask)} masks for {len(blocks)} blocks ({start}..{end - 1}); "
+                    "give one per block, or a single tensor for all"
+                )
             masks = list(attn_mask)
         else:
             masks = [attn_mask] * len(blocks)
@@ -173,11 +209,20 @@ class Transformer(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, input_resolution: int, patch_size: int, width: int, layers: int, heads: int,
-                 output_dim: int):
+    def __init__(
+        self,
+        input_resolution: int,
+        patch_size: int,
+        width: int,
+        layers: int,
+        heads: int,
+        output_dim: int,
+    ):
         super().__init__()
         if input_resolution % patch_size != 0:
-            raise ValueError(f"image size {input_resolution} is not a multiple of the patch size {patch_size}")
+            raise ValueError(
+                f"image size {input_resolution} is not a multiple of the patch size {patch_size}"
+            )
         self.input_resolution = input_resolution
         self.patch_size = patch_size
         self.width = width
@@ -185,7 +230,7 @@ class VisionTransformer(nn.Module):
         self.layers = layers
         self.output_dim = output_dim
         self.num_patches = (input_resolution // patch_size) ** 2
-        scale = width ** -0.5
+        scale = width**-0.5
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(self.num_patches + 1, width))
@@ -197,8 +242,10 @@ class VisionTransformer(nn.Module):
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Images [B, 3, R, R] -> tokens [B, 1+P, D]: patches, class token, positions, ln_pre."""
         if images.dim() != 4 or images.shape[-2:] != (self.input_resolution, self.input_resolution):
-            raise ValueError(f"expected images of shape [B, 3, {self.input_resolution}, {self.input_resolution}], "
-                             f"got {list(images.shape)}; use the model's preprocess transform")
+            raise ValueError(
+                f"expected images of shape [B, 3, {self.input_resolution}, {self.input_resolution}], "
+                f"got {list(images.shape)}; use the model's preprocess transform"
+            )
         x = self.conv1(images.to(self.conv1.weight.dtype))  # [B, D, grid, grid]
         x = x.flatten(2).transpose(1, 2)  # [B, P, D]
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # [B, 1, D]
@@ -206,8 +253,9 @@ class VisionTransformer(nn.Module):
         x = x + self.positional_embedding.to(x.dtype)
         return self.ln_pre(x)
 
-    def run_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None,
-                   rows: Rows = None) -> torch.Tensor:
+    def run_blocks(
+        self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None, rows: Rows = None
+    ) -> torch.Tensor:
         """Run blocks start..end-1 (0-based) on tokens [B, L, D]; L may exceed 1+P (extra tokens).
         rows: the output positions that will be read, e.g. slice(0, 1) for CLS: the last block computes only
         those, [B, R, D] (Transformer.forward)."""
@@ -218,22 +266,42 @@ class VisionTransformer(nn.Module):
         return self.ln_post(tokens) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.run_blocks(self.embed(images), 0, self.layers, rows=slice(0, 1))  # [B, 1, D]: only CLS is read
+        x = self.run_blocks(
+            self.embed(images), 0, self.layers, rows=slice(0, 1)
+        )  # [B, 1, D]: only CLS is read
         return self.head(x[:, 0])  # the CLS token -> [B, E]
 
 
 class CLIP(nn.Module):
-    def __init__(self, embed_dim: int, image_resolution: int, vision_layers: int, vision_width: int,
-                 vision_patch_size: int, context_length: int, vocab_size: int, transformer_width: int,
-                 transformer_heads: int, transformer_layers: int, vision_heads: Optional[int] = None):
+    def __init__(
+        self,
+        embed_dim: int,
+        image_resolution: int,
+        vision_layers: int,
+        vision_width: int,
+        vision_patch_size: int,
+        context_length: int,
+        vocab_size: int,
+        transformer_width: int,
+        transformer_heads: int,
+        transformer_layers: int,
+        vision_heads: Optional[int] = None,
+    ):
         super().__init__()
         self.context_length = context_length
         self.vocab_size = vocab_size
         vision_heads = vision_heads or vision_width // 64
-        self.visual = VisionTransformer(input_resolution=image_resolution, patch_size=vision_patch_size,
-                                        width=vision_width, layers=vision_layers, heads=vision_heads,
-                                        output_dim=embed_dim)
-        self.transformer = Transformer(width=transformer_width, layers=transformer_layers, heads=transformer_heads)
+        self.visual = VisionTransformer(
+            input_resolution=image_resolution,
+            patch_size=vision_patch_size,
+            width=vision_width,
+            layers=vision_layers,
+            heads=vision_heads,
+            output_dim=embed_dim,
+        )
+        self.transformer = Transformer(
+            width=transformer_width, layers=transformer_layers, heads=transformer_heads
+        )
         self.token_embedding = nn.Embedding(vocab_size, transformer_width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
         self.ln_final = LayerNorm(transformer_width)
@@ -246,7 +314,7 @@ class CLIP(nn.Module):
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
-            attn_std = tower.width ** -0.5
+            attn_std = tower.width**-0.5
             proj_std = attn_std * (2 * tower.layers) ** -0.5
             fc_std = (2 * tower.width) ** -0.5
             for block in tower.resblocks:
@@ -254,7 +322,7 @@ class CLIP(nn.Module):
                 nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
                 nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
                 nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
-        nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
+        nn.init.normal_(self.text_projection, std=self.transformer.width**-0.5)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -270,12 +338,21 @@ class CLIP(nn.Module):
         """Token ids [C, T] (T <= context_length) -> [C, T, W]: token embedding + positions."""
         T = tokens.shape[-1]
         if T > self.context_length:
-            raise ValueError(f"got {T} tokens per text, the model takes at most {self.context_length}")
+            raise ValueError(
+                f"got {T} tokens per text, the model takes at most {self.context_length}"
+            )
         x = self.token_embedding(tokens.long())  # [C, T, W]
         return x + self.positional_embedding[:T].to(x.dtype)
 
-    def run_text_blocks(self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None, rows: Rows = None,
-                        past: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run_text_blocks(
+        self,
+        x: torch.Tensor,
+        start: int,
+        end: int,
+        attn_mask: Mask = None,
+        rows: Rows = None,
+        past: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Run text blocks start..end-1 on x [C, T', W]; attn_mask None means causal over T'.
         rows: output positions the last block computes (None: all), e.g. slice(T'-1, T') for an EOT at the end.
         past [1, P, W]: block `start`'s input at P positions that come before x and are the same for every text
@@ -283,7 +360,9 @@ class CLIP(nn.Module):
         if past is not None:
             if end != start + 1:
                 raise ValueError(f"past states belong to one block; got blocks {start}..{end - 1}")
-            mask = self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask  # [T', P + T']
+            mask = (
+                self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask
+            )  # [T', P + T']
             return self.transformer.resblocks[start](x, attn_mask=mask, rows=rows, past=past)
         if attn_mask is None:
             attn_mask = self.causal_mask(x.shape[1])
@@ -303,11 +382,17 @@ class CLIP(nn.Module):
         Texts run in groups of similar length, padded only to their group's longest (the causal mask never lets
         padding reach EOT; length_buckets), and the last block computes only the EOT positions: same features,
         far fewer FLOPs."""
-        eot = tokens.argmax(dim=-1)  # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        eot = tokens.argmax(
+            dim=-1
+        )  # EOT (49407) is the largest id, so argmax finds it; padding is 0
         feats, order = [], []
-        for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows (<= n); text i reads row pick[i]
+        for n, idx, rows, pick in length_buckets(
+            eot
+        ):  # EOTs at rows (<= n); text i reads row pick[i]
             x = self.embed_text(tokens[idx, : n + 1])  # [c, n + 1, W]
-            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=rows)  # [c, r, W]: EOT rows only
+            x = self.run_text_blocks(
+                x, 0, self.transformer.layers, rows=rows
+            )  # [c, r, W]: EOT rows only
             feats.append(self.text_head(x, pick))  # [c, E]
             order.append(idx)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`
@@ -339,10 +424,18 @@ def length_buckets(eot: torch.Tensor, group_cost: Optional[int] = None):
     if group_cost is None:
         group_cost = GROUP_COST.get(eot.device.type, GROUP_COST["cuda"])
     lengths, counts = eot.unique(return_counts=True)  # sorted EOT positions, texts at each
-    lengths, upto = lengths.tolist(), [0] + counts.cumsum(0).tolist()  # upto[j]: texts of lengths[:j]
-    best, start = [0], []  # best[j]: cheapest cost of the texts of lengths[:j]; start[j]: first length of
+    lengths, upto = (
+        lengths.tolist(),
+        [0] + counts.cumsum(0).tolist(),
+    )  # upto[j]: texts of lengths[:j]
+    best, start = (
+        [0],
+        [],
+    )  # best[j]: cheapest cost of the texts of lengths[:j]; start[j]: first length of
     for j in range(len(lengths)):  # the group that ends with lengths[j]; it holds lengths[i..j]
-        cost = [best[i] + (upto[j + 1] - upto[i]) * (lengths[j] + 1) + group_cost for i in range(j + 1)]
+        cost = [
+            best[i] + (upto[j + 1] - upto[i]) * (lengths[j] + 1) + group_cost for i in range(j + 1)
+        ]
         start.append(min(range(j + 1), key=cost.__getitem__))
         best.append(cost[start[-1]])
     groups, j = [], len(lengths) - 1
@@ -371,18 +464,23 @@ def head_count(sd: dict, key: str, width: int) -> int:
     if key not in sd:
         if width in OPENAI_WIDTHS[key]:
             return width // 64
-        raise ValueError(f"the state dict has no {key!r} entry and its {tower} width {width} is "
-                         f"none of OpenAI's {OPENAI_WIDTHS[key]} (whose heads are width/64), so "
-                         f"its number of heads cannot be known; add {key!r}: "
-                         "torch.tensor(HEADS) (a 0-dim integer) to it")
+        raise ValueError(
+            f"the state dict has no {key!r} entry and its {tower} width {width} is "
+            f"none of OpenAI's {OPENAI_WIDTHS[key]} (whose heads are width/64), so "
+            f"its number of heads cannot be known; add {key!r}: "
+            "torch.tensor(HEADS) (a 0-dim integer) to it"
+        )
     v = sd[key]
     n = v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else None
     if not isinstance(n, (int, float)) or isinstance(n, bool) or n != int(n) or n < 1:
-        raise ValueError(f"{key!r} must be a 0-dim tensor holding a positive whole number, "
-                         f"not {v!r}")
+        raise ValueError(
+            f"{key!r} must be a 0-dim tensor holding a positive whole number, not {v!r}"
+        )
     if width % int(n):
-        raise ValueError(f"{key!r} is {int(n)}, which does not divide the {tower} width {width}; "
-                         "the checkpoint's head count and its weights disagree")
+        raise ValueError(
+            f"{key!r} is {int(n)}, which does not divide the {tower} width {width}; "
+            "the checkpoint's head count and its weights disagree"
+        )
     return int(n)
 
 
@@ -391,27 +489,47 @@ def infer_config(state_dict: dict) -> dict:
     sd = state_dict
     if "visual.proj" not in sd:
         if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in sd):
-            raise NotImplementedError("ResNet CLIP checkpoints (RN50, RN101, RN50x4, ...) are not supported; "
-                                      "use a ViT model such as ViT-B/16")
+            raise NotImplementedError(
+                "ResNet CLIP checkpoints (RN50, RN101, RN50x4, ...) are not supported; "
+                "use a ViT model such as ViT-B/16"
+            )
         raise ValueError("this state dict is not a CLIP ViT checkpoint (no 'visual.proj' entry)")
-    missing = [k for k in ("visual.conv1.weight", "visual.positional_embedding", "text_projection",
-                           "positional_embedding", "token_embedding.weight", "ln_final.weight") if k not in sd]
+    missing = [
+        k
+        for k in (
+            "visual.conv1.weight",
+            "visual.positional_embedding",
+            "text_projection",
+            "positional_embedding",
+            "token_embedding.weight",
+            "ln_final.weight",
+        )
+        if k not in sd
+    ]
     if missing:
         raise ValueError(f"this state dict is not a complete CLIP checkpoint; missing {missing}")
     vision_width = sd["visual.conv1.weight"].shape[0]
     patch = sd["visual.conv1.weight"].shape[-1]
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-    vision_layers = sum(1 for k in sd if k.startswith("visual.") and k.endswith(".attn.in_proj_weight"))
+    vision_layers = sum(
+        1 for k in sd if k.startswith("visual.") and k.endswith(".attn.in_proj_weight")
+    )
     text_width = sd["ln_final.weight"].shape[0]
     text_layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
 
-    return dict(embed_dim=sd["text_projection"].shape[1], image_resolution=patch * grid,
-                vision_layers=vision_layers, vision_width=vision_width, vision_patch_size=patch,
-                context_length=sd["positional_embedding"].shape[0], vocab_size=sd["token_embedding.weight"].shape[0],
-                transformer_width=text_width,
-                transformer_heads=head_count(sd, "text_heads", text_width),
-                transformer_layers=text_layers,
-                vision_heads=head_count(sd, "vision_heads", vision_width))
+    return dict(
+        embed_dim=sd["text_projection"].shape[1],
+        image_resolution=patch * grid,
+        vision_layers=vision_layers,
+        vision_width=vision_width,
+        vision_patch_size=patch,
+        context_length=sd["positional_embedding"].shape[0],
+        vocab_size=sd["token_embedding.weight"].shape[0],
+        transformer_width=text_width,
+        transformer_heads=head_count(sd, "text_heads", text_width),
+        transformer_layers=text_layers,
+        vision_heads=head_count(sd, "vision_heads", vision_width),
+    )
 
 
 def build_model(state_dict: dict) -> CLIP:

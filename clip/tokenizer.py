@@ -9,6 +9,7 @@ Vocabulary (49,408 ids): 256 byte symbols, the same 256 with the end-of-word mar
 
 Used through `clip.tokenize` (by clip/model.py's users: toyworld.py, entropy.py, dear.py, bench.py).
 """
+
 import gzip
 import html
 import os
@@ -19,7 +20,9 @@ import ftfy
 import regex
 import torch
 
-VOCAB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpe_simple_vocab_16e6.txt.gz")
+VOCAB_PATH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "bpe_simple_vocab_16e6.txt.gz"
+)
 VOCAB_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
 NUM_MERGES = 49152 - 256 - 2  # the 48,894 merges CLIP uses (the file holds many more)
 SOT, EOT = "<|startoftext|>", "<|endoftext|>"
@@ -33,8 +36,11 @@ def bytes_to_unicode() -> dict:
     sequence (any UTF-8 text) has a spelling, so there is never an unknown token. Printable
     Latin-1 bytes map to themselves; the other 68 bytes map to code points 256, 257, ...
     """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     others = [b for b in range(256) if b not in printable]
     # printable bytes first, then the others in order: this order fixes the ids of the 256 symbols
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -58,25 +64,34 @@ class SimpleTokenizer:
     def __init__(self, bpe_path: str = VOCAB_PATH):
         with gzip.open(bpe_path, "rt", encoding="utf-8") as f:
             lines = f.read().split("\n")
-        merges = [tuple(line.split()) for line in lines[1:NUM_MERGES + 1]]  # line 0 is a version header
+        merges = [
+            tuple(line.split()) for line in lines[1 : NUM_MERGES + 1]
+        ]  # line 0 is a version header
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         symbols = list(self.byte_encoder.values())
         vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [SOT, EOT]
         self.encoder = {tok: i for i, tok in enumerate(vocab)}
         self.decoder = {i: tok for tok, i in self.encoder.items()}
-        self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}  # lower rank = merged first
+        self.bpe_ranks = {
+            pair: rank for rank, pair in enumerate(merges)
+        }  # lower rank = merged first
         self.cache = {SOT: SOT, EOT: EOT}
         self.sot_token, self.eot_token = self.encoder[SOT], self.encoder[EOT]
         # words: the two specials, contractions, letter runs, single digits, runs of other symbols
-        self.pat = regex.compile(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]"""
-                                 r"""|[^\s\p{L}\p{N}]+""", regex.IGNORECASE)
+        self.pat = regex.compile(
+            r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]"""
+            r"""|[^\s\p{L}\p{N}]+""",
+            regex.IGNORECASE,
+        )
 
     def bpe(self, token: str) -> str:
         """Apply the merges to one word; returns its symbols joined by spaces."""
         if token in self.cache:
             return self.cache[token]
-        word = tuple(token[:-1]) + (token[-1] + "</w>",)  # the last symbol carries the end-of-word marker
+        word = tuple(token[:-1]) + (
+            token[-1] + "</w>",
+        )  # the last symbol carries the end-of-word marker
         while len(word) > 1:
             # merge the adjacent pair that was learned first, everywhere it occurs
             best = min(get_pairs(word), key=lambda p: self.bpe_ranks.get(p, float("inf")))
@@ -105,7 +120,9 @@ class SimpleTokenizer:
     def decode(self, ids) -> str:
         """Token ids back to text; each end of word becomes a space. Padding zeros decode as "!"."""
         symbols = "".join(self.decoder[int(i)] for i in ids)
-        data = bytearray(self.byte_decoder[c] for c in symbols)  # "</w>" is itself made of byte symbols
+        data = bytearray(
+            self.byte_decoder[c] for c in symbols
+        )  # "</w>" is itself made of byte symbols
         return data.decode("utf-8", errors="replace").replace("</w>", " ")
 
 
@@ -115,7 +132,9 @@ def get_tokenizer() -> SimpleTokenizer:
     return SimpleTokenizer()
 
 
-def tokenize(texts: Union[str, List[str]], context_length: int = 77, truncate: bool = False) -> torch.Tensor:
+def tokenize(
+    texts: Union[str, List[str]], context_length: int = 77, truncate: bool = False
+) -> torch.Tensor:
     """Token ids of one text or a list of texts.
 
     Parameters
@@ -140,9 +159,11 @@ def tokenize(texts: Union[str, List[str]], context_length: int = 77, truncate: b
         if len(ids) > context_length:
             if not truncate:
                 short = text if len(text) <= 60 else text[:57] + "..."
-                raise ValueError(f"text {i} ({short!r}) is {len(ids)} tokens long, more than the context length "
-                                 f"{context_length}; shorten it or pass truncate=True")
+                raise ValueError(
+                    f"text {i} ({short!r}) is {len(ids)} tokens long, more than the context length "
+                    f"{context_length}; shorten it or pass truncate=True"
+                )
             ids = ids[:context_length]
             ids[-1] = tok.eot_token
-        result[i, :len(ids)] = torch.tensor(ids, dtype=torch.int)
+        result[i, : len(ids)] = torch.tensor(ids, dtype=torch.int)
     return result

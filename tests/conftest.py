@@ -6,6 +6,7 @@ of 64 cannot be inferred from shapes), and rebuilds it through `clip.model.build
 every test exercises the real loading path. The vocabulary has the real 49,408 entries, so
 `clip.tokenize` output can be fed straight in.
 """
+
 import os
 import shutil
 import subprocess
@@ -27,34 +28,76 @@ if ROOT not in sys.path:
 from clip.model import CLIP, build_model  # noqa: E402
 
 
-def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8, resolution=32,
-                    text_layers=2, text_width=64, text_heads=4, embed_dim=32, context_length=77,
-                    vocab_size=49408):
+def tiny_state_dict(
+    seed=0,
+    vision_layers=4,
+    vision_width=64,
+    vision_heads=4,
+    patch=8,
+    resolution=32,
+    text_layers=2,
+    text_width=64,
+    text_heads=4,
+    embed_dim=32,
+    context_length=77,
+    vocab_size=49408,
+):
     """A random CLIP state dict with OpenAI's key names plus 'vision_heads'/'text_heads' entries."""
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
-        model = CLIP(embed_dim=embed_dim, image_resolution=resolution, vision_layers=vision_layers,
-                     vision_width=vision_width, vision_patch_size=patch, context_length=context_length,
-                     vocab_size=vocab_size, transformer_width=text_width, transformer_heads=text_heads,
-                     transformer_layers=text_layers, vision_heads=vision_heads)
+        model = CLIP(
+            embed_dim=embed_dim,
+            image_resolution=resolution,
+            vision_layers=vision_layers,
+            vision_width=vision_width,
+            vision_patch_size=patch,
+            context_length=context_length,
+            vocab_size=vocab_size,
+            transformer_width=text_width,
+            transformer_heads=text_heads,
+            transformer_layers=text_layers,
+            vision_heads=vision_heads,
+        )
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sd["vision_heads"] = torch.tensor(vision_heads)
     sd["text_heads"] = torch.tensor(text_heads)
     return sd
 
 
-def tiny_clip(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8, resolution=32,
-              text_layers=2, text_width=64, text_heads=4, embed_dim=32, context_length=77):
+def tiny_clip(
+    seed=0,
+    vision_layers=4,
+    vision_width=64,
+    vision_heads=4,
+    patch=8,
+    resolution=32,
+    text_layers=2,
+    text_width=64,
+    text_heads=4,
+    embed_dim=32,
+    context_length=77,
+):
     """A random tiny CLIP (fp32, eval mode) built through build_model from a state dict."""
-    sd = tiny_state_dict(seed=seed, vision_layers=vision_layers, vision_width=vision_width,
-                         vision_heads=vision_heads, patch=patch, resolution=resolution,
-                         text_layers=text_layers, text_width=text_width, text_heads=text_heads,
-                         embed_dim=embed_dim, context_length=context_length)
+    sd = tiny_state_dict(
+        seed=seed,
+        vision_layers=vision_layers,
+        vision_width=vision_width,
+        vision_heads=vision_heads,
+        patch=patch,
+        resolution=resolution,
+        text_layers=text_layers,
+        text_width=text_width,
+        text_heads=text_heads,
+        embed_dim=embed_dim,
+        context_length=context_length,
+    )
     return build_model(sd)
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where there is none (select: -m cuda)")
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA device; skipped where there is none (select: -m cuda)"
+    )
 
 
 @pytest.fixture
@@ -73,7 +116,7 @@ import toyworld
 threading.Thread(target=lambda: (sys.stdin.read(), os._exit(1)), daemon=True).start()
 toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True))
 """
-_pretraining = {}   # "proc", "cache", "log": the background pretraining of this session
+_pretraining = {}  # "proc", "cache", "log": the background pretraining of this session
 
 
 def pytest_collection_finish(session):
@@ -81,8 +124,13 @@ def pytest_collection_finish(session):
         return
     folder = tempfile.mkdtemp(prefix="toy-pretraining-")
     cache, log = os.path.join(folder, "clip_cache"), open(os.path.join(folder, "log.txt"), "w+")
-    proc = subprocess.Popen([sys.executable, "-c", PRETRAIN, cache], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRETRAIN, cache],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     _pretraining.update(proc=proc, cache=cache, log=log, folder=folder)
 
 
@@ -90,7 +138,7 @@ def pytest_sessionfinish(session):
     proc = _pretraining.get("proc")
     if proc is None:
         return
-    if proc.poll() is None:   # stopped early (-x, Ctrl-C): do not leave it running
+    if proc.poll() is None:  # stopped early (-x, Ctrl-C): do not leave it running
         proc.kill()
         proc.wait()
     _pretraining["log"].close()
@@ -103,6 +151,7 @@ def toy_pretraining(tmp_path_factory):
     `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what pretraining logged."""
     if not _pretraining:  # not started at collection (a plugin or a direct call): pretrain here
         import toyworld
+
         cache, lines = tmp_path_factory.mktemp("clip_cache"), []
         toyworld.ensure_pretrained(str(cache), log=lines.append)
         return str(cache), lines

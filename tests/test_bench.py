@@ -1,4 +1,5 @@
 """bench.py runs end to end on the tiny model and writes a table with every row (no timing asserts)."""
+
 import os
 import re
 import subprocess
@@ -28,10 +29,21 @@ def test_tiny_bench_writes_every_row(tmp_path):
     # it down. In this process (command line, main() and all): a subprocess adds only torch's start-up.
     threads = torch.get_num_threads()
     try:
-        bench.main(["--tiny", "--repeats", "1", "--short-repeats", "1", "--threads", "1",
-                    "--out", str(out)])
+        bench.main(
+            [
+                "--tiny",
+                "--repeats",
+                "1",
+                "--short-repeats",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
-        torch.set_num_threads(threads)   # bench sets it for the whole process
+        torch.set_num_threads(threads)  # bench sets it for the whole process
     text = out.read_text()
     rows = table_rows(text)
     settings = list(zip(bench.DEFAULTS["tiny"]["classes"], bench.DEFAULTS["tiny"]["batches"]))
@@ -52,12 +64,20 @@ def test_tiny_bench_writes_every_row(tmp_path):
     for rid in expected:  # every timing row has its FLOP limit and measured / limit
         if rid[0] in "abcd" and "agree" not in rid:
             assert float(rows[rid][5]) > 0 and float(rows[rid][6]) > 0, rows[rid]
-    assert float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3  # the naive step does far more work
+    assert (
+        float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3
+    )  # the naive step does far more work
     # the frozen forward with every position in its last blocks: the same predictions, more FLOPs than the pruned one
     tag = "C{}xB{}".format(*settings[0])
     assert float(rows[f"b.rows.agree.{tag}"][2]) < 1e-3
     assert float(rows[f"b.rows.{tag}"][5]) < float(rows[f"b.{tag}"][5])
-    for header in ("| device |", "| torch |", "| date |", "| settings (classes x batch) |", "intra-op threads"):
+    for header in (
+        "| device |",
+        "| torch |",
+        "| date |",
+        "| settings (classes x batch) |",
+        "intra-op threads",
+    ):
         assert header in text
     assert "GPU numbers were not measured" in text  # CPU run: says so
     assert "## Where a DeAR training step spends its time" in text
@@ -76,6 +96,7 @@ def test_bad_settings_stop_with_one_clear_message(capsys):
 def test_reference_has_openai_layout_and_loads_the_same_weights():
     from conftest import tiny_clip
     import torch
+
     model = tiny_clip()
     ref = bench.build_reference(model, bench.TINY)
     assert isinstance(ref.transformer.resblocks[0].attn, torch.nn.MultiheadAttention)
@@ -95,6 +116,7 @@ def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
     import torch
     from conftest import tiny_clip
     from dear import K, DeAR
+
     m = tiny_clip()
     B, D, E, N, P, patch = 3, 64, 32, 17, 16, 8
     images = torch.randn(B, 3, 32, 32)
@@ -106,8 +128,13 @@ def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
     with torch.no_grad():
         counted = bench.count_flops(lambda: net.encode_images(images))
     aligners = 2 * 2 * K * 16 * D  # F_v of blocks 3 and 4: [K, 16] -> [K, D]
-    by_hand = B * (embed + 2 * block_flops(N, N, D) + block_flops(N + K, N + K, D) + block_flops(N + K, 1 + K, D)
-                   + 2 * (1 + K) * D * E)  # proj for CLS, P_attr for the K tokens
+    by_hand = B * (
+        embed
+        + 2 * block_flops(N, N, D)
+        + block_flops(N + K, N + K, D)
+        + block_flops(N + K, 1 + K, D)
+        + 2 * (1 + K) * D * E
+    )  # proj for CLS, P_attr for the K tokens
     assert counted == aligners + by_hand
 
 
@@ -117,6 +144,7 @@ def test_every_row_baseline_computes_every_position_of_the_last_blocks():
     import torch
     from conftest import tiny_clip
     import clip
+
     m = tiny_clip()
     B, D, N = 3, 64, 17
     images = torch.randn(B, 3, 32, 32)
@@ -124,10 +152,13 @@ def test_every_row_baseline_computes_every_position_of_the_last_blocks():
     T = int(tokens.argmax(-1)) + 1
     with torch.no_grad():
         pruned, full = (bench.frozen_logits(m, images, tokens, every_row=e) for e in (False, True))
-        extra = bench.count_flops(lambda: bench.frozen_logits(m, images, tokens, every_row=True)) - \
-            bench.count_flops(lambda: bench.frozen_logits(m, images, tokens))
+        extra = bench.count_flops(
+            lambda: bench.frozen_logits(m, images, tokens, every_row=True)
+        ) - bench.count_flops(lambda: bench.frozen_logits(m, images, tokens))
     assert torch.allclose(pruned, full, atol=1e-4)
-    assert extra == B * (block_flops(N, N, D) - block_flops(N, 1, D)) + block_flops(T, T, D) - block_flops(T, 1, D)
+    assert extra == B * (block_flops(N, N, D) - block_flops(N, 1, D)) + block_flops(
+        T, T, D
+    ) - block_flops(T, 1, D)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -139,13 +170,18 @@ def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(precision, monkeypa
     the agreement rows meet their half-precision targets."""
     import torch
     import train
+
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--device", "cuda"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "CUDA is not available" in err, err
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    steps, dtypes, real_step = [], set(), train.train_step  # the precision of every timed step, its weights' dtype
+    steps, dtypes, real_step = (
+        [],
+        set(),
+        train.train_step,
+    )  # the precision of every timed step, its weights' dtype
 
     def spy(model, images, labels, loss_fn, opt, scaler, amp):
         steps.append(amp)
@@ -154,9 +190,24 @@ def test_gpu_code_path_under_autocast_as_far_as_a_cpu_allows(precision, monkeypa
         return real_step(model, images, labels, loss_fn, opt, scaler, amp)
 
     monkeypatch.setattr(train, "train_step", spy)
-    args = bench.parse_args(["--tiny", "--device", "cpu", "--precision", precision,
-                             "--repeats", "1", "--short-repeats", "1", "--classes", "10",
-                             "--batches", "4", "--no-breakdown"])
+    args = bench.parse_args(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--precision",
+            precision,
+            "--repeats",
+            "1",
+            "--short-repeats",
+            "1",
+            "--classes",
+            "10",
+            "--batches",
+            "4",
+            "--no-breakdown",
+        ]
+    )
     res = bench.run(args)
     assert steps and set(steps) == {low} and dtypes == {low}  # frozen weights in the autocast dtype
     rows = {r[0]: r for r in res["rows"]}
@@ -193,15 +244,22 @@ def test_bench_gpu_sh_names_every_missing_wheel(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name in ('ftfy', 'regex'):\n"
         "            raise ImportError(name)\n"
-        "sys.meta_path.insert(0, Block())\n")
+        "sys.meta_path.insert(0, Block())\n"
+    )
     blocked, bare = tmp_path / "blocked-python", tmp_path / "bare-python"
     blocked.write_text(f"#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} \"$@\"\n")
     bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
     everything = ["torch", "torchvision", "numpy", "pillow", "regex", "ftfy", "pytest"]
     for wrapper, names in ((blocked, ["regex", "ftfy"]), (bare, everything)):
         wrapper.chmod(0o755)
-        proc = subprocess.run(["bash", "bench_gpu.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "PYTHON": str(wrapper)})
+        proc = subprocess.run(
+            ["bash", "bench_gpu.sh"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHON": str(wrapper)},
+        )
         assert proc.returncode == 2, proc.stderr
         said = proc.stderr.split("missing:")[1].split("(")[0].split()
         assert said == names, proc.stderr

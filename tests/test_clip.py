@@ -1,9 +1,9 @@
 """Tests of the vendored CLIP: model math, seams, tokenizer, checkpoint loading and downloading."""
+
 import errno
 import hashlib
 import http.server
 import os
-import sys
 import threading
 import types
 
@@ -23,6 +23,7 @@ from conftest import tiny_clip, tiny_state_dict
 # Built the most direct way: OpenAI's [L, N, D] layout and torch.nn.MultiheadAttention, fed the same
 # state dict. It shares no code with clip/model.py.
 
+
 def _ref_transformer(x, sd, prefix, layers, heads, mask=None):
     """x [L, N, D] through `layers` pre-LN blocks read from sd under `prefix`."""
     D = x.shape[-1]
@@ -33,8 +34,12 @@ def _ref_transformer(x, sd, prefix, layers, heads, mask=None):
     for i in range(layers):
         p = f"{prefix}.resblocks.{i}."
         mha = nn.MultiheadAttention(D, heads)
-        mha.load_state_dict({k: sd[p + "attn." + k] for k in
-                             ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")})
+        mha.load_state_dict(
+            {
+                k: sd[p + "attn." + k]
+                for k in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+            }
+        )
         h = ln(x, p + "ln_1")
         x = x + mha(h, h, h, need_weights=False, attn_mask=mask)[0]
         h = F.linear(ln(x, p + "ln_2"), sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"])
@@ -50,8 +55,12 @@ def ref_encode_image(sd, images, layers, heads):
     cls = sd["visual.class_embedding"] + torch.zeros(x.shape[0], 1, x.shape[-1])
     x = torch.cat([cls, x], dim=1) + sd["visual.positional_embedding"]
     x = F.layer_norm(x, (x.shape[-1],), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"])
-    x = _ref_transformer(x.permute(1, 0, 2), sd, "visual.transformer", layers, heads).permute(1, 0, 2)
-    x = F.layer_norm(x[:, 0], (x.shape[-1],), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"])
+    x = _ref_transformer(x.permute(1, 0, 2), sd, "visual.transformer", layers, heads).permute(
+        1, 0, 2
+    )
+    x = F.layer_norm(
+        x[:, 0], (x.shape[-1],), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"]
+    )
     return x @ sd["visual.proj"]
 
 
@@ -59,7 +68,9 @@ def ref_encode_text(sd, tokens, layers, heads):
     n = tokens.shape[1]
     x = sd["token_embedding.weight"][tokens.long()] + sd["positional_embedding"]
     mask = torch.full((n, n), float("-inf")).triu(1)
-    x = _ref_transformer(x.permute(1, 0, 2), sd, "transformer", layers, heads, mask).permute(1, 0, 2)
+    x = _ref_transformer(x.permute(1, 0, 2), sd, "transformer", layers, heads, mask).permute(
+        1, 0, 2
+    )
     x = F.layer_norm(x, (x.shape[-1],), sd["ln_final.weight"], sd["ln_final.bias"])
     return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ sd["text_projection"]
 
@@ -70,16 +81,21 @@ def _images(n=2, size=32, seed=1):
 
 # ---------------------------------------------------------------- model
 
+
 def test_features_equal_plain_reference_and_state_dict_round_trips():
     sd = tiny_state_dict(seed=3)
     g = torch.Generator().manual_seed(3)
-    for k in sd:  # random LayerNorm gains and biases (the init has ones and zeros) so every tensor matters
+    for k in (
+        sd
+    ):  # random LayerNorm gains and biases (the init has ones and zeros) so every tensor matters
         if sd[k].dim() == 1:
             sd[k] = sd[k] + 0.1 * torch.randn(sd[k].shape, generator=g)
     model = build_model(sd)
     images = _images()
     tokens = clip.tokenize(["a photo of a cat.", "a red striped circle in the top left", "", ""])
-    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])  # id 0 ("!") inside a text: EOT is the argmax
+    tokens[3, :6] = torch.tensor(
+        [49406, 0, 0, 320, 0, 49407]
+    )  # id 0 ("!") inside a text: EOT is the argmax
     with torch.no_grad():
         ours_i = F.normalize(model.encode_image(images), dim=-1)
         ours_t = F.normalize(model.encode_text(tokens), dim=-1)
@@ -92,7 +108,9 @@ def test_features_equal_plain_reference_and_state_dict_round_trips():
     weights = {k: v for k, v in sd.items() if k not in ("vision_heads", "text_heads")}
     assert set(out) == set(weights)
     assert all(torch.equal(out[k], weights[k]) for k in weights)
-    build_model({**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)})  # strict again
+    build_model(
+        {**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)}
+    )  # strict again
     # logits are exp(logit_scale) * cosine
     logits, logits_t = model(images, tokens)
     assert torch.allclose(logits, model.logit_scale.exp() * ours_i @ ours_t.t(), atol=1e-4)
@@ -111,7 +129,7 @@ def _explicit_attention(attn, x, mask):
         q = x @ Wq[rows].t() + bq[rows]
         k = x @ Wk[rows].t() + bk[rows]
         v = x @ Wv[rows].t() + bv[rows]
-        w = torch.softmax(q @ k.transpose(1, 2) / d ** 0.5 + mask[:, h], dim=-1)  # [B, L, L]
+        w = torch.softmax(q @ k.transpose(1, 2) / d**0.5 + mask[:, h], dim=-1)  # [B, L, L]
         outs.append(w @ v)
         weights.append(w)
     return attn.out_proj(torch.cat(outs, dim=-1)), torch.stack(weights, dim=1)
@@ -126,7 +144,9 @@ def test_masked_attention_equals_explicit_per_head_softmax(per_image):
     shape = (B, H, L, L) if per_image else (H, L, L)
     mask = torch.randn(shape)  # a different additive mask for every head
     mask = mask.masked_fill(torch.rand(shape) < 0.3, float("-inf"))
-    mask = mask.masked_fill(torch.eye(L, dtype=torch.bool), 0.0)  # every query keeps at least itself
+    mask = mask.masked_fill(
+        torch.eye(L, dtype=torch.bool), 0.0
+    )  # every query keeps at least itself
     full = mask.expand(B, H, L, L)
     expected, expected_w = _explicit_attention(attn, x, full)
     out_fast = attn(x, attn_mask=mask)
@@ -196,18 +216,45 @@ def test_seams_compose_to_the_encoders(tiny_model):
 
 def test_build_model_infers_released_sizes_and_rejects_resnets():
     meta = lambda *s: torch.empty(*s, device="meta")  # shapes only, no memory
-    sd = {"visual.proj": meta(1024, 768), "visual.conv1.weight": meta(1024, 3, 14, 14),
-          "visual.positional_embedding": meta(577, 1024), "text_projection": meta(768, 768),
-          "positional_embedding": meta(77, 768), "token_embedding.weight": meta(49408, 768),
-          "ln_final.weight": meta(768)}
-    sd.update({f"visual.transformer.resblocks.{i}.attn.in_proj_weight": meta(3072, 1024) for i in range(24)})
-    sd.update({f"transformer.resblocks.{i}.attn.in_proj_weight": meta(2304, 768) for i in range(12)})
+    sd = {
+        "visual.proj": meta(1024, 768),
+        "visual.conv1.weight": meta(1024, 3, 14, 14),
+        "visual.positional_embedding": meta(577, 1024),
+        "text_projection": meta(768, 768),
+        "positional_embedding": meta(77, 768),
+        "token_embedding.weight": meta(49408, 768),
+        "ln_final.weight": meta(768),
+    }
+    sd.update(
+        {
+            f"visual.transformer.resblocks.{i}.attn.in_proj_weight": meta(3072, 1024)
+            for i in range(24)
+        }
+    )
+    sd.update(
+        {f"transformer.resblocks.{i}.attn.in_proj_weight": meta(2304, 768) for i in range(12)}
+    )
     cfg = infer_config(sd)  # ViT-L/14@336px
-    assert cfg == dict(embed_dim=768, image_resolution=336, vision_layers=24, vision_width=1024,
-                       vision_patch_size=14, context_length=77, vocab_size=49408, transformer_width=768,
-                       transformer_heads=12, transformer_layers=12, vision_heads=16)
+    assert cfg == dict(
+        embed_dim=768,
+        image_resolution=336,
+        vision_layers=24,
+        vision_width=1024,
+        vision_patch_size=14,
+        context_length=77,
+        vocab_size=49408,
+        transformer_width=768,
+        transformer_heads=12,
+        transformer_layers=12,
+        vision_heads=16,
+    )
     with pytest.raises(NotImplementedError, match="ResNet"):
-        build_model({"visual.layer1.0.conv1.weight": torch.zeros(1), "visual.attnpool.c_proj.weight": torch.zeros(1)})
+        build_model(
+            {
+                "visual.layer1.0.conv1.weight": torch.zeros(1),
+                "visual.attnpool.c_proj.weight": torch.zeros(1),
+            }
+        )
 
 
 def test_head_counts_are_stored_or_openais_and_never_guessed():
@@ -218,8 +265,13 @@ def test_head_counts_are_stored_or_openais_and_never_guessed():
         without = {k: v for k, v in sd.items() if k != key}
         with pytest.raises(ValueError, match=rf"no '{key}' entry.*width 128.*add '{key}': torch"):
             build_model(without)
-    bad_counts = (torch.tensor(3), torch.tensor(0), torch.tensor([4]), torch.tensor(2.5),
-                  torch.tensor(True))  # 3 does not divide 128; the others are no count of heads
+    bad_counts = (
+        torch.tensor(3),
+        torch.tensor(0),
+        torch.tensor([4]),
+        torch.tensor(2.5),
+        torch.tensor(True),
+    )  # 3 does not divide 128; the others are no count of heads
     for bad in bad_counts:
         with pytest.raises(ValueError, match="'vision_heads'"):
             build_model({**sd, "vision_heads": bad})
@@ -227,11 +279,17 @@ def test_head_counts_are_stored_or_openais_and_never_guessed():
     # OpenAI's published widths keep OpenAI's rule, heads of 64, with nothing stored (and ViT-B/16,
     # L/14@336px in the tests below)
     meta = lambda *s: torch.empty(*s, device="meta")
-    cfg = infer_config({"visual.proj": meta(768, 512), "visual.conv1.weight": meta(768, 3, 32, 32),
-                        "visual.positional_embedding": meta(50, 768),
-                        "text_projection": meta(512, 512), "positional_embedding": meta(77, 512),
-                        "token_embedding.weight": meta(49408, 512),
-                        "ln_final.weight": meta(512)})  # ViT-B/32
+    cfg = infer_config(
+        {
+            "visual.proj": meta(768, 512),
+            "visual.conv1.weight": meta(768, 3, 32, 32),
+            "visual.positional_embedding": meta(50, 768),
+            "text_projection": meta(512, 512),
+            "positional_embedding": meta(77, 512),
+            "token_embedding.weight": meta(49408, 512),
+            "ln_final.weight": meta(512),
+        }
+    )  # ViT-B/32
     assert (cfg["vision_heads"], cfg["transformer_heads"]) == (12, 8)
 
 
@@ -240,25 +298,48 @@ def _vit_b16_state_dict():
     pool = torch.randn(26_000_000, generator=torch.Generator().manual_seed(0)) * 0.02
     offsets = iter(range(0, 10**9, 104_729))
 
-    def r(*shape):  # random values as views into one pool (150M fresh normals would be slow to draw)
+    def r(
+        *shape,
+    ):  # random values as views into one pool (150M fresh normals would be slow to draw)
         n = torch.Size(shape).numel()
         start = next(offsets) % (pool.numel() - n + 1)
-        return pool[start:start + n].view(shape)
+        return pool[start : start + n].view(shape)
 
-    sd = {"positional_embedding": r(77, 512), "text_projection": r(512, 512), "logit_scale": torch.tensor(4.6052),
-          "token_embedding.weight": r(49408, 512), "ln_final.weight": torch.ones(512), "ln_final.bias": r(512),
-          "visual.class_embedding": r(768), "visual.positional_embedding": r(197, 768), "visual.proj": r(768, 512),
-          "visual.conv1.weight": r(768, 3, 16, 16), "visual.ln_pre.weight": torch.ones(768),
-          "visual.ln_pre.bias": r(768), "visual.ln_post.weight": torch.ones(768), "visual.ln_post.bias": r(768)}
+    sd = {
+        "positional_embedding": r(77, 512),
+        "text_projection": r(512, 512),
+        "logit_scale": torch.tensor(4.6052),
+        "token_embedding.weight": r(49408, 512),
+        "ln_final.weight": torch.ones(512),
+        "ln_final.bias": r(512),
+        "visual.class_embedding": r(768),
+        "visual.positional_embedding": r(197, 768),
+        "visual.proj": r(768, 512),
+        "visual.conv1.weight": r(768, 3, 16, 16),
+        "visual.ln_pre.weight": torch.ones(768),
+        "visual.ln_pre.bias": r(768),
+        "visual.ln_post.weight": torch.ones(768),
+        "visual.ln_post.bias": r(768),
+    }
     for prefix, D in (("transformer", 512), ("visual.transformer", 768)):
         for i in range(12):
             p = f"{prefix}.resblocks.{i}."
-            sd.update({p + "attn.in_proj_weight": r(3 * D, D), p + "attn.in_proj_bias": r(3 * D),
-                       p + "attn.out_proj.weight": r(D, D), p + "attn.out_proj.bias": r(D),
-                       p + "ln_1.weight": torch.ones(D), p + "ln_1.bias": r(D),
-                       p + "mlp.c_fc.weight": r(4 * D, D), p + "mlp.c_fc.bias": r(4 * D),
-                       p + "mlp.c_proj.weight": r(D, 4 * D), p + "mlp.c_proj.bias": r(D),
-                       p + "ln_2.weight": torch.ones(D), p + "ln_2.bias": r(D)})
+            sd.update(
+                {
+                    p + "attn.in_proj_weight": r(3 * D, D),
+                    p + "attn.in_proj_bias": r(3 * D),
+                    p + "attn.out_proj.weight": r(D, D),
+                    p + "attn.out_proj.bias": r(D),
+                    p + "ln_1.weight": torch.ones(D),
+                    p + "ln_1.bias": r(D),
+                    p + "mlp.c_fc.weight": r(4 * D, D),
+                    p + "mlp.c_fc.bias": r(4 * D),
+                    p + "mlp.c_proj.weight": r(D, 4 * D),
+                    p + "mlp.c_proj.bias": r(D),
+                    p + "ln_2.weight": torch.ones(D),
+                    p + "ln_2.bias": r(D),
+                }
+            )
     return sd
 
 
@@ -279,6 +360,7 @@ def test_vit_b16_sized_state_dict_loads_strictly_and_runs():
 
 # ---------------------------------------------------------------- tokenizer
 
+
 def test_tokenizer_known_ids_padding_and_dtype():
     # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c at</w>" -> 2368;
     # byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
@@ -298,8 +380,12 @@ def test_tokenizer_known_ids_padding_and_dtype():
 def test_tokenizer_unicode_and_html():
     tok = get_tokenizer()
     assert tok.encode("fish &amp; chips") == tok.encode("fish & chips") == [2759, 261, 8855]
-    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode("fish & chips")  # ftfy unescapes ...
-    assert tok.encode("x < y &amp;amp; z") == tok.encode("x < y & z")  # ... but not beside "<": unescape twice
+    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode(
+        "fish & chips"
+    )  # ftfy unescapes ...
+    assert tok.encode("x < y &amp;amp; z") == tok.encode(
+        "x < y & z"
+    )  # ... but not beside "<": unescape twice
     assert tok.encode("café") == [15304]  # UTF-8 bytes of é are symbols "Ã©"
     assert tok.encode("cafÃ©") == tok.encode("café")  # ftfy repairs mojibake
     assert tok.decode(tok.encode("naïve 東京 ❤")) == "naïve 東京 ❤ "  # any text round-trips
@@ -313,11 +399,14 @@ def test_tokenize_too_long_raises_or_truncates():
     with pytest.raises(ValueError, match="context length 77.*truncate=True"):
         clip.tokenize(too_long)
     t = clip.tokenize(too_long, truncate=True)
-    assert t.shape == (1, 77) and t[0, 0] == 49406 and t[0, -1] == 49407 and (t[0, 1:-1] == 320).all()
+    assert (
+        t.shape == (1, 77) and t[0, 0] == 49406 and t[0, -1] == 49407 and (t[0, 1:-1] == 320).all()
+    )
     assert clip.tokenize("a cat", context_length=5)[0].tolist() == [49406, 320, 2368, 49407, 0]
 
 
 # ---------------------------------------------------------------- loading and downloading
+
 
 class _Archive(nn.Module):
     """Holds a CLIP's weights under the same names plus the JIT extras, the way OpenAI's archives do."""
@@ -363,9 +452,12 @@ def test_load_torchscript_archive_and_plain_state_dicts(tmp_path):
             assert torch.equal(m.encode_text(tokens), ref.encode_text(tokens))
 
     from PIL import Image
+
     x = preprocess(Image.new("L", (64, 48), color=128))  # grey, non-square, one channel
     assert x.shape == (3, 32, 32)
-    assert torch.allclose(x[:, 0, 0], (128 / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD), atol=1e-3)
+    assert torch.allclose(
+        x[:, 0, 0], (128 / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD), atol=1e-3
+    )
 
 
 def test_load_rejects_corrupt_files_and_unknown_names(tmp_path):
@@ -400,9 +492,13 @@ def server(tmp_path):
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     # a short poll: shutdown() waits for the loop to look (0.5 s by default, per test)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+    )
     thread.start()
-    yield types.SimpleNamespace(www=www, hits=hits, url=f"http://127.0.0.1:{httpd.server_address[1]}")
+    yield types.SimpleNamespace(
+        www=www, hits=hits, url=f"http://127.0.0.1:{httpd.server_address[1]}"
+    )
     httpd.shutdown()
     httpd.server_close()
 
@@ -450,14 +546,16 @@ def test_download_mismatch_and_failure_raise_and_keep_nothing(tmp_path, server, 
     assert os.listdir(cache) == []
 
 
-def test_download_to_a_full_or_unusable_cache_names_the_file_and_the_fix(tmp_path, server,
-                                                                          monkeypatch):
+def test_download_to_a_full_or_unusable_cache_names_the_file_and_the_fix(
+    tmp_path, server, monkeypatch
+):
     url, _ = _publish(server, b"x" * 3 * 2**20)
     cache = tmp_path / "cache"
 
     def full(response, out, hasher, name):  # the disk fills after the first MiB
         out.write(response.read(2**20))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(clip, "stream", full)
     with pytest.raises(RuntimeError) as e:
         clip.download(url, str(cache))
@@ -475,10 +573,16 @@ def test_cache_dir_and_available_models(tmp_path, monkeypatch):
     assert clip.cache_dir(str(tmp_path / "root")) == str(tmp_path / "root")
     monkeypatch.delenv("CLIP_CACHE")
     assert clip.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "clip")
-    assert clip.available_models() == ["ViT-B/32", "ViT-B/16", "ViT-L/14", "ViT-L/14@336px"]  # OpenAI's, no "toy"
+    assert clip.available_models() == [
+        "ViT-B/32",
+        "ViT-B/16",
+        "ViT-L/14",
+        "ViT-L/14@336px",
+    ]  # OpenAI's, no "toy"
 
 
 # ---------------------------------------------------------------- exact savings: rows and shared past
+
 
 def _block_and_input(seed=0, B=2, L=9, D=64, H=4):
     torch.manual_seed(seed)
@@ -502,16 +606,20 @@ def test_rows_equal_the_full_block_read_at_those_rows():
         assert part.shape == full.shape
         assert torch.allclose(part, full, atol=1e-6)
         w = torch.randn_like(full)
-        g_full, = torch.autograd.grad((full * w).sum(), x)
-        g_part, = torch.autograd.grad((part * w).sum(), x)
+        (g_full,) = torch.autograd.grad((full * w).sum(), x)
+        (g_part,) = torch.autograd.grad((part * w).sum(), x)
         assert torch.allclose(g_part, g_full, atol=1e-6)
     # through the Transformer and the towers: only the last block is cut
     m = tiny_clip()
     tokens = m.visual.embed(_images())
     with torch.no_grad():
         full = m.visual.run_blocks(tokens, 0, 4)
-    assert torch.allclose(m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6)
-    assert torch.allclose(m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])  # no block: a cut
+    assert torch.allclose(
+        m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6
+    )
+    assert torch.allclose(
+        m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2]
+    )  # no block: a cut
 
 
 def test_past_equals_running_the_whole_sequence():
@@ -519,13 +627,17 @@ def test_past_equals_running_the_whole_sequence():
     under the causal mask, read after the past; gradients reach the past through its keys and values."""
     m = tiny_clip(text_layers=2)
     torch.manual_seed(2)
-    past = torch.randn(1, 4, 64, requires_grad=True)   # shared by every text
+    past = torch.randn(1, 4, 64, requires_grad=True)  # shared by every text
     suffix = torch.randn(3, 5, 64, requires_grad=True)  # [C, n, W]
     whole = torch.cat([past.expand(3, -1, -1), suffix], dim=1)  # [C, 4 + 5, W]
-    ref = m.transformer.resblocks[1](whole, attn_mask=torch.full((9, 9), float("-inf")).triu(1))[:, 4:]
+    ref = m.transformer.resblocks[1](whole, attn_mask=torch.full((9, 9), float("-inf")).triu(1))[
+        :, 4:
+    ]
     out = m.run_text_blocks(suffix, 1, 2, past=past)
     assert torch.allclose(out, ref, atol=1e-6)
-    last = m.run_text_blocks(suffix, 1, 2, past=past, rows=slice(-1, None))  # only the last position
+    last = m.run_text_blocks(
+        suffix, 1, 2, past=past, rows=slice(-1, None)
+    )  # only the last position
     assert torch.allclose(last, ref[:, -1:], atol=1e-6)
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), (past, suffix))
@@ -536,7 +648,7 @@ def test_past_equals_running_the_whole_sequence():
         m.run_text_blocks(suffix, 0, 2, past=past)
 
 
-@pytest.mark.parametrize("group_cost", [0, 10 ** 6])
+@pytest.mark.parametrize("group_cost", [0, 10**6])
 def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatch):
     """Prompts of several lengths come back in their own order and equal the plain reference computed on the
     padded tokens: one group per length (group cost 0), and one group padded to the longest whose EOTs sit at
@@ -544,7 +656,13 @@ def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatc
     monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     m = tiny_clip()
     sd = m.state_dict()
-    texts = ["a photo of a big red fox standing.", "cat", "a photo of a dog.", "two", "a photo of a cow."]
+    texts = [
+        "a photo of a big red fox standing.",
+        "cat",
+        "a photo of a dog.",
+        "two",
+        "a photo of a cow.",
+    ]
     tokens = clip.tokenize(texts)
     assert len(set(tokens.argmax(-1).tolist())) == 3  # three lengths
     assert len(clip.model.length_buckets(tokens.argmax(-1))) == (3 if group_cost == 0 else 1)
@@ -559,15 +677,21 @@ def test_length_buckets_pick_the_cheapest_split():
     group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329 (cheapest);
     {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group per length;
     a huge one: a single group."""
-    eot = torch.tensor([3] * 10 + [4] + [20] * 10)[torch.randperm(21, generator=torch.Generator().manual_seed(0))]
-    split = lambda cost: [(n, sorted(eot[idx].tolist())) for n, idx, _, _ in clip.model.length_buckets(eot, cost)]
+    eot = torch.tensor([3] * 10 + [4] + [20] * 10)[
+        torch.randperm(21, generator=torch.Generator().manual_seed(0))
+    ]
+    split = lambda cost: [
+        (n, sorted(eot[idx].tolist())) for n, idx, _, _ in clip.model.length_buckets(eot, cost)
+    ]
     assert split(0) == [(3, [3] * 10), (4, [4]), (20, [20] * 10)]
     assert split(32) == [(4, [3] * 10 + [4]), (20, [20] * 10)]
-    assert split(10 ** 6) == [(20, [3] * 10 + [4] + [20] * 10)]
+    assert split(10**6) == [(20, [3] * 10 + [4] + [20] * 10)]
     groups = clip.model.length_buckets(eot, 32)
     n, idx, rows, pick = groups[0]
     assert rows.tolist() == [3, 4] and torch.equal(rows[pick], eot[idx])  # each text's own EOT row
-    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))  # every text once
+    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(
+        range(21)
+    )  # every text once
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,6 +1,7 @@
 """data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot subsets
 equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit images), loaders, bad
 input, downloads from a local HTTP server, and archives built to each path-escape attack."""
+
 import collections
 import hashlib
 import http.server
@@ -11,10 +12,8 @@ import random
 import re
 import shutil
 import stat
-import sys
 import tarfile
 import threading
-import types
 import zipfile
 
 import numpy as np
@@ -55,18 +54,36 @@ def interleave(per_class):
 SIZES = {"train": 5, "val": 3, "test": 2}
 
 JSON_LAYOUTS = {  # name: (raw classnames as stored in the split JSON, relative path of image i of class c)
-    "caltech101": (["accordion", "Leopards", "yin_yang"], lambda c, s, i: f"{c}/image_{s}{i:04d}.jpg"),
-    "oxford_pets": (["abyssinian", "american_bulldog", "yorkshire_terrier"], lambda c, s, i: f"{c}_{s}{i}.jpg"),
-    "stanford_cars": (["2012 AM General Hummer SUV", "2012 Acura RL Sedan", "2012 Tesla Model S Sedan"],
-                      lambda c, s, i: f"cars_{'test' if s == 'test' else 'train'}/{len(c):02d}{s}{i:05d}.jpg"),
-    "oxford_flowers": (["pink primrose", "hard-leaved pocket orchid", "canterbury bells"],
-                       lambda c, s, i: f"image_{c[:4]}{s}{i:05d}.jpg"),
+    "caltech101": (
+        ["accordion", "Leopards", "yin_yang"],
+        lambda c, s, i: f"{c}/image_{s}{i:04d}.jpg",
+    ),
+    "oxford_pets": (
+        ["abyssinian", "american_bulldog", "yorkshire_terrier"],
+        lambda c, s, i: f"{c}_{s}{i}.jpg",
+    ),
+    "stanford_cars": (
+        ["2012 AM General Hummer SUV", "2012 Acura RL Sedan", "2012 Tesla Model S Sedan"],
+        lambda c, s, i: f"cars_{'test' if s == 'test' else 'train'}/{len(c):02d}{s}{i:05d}.jpg",
+    ),
+    "oxford_flowers": (
+        ["pink primrose", "hard-leaved pocket orchid", "canterbury bells"],
+        lambda c, s, i: f"image_{c[:4]}{s}{i:05d}.jpg",
+    ),
     "food101": (["apple_pie", "baby_back_ribs", "baklava"], lambda c, s, i: f"{c}/{s}{i}.jpg"),
-    "sun397": (["abbey", "outdoor apartment_building", "airplane_cabin"],
-               lambda c, s, i: f"{c[0]}/{c.replace(' ', '_')}/sun_{s}{i}.jpg"),
+    "sun397": (
+        ["abbey", "outdoor apartment_building", "airplane_cabin"],
+        lambda c, s, i: f"{c[0]}/{c.replace(' ', '_')}/sun_{s}{i}.jpg",
+    ),
     "dtd": (["banded", "blotchy", "braided"], lambda c, s, i: f"{c}/{c}_{s}{i:04d}.jpg"),
-    "eurosat": (["Annual Crop Land", "Forest", "SeaLake"], lambda c, s, i: f"{c.replace(' ', '')}/{c}_{s}{i}.jpg"),
-    "ucf101": (["Apply_Eye_Makeup", "Archery", "Baby_Crawling"], lambda c, s, i: f"{c}/v_{s}_g{i:02d}.jpg"),
+    "eurosat": (
+        ["Annual Crop Land", "Forest", "SeaLake"],
+        lambda c, s, i: f"{c.replace(' ', '')}/{c}_{s}{i}.jpg",
+    ),
+    "ucf101": (
+        ["Apply_Eye_Makeup", "Archery", "Baby_Crawling"],
+        lambda c, s, i: f"{c}/v_{s}_g{i:02d}.jpg",
+    ),
 }
 CLEAN = {"Leopards": "leopard", "SeaLake": "Sea or Lake"}  # CoOp's renames, then '_' -> ' '
 
@@ -75,8 +92,10 @@ def build_json_layout(root, name):
     spec = data.DATASETS[name]
     raw, rel = JSON_LAYOUTS[name]
     folder = os.path.join(root, spec.folder)
-    entries = {s: interleave([[(rel(c, s, i), y, c) for i in range(n)] for y, c in enumerate(raw)])
-               for s, n in SIZES.items()}
+    entries = {
+        s: interleave([[(rel(c, s, i), y, c) for i in range(n)] for y, c in enumerate(raw)])
+        for s, n in SIZES.items()
+    }
     write_split(os.path.join(folder, spec.split), os.path.join(folder, spec.images), entries)
     return [CLEAN.get(c, c).replace("_", " ") for c in raw], (15, 9, 6)
 
@@ -98,8 +117,13 @@ def build_fgvc(root, name):
     return variants, (15, 9, 6)
 
 
-WNIDS = {"n01440764": "tench", "n01443537": "goldfish", "n01484850": "great white shark",
-         "n01491361": "tiger shark", "n01494475": "hammerhead shark"}
+WNIDS = {
+    "n01440764": "tench",
+    "n01443537": "goldfish",
+    "n01484850": "great white shark",
+    "n01491361": "tiger shark",
+    "n01494475": "hammerhead shark",
+}
 
 
 def write_classnames(folder, wnids=WNIDS):
@@ -115,7 +139,9 @@ def build_imagenet(root, name):
         for i in range(5):
             make_image(os.path.join(folder, "images", "train", w, f"{w}_{9 - i}.JPEG"), seed=i)
         for i in range(2):
-            make_image(os.path.join(folder, "images", "val", w, f"ILSVRC2012_val_{w}{i}.JPEG"), seed=i)
+            make_image(
+                os.path.join(folder, "images", "val", w, f"ILSVRC2012_val_{w}{i}.JPEG"), seed=i
+            )
     return ["tench", "goldfish", "great white shark"], (15, 6, 6)
 
 
@@ -140,19 +166,34 @@ def build_variant(root, name):
     return [WNIDS[w] for w in keep], (0, 0, 3 * len(keep))
 
 
-BUILDERS = {**{n: build_json_layout for n in JSON_LAYOUTS}, "fgvc_aircraft": build_fgvc, "imagenet": build_imagenet,
-            "imagenetv2": build_variant, "imagenet_sketch": build_variant, "imagenet_a": build_variant,
-            "imagenet_r": build_variant}
-TEMPLATES = {"oxford_pets": "a photo of a {}, a type of pet.", "oxford_flowers": "a photo of a {}, a type of flower.",
-             "food101": "a photo of {}, a type of food.", "fgvc_aircraft": "a photo of a {}, a type of aircraft.",
-             "dtd": "{} texture.", "eurosat": "a centered satellite photo of {}.",
-             "ucf101": "a photo of a person doing {}."}
+BUILDERS = {
+    **{n: build_json_layout for n in JSON_LAYOUTS},
+    "fgvc_aircraft": build_fgvc,
+    "imagenet": build_imagenet,
+    "imagenetv2": build_variant,
+    "imagenet_sketch": build_variant,
+    "imagenet_a": build_variant,
+    "imagenet_r": build_variant,
+}
+TEMPLATES = {
+    "oxford_pets": "a photo of a {}, a type of pet.",
+    "oxford_flowers": "a photo of a {}, a type of flower.",
+    "food101": "a photo of {}, a type of food.",
+    "fgvc_aircraft": "a photo of a {}, a type of aircraft.",
+    "dtd": "{} texture.",
+    "eurosat": "a centered satellite photo of {}.",
+    "ucf101": "a photo of a person doing {}.",
+}
 
 
 def test_every_benchmark_dataset_has_a_builder_here():
     assert set(BUILDERS) == set(data.DATASETS) - {"toyworld"}
     assert set(data.B2N_DATASETS) | set(data.DG_TARGETS) == set(BUILDERS)
-    assert len(data.B2N_DATASETS) == 11 and data.B2N_DATASETS[0] == "imagenet" and data.B2N_DATASETS[-1] == "ucf101"
+    assert (
+        len(data.B2N_DATASETS) == 11
+        and data.B2N_DATASETS[0] == "imagenet"
+        and data.B2N_DATASETS[-1] == "ucf101"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -201,6 +242,7 @@ def test_imagenet_fewshot_samples_train_only(tmp_path):
 
 # ------------------------------------------------------------------------------------------- few-shot
 
+
 def dassl_fewshot(train, val, k, seed):
     """Dassl's generate_fewshot_dataset as CoOp calls it, restated: global random seeded once,
     train with k, then val with min(k, 4), defaultdict grouping, all items of a small class."""
@@ -221,12 +263,26 @@ def dassl_fewshot(train, val, k, seed):
 def build_uneven_dtd(root, train_sizes=(6, 7, 1, 5, 9), val_sizes=(5, 3, 4, 2, 6)):
     names = ["banded", "blotchy", "braided", "bubbly", "bumpy"]
     folder = os.path.join(root, "dtd")
-    entries = {"train": interleave([[(f"{c}/{c}_t{i}.jpg", y, c) for i in range(n)]
-                                    for y, (c, n) in enumerate(zip(names, train_sizes))]),
-               "val": interleave([[(f"{c}/{c}_v{i}.jpg", y, c) for i in range(n)]
-                                  for y, (c, n) in enumerate(zip(names, val_sizes))]),
-               "test": [(f"{c}/{c}_s{i}.jpg", y, c) for y, c in enumerate(names) for i in range(2)]}
-    write_split(os.path.join(folder, "split_zhou_DescribableTextures.json"), os.path.join(folder, "images"), entries)
+    entries = {
+        "train": interleave(
+            [
+                [(f"{c}/{c}_t{i}.jpg", y, c) for i in range(n)]
+                for y, (c, n) in enumerate(zip(names, train_sizes))
+            ]
+        ),
+        "val": interleave(
+            [
+                [(f"{c}/{c}_v{i}.jpg", y, c) for i in range(n)]
+                for y, (c, n) in enumerate(zip(names, val_sizes))
+            ]
+        ),
+        "test": [(f"{c}/{c}_s{i}.jpg", y, c) for y, c in enumerate(names) for i in range(2)],
+    }
+    write_split(
+        os.path.join(folder, "split_zhou_DescribableTextures.json"),
+        os.path.join(folder, "images"),
+        entries,
+    )
     return entries, os.path.join(folder, "images")
 
 
@@ -275,7 +331,7 @@ def test_fewshot_cache_key_covers_the_val_list_and_the_draw(tmp_path):
     data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
     split_path = tmp_path / "dtd" / "split_zhou_DescribableTextures.json"
     split = json.loads(split_path.read_text())
-    split["val"] = split["val"][3:]                                       # train unchanged
+    split["val"] = split["val"][3:]  # train unchanged
     split_path.write_text(json.dumps(split))
     ds = data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
     want_train, want_val = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 1)
@@ -286,7 +342,7 @@ def test_fewshot_cache_key_covers_the_val_list_and_the_draw(tmp_path):
     ds2 = data.build_dataset("dtd", str(tmp_path), shots=2, seed=2)
     want2, _ = dassl_fewshot(entries["train"], [tuple(e) for e in split["val"]], 2, 2)
     assert [os.path.relpath(p, image_dir) for p, _, _ in ds2.train] == [p for p, _, _ in want2]
-    assert want2 != want_train                             # the seeds draw other subsets
+    assert want2 != want_train  # the seeds draw other subsets
 
 
 def test_fewshot_sample_groups_by_first_appearance_and_spends_no_draw_on_small_classes():
@@ -295,15 +351,15 @@ def test_fewshot_sample_groups_by_first_appearance_and_spends_no_draw_on_small_c
     so the next class's draw is the one the stream gives after the first class; k items exactly are
     drawn (rng.sample reorders)."""
     order = [(7, 0), (2, 0), (5, 0), (7, 1), (5, 1), (2, 1), (7, 2), (5, 2), (7, 3), (7, 4)]
-    items = [(f"{y}-{i}", y) for y, i in order]                           # 5, 2 and 3 items
+    items = [(f"{y}-{i}", y) for y, i in order]  # 5, 2 and 3 items
     out = data.fewshot_sample(items, 3, random.Random(4))
     assert [y for _, y in out] == [7, 7, 7, 2, 2, 5, 5, 5]
     rng = random.Random(4)
     sevens = rng.sample([it for it in items if it[1] == 7], 3)
-    fives = rng.sample([it for it in items if it[1] == 5], 3)   # 3 of 3: drawn, so reordered
+    fives = rng.sample([it for it in items if it[1] == 5], 3)  # 3 of 3: drawn, so reordered
     assert out == sevens + [("2-0", 2), ("2-1", 2)] + fives
-    assert fives != [it for it in items if it[1] == 5]          # a draw, not the items as listed
-    assert data.fewshot_sample(items, 3, random.Random(5)) != out   # another seed, other subsets
+    assert fives != [it for it in items if it[1] == 5]  # a draw, not the items as listed
+    assert data.fewshot_sample(items, 3, random.Random(5)) != out  # another seed, other subsets
 
 
 def test_subsample_classes_ranks_sorted_labels_and_renumbers_them():
@@ -332,6 +388,7 @@ def test_fewshot_leaves_global_random_alone(tmp_path):
 
 # ------------------------------------------------------------------------------------------- base / novel
 
+
 def test_base_novel_split_and_relabel(tmp_path):
     build_uneven_dtd(str(tmp_path))  # 5 classes: base = 0,1,2 (ceil(5/2)), novel = 3,4
     full = data.build_dataset("dtd", str(tmp_path))
@@ -341,10 +398,14 @@ def test_base_novel_split_and_relabel(tmp_path):
     assert {y for _, y, _ in novel.train + novel.val + novel.test} == {0, 1}  # relabelled from 0
     assert [p for p, _, _ in novel.test] == [p for p, y, _ in full.test if y >= 3]
     assert len(base.train) + len(novel.train) == len(full.train)
-    assert data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test  # CoOp's name
+    assert (
+        data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test
+    )  # CoOp's name
     fs_base = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1, subsample="base")
     fs_all = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1)
-    assert fs_base.train == [it for it in fs_all.train if it[1] < 3]  # few-shot first, then the class split
+    assert fs_base.train == [
+        it for it in fs_all.train if it[1] < 3
+    ]  # few-shot first, then the class split
 
 
 def test_base_novel_on_test_only_set(tmp_path):
@@ -355,6 +416,7 @@ def test_base_novel_on_test_only_set(tmp_path):
 
 # ------------------------------------------------------------------------------------------- custom and toyworld
 
+
 def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     for copy in ("one", "two"):
         for c in ("red_apple", "pear", "plum"):
@@ -364,10 +426,15 @@ def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     b = data.build_dataset(f"folder:{tmp_path / 'two'}", None)
     assert a.classnames == ["pear", "plum", "red apple"] and a.template == "a photo of a {}."
     assert (len(a.train), len(a.val), len(a.test)) == (15, 6, 9)  # 50/20/30 per class
-    assert [os.path.relpath(p, tmp_path / "one") for p, _, _ in a.test] == \
-        [os.path.relpath(p, tmp_path / "two") for p, _, _ in b.test]
-    assert (tmp_path / "one" / "split_folder.json").exists() and a.split_file == str(tmp_path / "one" / "split_folder.json")
-    again = data.build_dataset(f"folder:{tmp_path / 'one'}", None, shots=2)  # later runs reuse the written split
+    assert [os.path.relpath(p, tmp_path / "one") for p, _, _ in a.test] == [
+        os.path.relpath(p, tmp_path / "two") for p, _, _ in b.test
+    ]
+    assert (tmp_path / "one" / "split_folder.json").exists() and a.split_file == str(
+        tmp_path / "one" / "split_folder.json"
+    )
+    again = data.build_dataset(
+        f"folder:{tmp_path / 'one'}", None, shots=2
+    )  # later runs reuse the written split
     assert len(again.train) == 6 and sum(len(s) for s in (a.train, a.val, a.test)) == 30
     assert data.build_dataset(f"folder:{tmp_path / 'one'}", None).test == a.test
 
@@ -379,11 +446,27 @@ def fruit_folder(folder, classes=("pear", "plum", "red_apple"), n=10):
     return f"folder:{folder}"
 
 
-@pytest.mark.parametrize("change,words", [
-    ("image added", ["1 image(s) added (plum/99.png)"]),
-    ("image gone", ["1 image(s) gone (pear/03.png)", "delete the gone images' entries"]),
-    ("class added", ["class folders added: kiwi", "3 image(s) added (kiwi/00.png, kiwi/01.png, kiwi/02.png)"]),
-    ("class gone", ["class folders gone: plum", "10 image(s) gone (plum/00.png, plum/01.png, plum/02.png, ...)"])])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ("image added", ["1 image(s) added (plum/99.png)"]),
+        ("image gone", ["1 image(s) gone (pear/03.png)", "delete the gone images' entries"]),
+        (
+            "class added",
+            [
+                "class folders added: kiwi",
+                "3 image(s) added (kiwi/00.png, kiwi/01.png, kiwi/02.png)",
+            ],
+        ),
+        (
+            "class gone",
+            [
+                "class folders gone: plum",
+                "10 image(s) gone (plum/00.png, plum/01.png, plum/02.png, ...)",
+            ],
+        ),
+    ],
+)
 def test_folder_that_changed_since_its_split_is_refused(tmp_path, change, words):
     name = fruit_folder(tmp_path / "fruit")
     first = data.build_dataset(name, None)
@@ -400,9 +483,16 @@ def test_folder_that_changed_since_its_split_is_refused(tmp_path, change, words)
     with pytest.raises(data.DataError) as err:
         data.build_dataset(name, None, shots=2)
     msg = str(err.value)
-    for w in words + [f"no longer matches its split {split_file}", f"delete {split_file}", "new shuffle", "Restore"]:
+    for w in words + [
+        f"no longer matches its split {split_file}",
+        f"delete {split_file}",
+        "new shuffle",
+        "Restore",
+    ]:
         assert w in msg, (w, msg)
-    assert "CoOp" not in msg and "download" not in msg and "github" not in msg  # not advice for CoOp's datasets
+    assert (
+        "CoOp" not in msg and "download" not in msg and "github" not in msg
+    )  # not advice for CoOp's datasets
     if change == "class gone":  # restoring the folder brings the kept split back, unchanged
         shutil.move(str(tmp_path / "plum"), str(tmp_path / "fruit" / "plum"))
         assert data.build_dataset(name, None).test == first.test
@@ -424,6 +514,7 @@ def test_read_only_folder_keeps_its_split_in_the_cache(tmp_path, monkeypatch, ca
         if any(os.path.abspath(path).startswith(f + os.sep) for f in locked):
             raise PermissionError(13, "Permission denied", path)
         return real_write(path, *args, **kw)
+
     monkeypatch.setattr(data, "write_json_atomic", write)
     split_files = []
     for folder in locked:
@@ -431,14 +522,24 @@ def test_read_only_folder_keeps_its_split_in_the_cache(tmp_path, monkeypatch, ca
         ds = data.build_dataset(name, None, shots=1)
         key = hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:12]
         want = str(tmp_path / "cache" / "folders" / f"pets-{key}" / "split_folder.json")
-        assert ds.split_file == want and os.path.isfile(want) and not os.path.exists(os.path.join(folder, "split_folder.json"))
-        assert os.path.isfile(os.path.join(os.path.dirname(want), "split_fewshot", "shot_1-seed_1.json"))
+        assert (
+            ds.split_file == want
+            and os.path.isfile(want)
+            and not os.path.exists(os.path.join(folder, "split_folder.json"))
+        )
+        assert os.path.isfile(
+            os.path.join(os.path.dirname(want), "split_fewshot", "shot_1-seed_1.json")
+        )
         err = capsys.readouterr().err
         assert f"its split is kept in {want}" in err and "could not cache" not in err
-        assert data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test  # reused
+        assert (
+            data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test
+        )  # reused
         split_files.append(want)
     assert split_files[0] != split_files[1]  # two folders named pets keep two splits
-    make_image(str(tmp_path / "a" / "pets" / "pear" / "99.png"))  # the cached split is checked like any other
+    make_image(
+        str(tmp_path / "a" / "pets" / "pear" / "99.png")
+    )  # the cached split is checked like any other
     with pytest.raises(data.DataError, match="no longer matches its split " + split_files[0]):
         data.build_dataset(f"folder:{locked[0]}", None)
 
@@ -450,17 +551,25 @@ def test_split_and_fewshot_files_get_the_users_permissions(tmp_path):
         data.build_dataset(name, None, shots=1)
     finally:
         os.umask(old)
-    for path in (tmp_path / "fruit" / "split_folder.json", tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json"):
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path  # 0666 less the umask, as open() would
+    for path in (
+        tmp_path / "fruit" / "split_folder.json",
+        tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json",
+    ):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, (
+            path
+        )  # 0666 less the umask, as open() would
 
 
 def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
     one = fruit_folder(tmp_path / "one", classes=("pear",), n=4)
     for part in ("base", "novel"):
-        with pytest.raises(data.DataError, match=r"base-to-novel needs at least 2 classes .*has 1\."):
+        with pytest.raises(
+            data.DataError, match=r"base-to-novel needs at least 2 classes .*has 1\."
+        ):
             data.build_dataset(one, None, subsample=part)
     assert data.build_dataset(one, None).warnings == [
-        f"{one} has only one class (pear): every prediction is that class, so its accuracy is 100% by construction"]
+        f"{one} has only one class (pear): every prediction is that class, so its accuracy is 100% by construction"
+    ]
     three = fruit_folder(tmp_path / "three", n=4)  # base: pear, plum; novel: red apple alone
     novel = data.build_dataset(three, None, subsample="novel")
     assert novel.classnames == ["red apple"] and len(novel.warnings) == 1
@@ -473,10 +582,14 @@ def test_shots_above_what_a_class_has_warn_and_real_shots_are_kept(tmp_path):
     build_uneven_dtd(str(tmp_path))  # train images per class: 6, 7, 1, 5, 9
     ds = data.build_dataset("dtd", str(tmp_path), shots=8, seed=1)
     assert ds.shots_per_class == [6, 7, 1, 5, 8]  # min(8, n) by hand
-    assert ds.warnings == ["--shots 8: 4 of 5 classes have fewer training images (fewest: braided, 1); they keep "
-                           "all they have, as in CoOp, so the real shots per class are 1..8"]
+    assert ds.warnings == [
+        "--shots 8: 4 of 5 classes have fewer training images (fewest: braided, 1); they keep "
+        "all they have, as in CoOp, so the real shots per class are 1..8"
+    ]
     assert data.build_dataset("dtd", str(tmp_path), shots=1, seed=1).warnings == []
-    novel = data.build_dataset("dtd", str(tmp_path), shots=6, seed=1, subsample="novel")  # bubbly 5, bumpy 9
+    novel = data.build_dataset(
+        "dtd", str(tmp_path), shots=6, seed=1, subsample="novel"
+    )  # bubbly 5, bumpy 9
     assert novel.shots_per_class == [5, 6] and "1 of 2 classes (novel classes)" in novel.warnings[0]
 
 
@@ -486,9 +599,17 @@ def test_toyworld_is_read_through_the_json_machinery(tmp_path):
     with pytest.raises(data.DataError, match="python toyworld.py dataset"):
         data.build_dataset("toyworld", str(root), shots=2, seed=1)
     folder = os.path.join(root, "toyworld")
-    entries = {s: [(f"{c}/{s}_{i}.png", y, c) for y, c in enumerate(["red_circle", "blue_square"])
-                   for i in range(3)] for s in ("train", "val", "test")}
-    write_split(os.path.join(folder, "split_zhou_ToyWorld.json"), os.path.join(folder, "images"), entries)
+    entries = {
+        s: [
+            (f"{c}/{s}_{i}.png", y, c)
+            for y, c in enumerate(["red_circle", "blue_square"])
+            for i in range(3)
+        ]
+        for s in ("train", "val", "test")
+    }
+    write_split(
+        os.path.join(folder, "split_zhou_ToyWorld.json"), os.path.join(folder, "images"), entries
+    )
     ds = data.build_dataset("toyworld", str(root), shots=2, seed=1)
     assert ds.classnames == ["red circle", "blue square"] and ds.template == "a photo of a {}."
     assert len(ds.train) == 4 and len(ds.test) == 6
@@ -496,6 +617,7 @@ def test_toyworld_is_read_through_the_json_machinery(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- transforms, loaders
+
 
 def test_transforms_shapes_normalisation_and_determinism():
     image = Image.new("L", (60, 40), color=128)  # grayscale and not square
@@ -515,7 +637,7 @@ def test_transforms_shapes_normalisation_and_determinism():
 
 
 def _normalise(pil):
-    x = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0).permute(2, 0, 1)   # [3, H, W]
+    x = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0).permute(2, 0, 1)  # [3, H, W]
     mean, std = torch.tensor(data.CLIP_MEAN), torch.tensor(data.CLIP_STD)
     return (x - mean[:, None, None]) / std[:, None, None]
 
@@ -526,15 +648,17 @@ def test_test_transform_resizes_the_shorter_side_then_crops_the_centre():
     bilinear resize and a corner crop each give other pixels (on a uniform grey image they all
     agree)."""
     pixels = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
-    pixels[:, :10] = 255                                    # cut away by the centre crop
+    pixels[:, :10] = 255  # cut away by the centre crop
     image = Image.fromarray(pixels)
     x = data.test_transform(32)(image)
     want = _normalise(image.resize((48, 32), Image.BICUBIC).crop((8, 0, 40, 32)))
     assert torch.allclose(x, want, atol=1e-5)
-    wrong = {"squash": image.resize((32, 32), Image.BICUBIC),
-             "crop only": image.crop((14, 4, 46, 36)),
-             "bilinear": image.resize((48, 32), Image.BILINEAR).crop((8, 0, 40, 32)),
-             "left crop": image.resize((48, 32), Image.BICUBIC).crop((0, 0, 32, 32))}
+    wrong = {
+        "squash": image.resize((32, 32), Image.BICUBIC),
+        "crop only": image.crop((14, 4, 46, 36)),
+        "bilinear": image.resize((48, 32), Image.BILINEAR).crop((8, 0, 40, 32)),
+        "left crop": image.resize((48, 32), Image.BICUBIC).crop((0, 0, 32, 32)),
+    }
     for rule, pil in wrong.items():
         assert (x - _normalise(pil)).abs().max() > 0.1, rule
 
@@ -546,6 +670,7 @@ def test_train_transform_is_a_seeded_random_resized_crop_with_its_scale_and_a_fl
     interpolation or flip rule gives other pixels."""
     from torchvision import transforms as TV
     from torchvision.transforms import functional as F
+
     image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8))
     flips = set()
     for seed in range(6):
@@ -553,19 +678,20 @@ def test_train_transform_is_a_seeded_random_resized_crop_with_its_scale_and_a_fl
             torch.manual_seed(seed)
             x = data.train_transform(32, min_scale=min_scale)(image)
             torch.manual_seed(seed)
-            box = TV.RandomResizedCrop.get_params(image, scale=(min_scale, 1.0),
-                                                  ratio=(3 / 4, 4 / 3))
+            box = TV.RandomResizedCrop.get_params(
+                image, scale=(min_scale, 1.0), ratio=(3 / 4, 4 / 3)
+            )
             crop = F.resized_crop(image, *box, [32, 32], interpolation=TV.InterpolationMode.BICUBIC)
             flip = bool(torch.rand(1) < 0.5)
             flips.add(flip)
             want = _normalise(crop.transpose(Image.FLIP_LEFT_RIGHT) if flip else crop)
             assert torch.allclose(x, want, atol=1e-5), (seed, min_scale)
             h, w = box[2], box[3]
-            assert min_scale * 0.99 <= h * w / (40 * 60) <= 1.0   # the area the scale allows
+            assert min_scale * 0.99 <= h * w / (40 * 60) <= 1.0  # the area the scale allows
             torch.manual_seed(seed)
             other = TV.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
             assert other != box or min_scale == 0.08
-    assert flips == {True, False}                                          # both branches were seen
+    assert flips == {True, False}  # both branches were seen
 
 
 def make_items(tmp_path, n=10):
@@ -579,9 +705,13 @@ def make_items(tmp_path, n=10):
 
 def test_loader_shuffle_is_seeded_and_batches_have_shape(tmp_path):
     items = make_items(tmp_path)
-    order = lambda seed: [y.tolist() for _, y in data.make_loader(items, data.test_transform(16), 4, True, seed=seed)]
+    order = lambda seed: [
+        y.tolist() for _, y in data.make_loader(items, data.test_transform(16), 4, True, seed=seed)
+    ]
     assert order(0) == order(0) and order(0) != order(1)
-    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(range(10))  # drop_last on train, as Dassl
+    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(
+        range(10)
+    )  # drop_last on train, as Dassl
     batches = list(data.make_loader(items, data.test_transform(16), 4, shuffle=False))
     assert [b[0].shape[0] for b in batches] == [4, 4, 2] and batches[0][0].shape == (4, 3, 16, 16)
     assert torch.cat([b[1] for b in batches]).tolist() == list(range(10))
@@ -591,7 +721,9 @@ def test_loader_shuffle_is_seeded_and_batches_have_shape(tmp_path):
 def test_corrupt_image_raises_data_error_naming_the_file(tmp_path, damage):
     path = tmp_path / "bad.jpg"
     good = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(good, "JPEG")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+        good, "JPEG"
+    )
     path.write_bytes(b"not an image at all" if damage == "garbage" else good.getvalue()[:400])
     with pytest.raises(data.DataError, match="bad.jpg"):
         data.ImageList([(str(path), 0, "x")], data.test_transform(16))[0]
@@ -599,21 +731,37 @@ def test_corrupt_image_raises_data_error_naming_the_file(tmp_path, damage):
         with pytest.raises(data.DataError) as here:
             data.ImageList([(str(path), 0, "x")], data.test_transform(16))[0]
         with pytest.raises(data.DataError) as err:
-            next(iter(data.make_loader([(str(path), 0, "x")], data.test_transform(16), 1, False, num_workers=1)))
-        assert str(err.value) == str(here.value) and str(here.value).startswith(f"cannot read image {path} (")
-        assert "\n" not in str(err.value) and "Traceback" not in str(err.value)  # one line, not the worker's traceback
+            next(
+                iter(
+                    data.make_loader(
+                        [(str(path), 0, "x")], data.test_transform(16), 1, False, num_workers=1
+                    )
+                )
+            )
+        assert str(err.value) == str(here.value) and str(here.value).startswith(
+            f"cannot read image {path} ("
+        )
+        assert "\n" not in str(err.value) and "Traceback" not in str(
+            err.value
+        )  # one line, not the worker's traceback
 
 
 def test_too_large_image_names_the_file(tmp_path, monkeypatch):
     path = tmp_path / "huge.png"
     make_image(str(path), size=(20, 16))  # 320 pixels
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # PIL refuses above twice this: a decompression bomb
-    with pytest.raises(data.DataError, match=f"image {path} is too large to open safely .*320 pixels"):
+    monkeypatch.setattr(
+        Image, "MAX_IMAGE_PIXELS", 100
+    )  # PIL refuses above twice this: a decompression bomb
+    with pytest.raises(
+        data.DataError, match=f"image {path} is too large to open safely .*320 pixels"
+    ):
         data.ImageList([(str(path), 0, "x")])[0]
 
 
 def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
-    levels = np.array([[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16)  # 8-bit: 0, 100, 255, 50
+    levels = np.array(
+        [[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16
+    )  # 8-bit: 0, 100, 255, 50
     want = np.array([[0, 100], [255, 50]], dtype=np.uint8)
     path = tmp_path / "deep.png"
     Image.fromarray(levels).save(path)
@@ -623,21 +771,30 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert rgb.shape == (2, 2, 3) and all((rgb[..., k] == want).all() for k in range(3))
     wide = Image.fromarray(levels.astype(np.int32))  # mode "I", as older PIL opens 16-bit PNGs
     assert wide.mode == "I" and (np.asarray(data.to_rgb(wide))[..., 0] == want).all()
-    small = Image.fromarray(np.array([[0, 100], [255, 50]], dtype=np.int32))  # "I" holding 8-bit levels
+    small = Image.fromarray(
+        np.array([[0, 100], [255, 50]], dtype=np.int32)
+    )  # "I" holding 8-bit levels
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
 # ------------------------------------------------------------------------------------------- bad input
 
+
 def test_bad_input_each_stops_with_one_clear_error(tmp_path):
     root = str(tmp_path)
     cases = [
-        (lambda: data.build_dataset("eurosat", root + "/missing"), ["data root not found", "missing", "--root"]),
+        (
+            lambda: data.build_dataset("eurosat", root + "/missing"),
+            ["data root not found", "missing", "--root"],
+        ),
         (lambda: data.build_dataset("eurosat", root), ["EuroSAT folder not found", "eurosat/2750"]),
         (lambda: data.build_dataset("oxford_pets", root, shots=0), ["shots", "-1"]),
         (lambda: data.build_dataset("oxford_pets", root, shots=-3), ["shots"]),
         (lambda: data.build_dataset("dtd", root, subsample="half"), ["subsample"]),
-        (lambda: data.build_dataset("euro_sat", root), ["unknown dataset", "Did you mean: eurosat"]),
+        (
+            lambda: data.build_dataset("euro_sat", root),
+            ["unknown dataset", "Did you mean: eurosat"],
+        ),
         (lambda: data.build_dataset("DescribableTextures", root), ["Did you mean: dtd"]),
         (lambda: data.build_dataset(f"folder:{root}/nope", root), ["folder dataset not found"]),
     ]
@@ -666,11 +823,15 @@ def test_malformed_split_and_missing_image(tmp_path):
 
 
 def test_large_splits_check_a_sample_then_fail_at_load(tmp_path, monkeypatch):
-    build_json_layout(str(tmp_path), "food101")  # 15 train items: checks items 0, 7, 14 with a limit of 2
+    build_json_layout(
+        str(tmp_path), "food101"
+    )  # 15 train items: checks items 0, 7, 14 with a limit of 2
     monkeypatch.setattr(data, "CHECK_LIMIT", 2)
     ds = data.build_dataset("food101", str(tmp_path))
     os.remove(ds.train[3][0])
-    ds = data.build_dataset("food101", str(tmp_path))  # not in the checked sample: building still works
+    ds = data.build_dataset(
+        "food101", str(tmp_path)
+    )  # not in the checked sample: building still works
     with pytest.raises(data.DataError, match="missing on disk"):
         data.ImageList(ds.train)[3]
     os.remove(ds.train[7][0])
@@ -688,7 +849,12 @@ def test_fgvc_unknown_variant(tmp_path):
 
 def test_cli_check_and_errors(tmp_path, capsys):
     build_json_layout(str(tmp_path), "eurosat")
-    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--shots", "2", "--subsample", "base"]) == 0
+    assert (
+        data.main(
+            ["check", "eurosat", "--root", str(tmp_path), "--shots", "2", "--subsample", "base"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "classes: 2 (base)" in out and "train 4 | val 4 | test 4" in out
     assert "a centered satellite photo of Annual Crop Land." in out
@@ -708,7 +874,9 @@ def test_cli_check_opens_every_image(tmp_path, capsys):
     bad = ds.test[-1][0]
     with open(bad, "wb") as f:
         f.write(b"not an image")
-    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0  # the lists alone look fine
+    assert (
+        data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0
+    )  # the lists alone look fine
     capsys.readouterr()
     assert data.main(["check", "eurosat", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -720,18 +888,26 @@ def test_check_on_a_missing_root_says_so_once(tmp_path, capsys):
     missing = str(tmp_path / "nope")
     assert data.main(["check", "eurosat", "dtd", "food101", "--root", missing]) == 2
     err = capsys.readouterr().err
-    assert err.count("data root not found") == 1 and err.startswith(f"error: data root not found: {missing} "
-                                                                    f"(needed by eurosat, dtd, food101)")
+    assert err.count("data root not found") == 1 and err.startswith(
+        f"error: data root not found: {missing} (needed by eurosat, dtd, food101)"
+    )
     with pytest.raises(data.DataError, match="data root not found"):
         data.check_root(["caltech101"], missing)
     data.check_root([f"folder:{tmp_path}", "toyworld"], missing)  # these do not live under --root
     build_json_layout(str(tmp_path), "eurosat")
     seen = []
-    errors = data.check_datasets(["eurosat", "dtd"], str(tmp_path), report=lambda n, ds, e: seen.append((n, bool(ds))))
-    assert seen == [("eurosat", True), ("dtd", False)] and list(errors) == ["dtd"] and "dtd" in errors["dtd"]
+    errors = data.check_datasets(
+        ["eurosat", "dtd"], str(tmp_path), report=lambda n, ds, e: seen.append((n, bool(ds)))
+    )
+    assert (
+        seen == [("eurosat", True), ("dtd", False)]
+        and list(errors) == ["dtd"]
+        and "dtd" in errors["dtd"]
+    )
 
 
 # ------------------------------------------------------------------------------- hostile folders
+
 
 def test_small_classes_each_get_a_test_image_or_stop(tmp_path, capsys):
     """3 images per class: 2 train, 0 val, 1 test (the 50/20/30 rule gave 2/1/0: an empty test
@@ -744,11 +920,14 @@ def test_small_classes_each_get_a_test_image_or_stop(tmp_path, capsys):
     two = data.build_dataset(fruit_folder(tmp_path / "two", n=2), None)
     assert (len(two.train), len(two.val), len(two.test)) == (3, 0, 3)
     one = fruit_folder(tmp_path / "one", classes=("pear", "plum"), n=1)
-    with pytest.raises(data.DataError, match=r"2 class folder\(s\) of .*one hold fewer than 2 "
-                                             r"images \(pear: 1, plum: 1; .*at least 2 per class"):
+    with pytest.raises(
+        data.DataError,
+        match=r"2 class folder\(s\) of .*one hold fewer than 2 "
+        r"images \(pear: 1, plum: 1; .*at least 2 per class",
+    ):
         data.build_dataset(one, None)
-    assert not os.path.exists(tmp_path / "one" / "split_folder.json")   # nothing written
-    assert data.main(["check", one, "--no-images"]) == 2                 # data.py check says it too
+    assert not os.path.exists(tmp_path / "one" / "split_folder.json")  # nothing written
+    assert data.main(["check", one, "--no-images"]) == 2  # data.py check says it too
     assert "at least 2 per class" in capsys.readouterr().err
 
 
@@ -757,18 +936,25 @@ def test_a_kept_split_without_test_images_stops(tmp_path, capsys):
     data.py check too."""
     name = fruit_folder(tmp_path / "fruit", n=3)
     split_file = tmp_path / "fruit" / "split_folder.json"
-    items = [(f"{c}/{i:02d}.png", y, c) for y, c in enumerate(("pear", "plum", "red_apple"))
-             for i in range(3)]
-    split = {"train": [e for e in items if e[0].endswith(("00.png", "01.png"))],
-             "val": [e for e in items if e[0].endswith("02.png")], "test": []}
+    items = [
+        (f"{c}/{i:02d}.png", y, c)
+        for y, c in enumerate(("pear", "plum", "red_apple"))
+        for i in range(3)
+    ]
+    split = {
+        "train": [e for e in items if e[0].endswith(("00.png", "01.png"))],
+        "val": [e for e in items if e[0].endswith("02.png")],
+        "test": [],
+    }
     split_file.write_text(json.dumps(split))
     for subsample in ("all", "novel"):
         with pytest.raises(data.DataError, match=f"empty test split.*delete {split_file}"):
             data.build_dataset(name, None, subsample=subsample)
-    split["test"], split["val"] = split["val"][:1], split["val"][1:]   # pear tested, the rest not
+    split["test"], split["val"] = split["val"][:1], split["val"][1:]  # pear tested, the rest not
     split_file.write_text(json.dumps(split))
-    with pytest.raises(data.DataError,
-                       match=f"{split_file} gives 2 class.*no test image .plum, red_apple."):
+    with pytest.raises(
+        data.DataError, match=f"{split_file} gives 2 class.*no test image .plum, red_apple."
+    ):
         data.build_dataset(name, None)
     assert data.main(["check", name, "--no-images"]) == 2
     assert "no test image" in capsys.readouterr().err
@@ -779,10 +965,12 @@ def test_images_in_sub_folders_are_named(tmp_path, capsys):
     for i in range(2):
         make_image(str(tmp_path / "fruit" / "plum" / "old" / f"{i}.png"), seed=i)
     ds = data.build_dataset(name, None)
-    assert len(ds.train) + len(ds.val) + len(ds.test) == 12    # the nested two are not read ...
-    want = (f"2 image(s) in sub-folders of the class folders of {tmp_path / 'fruit'} are left out "
-            f"(plum/old/0.png, plum/old/1.png)")
-    assert [w for w in ds.warnings if w.startswith(want)]      # ... and named
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 12  # the nested two are not read ...
+    want = (
+        f"2 image(s) in sub-folders of the class folders of {tmp_path / 'fruit'} are left out "
+        f"(plum/old/0.png, plum/old/1.png)"
+    )
+    assert [w for w in ds.warnings if w.startswith(want)]  # ... and named
     assert "move them up" in ds.warnings[-1]
     assert "warning: " + want in capsys.readouterr().err
     # a class whose images all sit in a sub-folder: say where they are, not "no images"
@@ -791,23 +979,30 @@ def test_images_in_sub_folders_are_named(tmp_path, capsys):
     fruit_folder(tmp_path / "more", classes=("pear",), n=4)
     with pytest.raises(data.DataError) as err:
         data.build_dataset(f"folder:{tmp_path / 'more'}", None)
-    assert f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in " \
-           f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+    assert (
+        f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in "
+        f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+    )
 
 
 def test_a_class_named_like_the_fewshot_cache_is_refused(tmp_path):
     """split_fewshot/ is where the few-shot subsets are cached: a class of that name was dropped
     from the split and got the cache files written among its images."""
     name = fruit_folder(tmp_path / "fruit", classes=("pear", "split_fewshot"), n=4)
-    with pytest.raises(data.DataError, match=r"split_fewshot holds images, but split_fewshot is the "
-                                             r"name of the few-shot cache's folder.*rename that "
-                                             r"class folder"):
+    with pytest.raises(
+        data.DataError,
+        match=r"split_fewshot holds images, but split_fewshot is the "
+        r"name of the few-shot cache's folder.*rename that "
+        r"class folder",
+    ):
         data.build_dataset(name, None, shots=1)
     assert not os.path.exists(tmp_path / "fruit" / "split_folder.json")
-    assert sorted(os.listdir(tmp_path / "fruit" / "split_fewshot")) == [f"0{i}.png" for i in range(4)]
-    os.rename(tmp_path / "fruit" / "split_fewshot", tmp_path / "fruit" / "fig")   # the fix named
+    assert sorted(os.listdir(tmp_path / "fruit" / "split_fewshot")) == [
+        f"0{i}.png" for i in range(4)
+    ]
+    os.rename(tmp_path / "fruit" / "split_fewshot", tmp_path / "fruit" / "fig")  # the fix named
     assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
-    assert (tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json").exists()   # the cache
+    assert (tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json").exists()  # the cache
     assert data.build_dataset(name, None, shots=1).classnames == ["fig", "pear"]
 
 
@@ -816,8 +1011,9 @@ def test_an_empty_folder_path_is_refused(tmp_path, monkeypatch):
     fruit_folder(tmp_path, n=4)
     monkeypatch.chdir(tmp_path)
     for name in ("folder:", "folder:  "):
-        with pytest.raises(data.DataError,
-                           match=r"folder: needs a path .*empty \(an unset variable\?\)"):
+        with pytest.raises(
+            data.DataError, match=r"folder: needs a path .*empty \(an unset variable\?\)"
+        ):
             data.build_dataset(name, None)
     assert not os.path.exists(tmp_path / "split_folder.json")
 
@@ -826,7 +1022,7 @@ def test_a_truncated_folder_split_says_delete_it(tmp_path):
     name = fruit_folder(tmp_path / "fruit", n=4)
     data.build_dataset(name, None)
     split_file = tmp_path / "fruit" / "split_folder.json"
-    split_file.write_text(split_file.read_text()[:40])                     # cut off
+    split_file.write_text(split_file.read_text()[:40])  # cut off
     for text in (split_file.read_text(), '{"train": [["a.png", 0]], "val": [], "test": []}'):
         split_file.write_text(text)
         with pytest.raises(data.DataError) as err:
@@ -853,8 +1049,11 @@ def test_entries_named_like_images_that_are_not_files_are_named(tmp_path, kind):
     assert "split" not in str(err.value)
     assert not os.path.exists(tmp_path / "fruit" / "split_folder.json")
     # a split kept from before that lists it: name it the same way, not "split anew"
-    split = {"train": [["plum/x.png", 0, "plum"], ["plum/00.png", 0, "plum"]], "val": [],
-             "test": [[f"plum/0{i}.png", 0, "plum"] for i in (1, 2, 3)]}
+    split = {
+        "train": [["plum/x.png", 0, "plum"], ["plum/00.png", 0, "plum"]],
+        "val": [],
+        "test": [[f"plum/0{i}.png", 0, "plum"] for i in (1, 2, 3)],
+    }
     shutil.rmtree(tmp_path / "fruit" / "pear")
     shutil.rmtree(tmp_path / "fruit" / "red_apple")
     (tmp_path / "fruit" / "split_folder.json").write_text(json.dumps(split))
@@ -876,6 +1075,7 @@ def test_cli_refuses_shots_below_one_like_dear_py(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------- downloads
+
 
 class Server:
     """A local HTTP server with fixed routes: path -> (content type, body[, announced length])."""
@@ -904,7 +1104,9 @@ class Server:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         # a short poll: shutdown() waits for the loop to look (0.5 s by default, per test)
-        serve = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        serve = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        )
         serve.start()
 
 
@@ -940,7 +1142,9 @@ def tar_bytes(files, links=()):
 
 def png_bytes(seed):
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+        buf, "PNG"
+    )
     return buf.getvalue()
 
 
@@ -961,32 +1165,70 @@ def fake_eurosat(server):
 
 def test_download_eurosat_end_to_end(tmp_path, server):
     archive = fake_eurosat(server)
-    sources = {"eurosat": [download.Source(url=server.url + "/files/EuroSAT.zip",
-                                           md5=hashlib.md5(archive).hexdigest(), extract_to="eurosat",
-                                           creates="eurosat/2750")]}
+    sources = {
+        "eurosat": [
+            download.Source(
+                url=server.url + "/files/EuroSAT.zip",
+                md5=hashlib.md5(archive).hexdigest(),
+                extract_to="eurosat",
+                creates="eurosat/2750",
+            )
+        ]
+    }
     drive = server.url + "/drive"
-    download.download_dataset(data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive)
+    download.download_dataset(
+        data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive
+    )
     ds = data.build_dataset("eurosat", str(tmp_path), shots=2)
     assert ds.classnames == ["Annual Crop Land", "Forest"] and len(ds.test) == 4
-    assert os.listdir(tmp_path / ".downloads") == []  # archive removed after unpacking, no .part left
+    assert (
+        os.listdir(tmp_path / ".downloads") == []
+    )  # archive removed after unpacking, no .part left
     server.routes.clear()  # a second run finds everything present and downloads nothing
-    download.download_dataset(data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive)
+    download.download_dataset(
+        data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive
+    )
 
 
 def test_cli_download_with_mirror(tmp_path, server, monkeypatch):
     fake_eurosat(server)
-    monkeypatch.setitem(download.SOURCES, "eurosat", [download.Source(
-        url="https://example.invalid/some/path/EuroSAT.zip", extract_to="eurosat", creates="eurosat/2750")])
-    assert data.main(["download", "eurosat", "--root", str(tmp_path), "--mirror", server.url + "/files",
-                      "--gdrive-url", server.url + "/drive"]) == 0
+    monkeypatch.setitem(
+        download.SOURCES,
+        "eurosat",
+        [
+            download.Source(
+                url="https://example.invalid/some/path/EuroSAT.zip",
+                extract_to="eurosat",
+                creates="eurosat/2750",
+            )
+        ],
+    )
+    assert (
+        data.main(
+            [
+                "download",
+                "eurosat",
+                "--root",
+                str(tmp_path),
+                "--mirror",
+                server.url + "/files",
+                "--gdrive-url",
+                server.url + "/drive",
+            ]
+        )
+        == 0
+    )
     assert len(data.build_dataset("eurosat", str(tmp_path)).train) == 10
 
 
 def test_tampered_archive_is_rejected_and_nothing_unpacked(tmp_path, server):
     archive = fake_eurosat(server)
     server.routes["/files/EuroSAT.zip"] = ("application/zip", archive[:-10] + b"0123456789")
-    src = download.Source(url=server.url + "/files/EuroSAT.zip", md5=hashlib.md5(archive).hexdigest(),
-                          extract_to="eurosat")
+    src = download.Source(
+        url=server.url + "/files/EuroSAT.zip",
+        md5=hashlib.md5(archive).hexdigest(),
+        extract_to="eurosat",
+    )
     with pytest.raises(download.DownloadError, match="MD5"):
         download.fetch_source(src, str(tmp_path))
     assert not (tmp_path / "eurosat").exists() and os.listdir(tmp_path / ".downloads") == []
@@ -994,8 +1236,12 @@ def test_tampered_archive_is_rejected_and_nothing_unpacked(tmp_path, server):
 
 def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, monkeypatch):
     archive = fake_eurosat(server)  # 20 images under 2750/
-    src = download.Source(url=server.url + "/files/EuroSAT.zip", md5=hashlib.md5(archive).hexdigest(),
-                          extract_to="eurosat", creates="eurosat/2750")
+    src = download.Source(
+        url=server.url + "/files/EuroSAT.zip",
+        md5=hashlib.md5(archive).hexdigest(),
+        extract_to="eurosat",
+        creates="eurosat/2750",
+    )
     real, calls = zipfile.ZipFile._extract_member, []
 
     def cut_off(self, *args, **kwargs):  # the unpack stops (Ctrl-C, full disk) after 5 members
@@ -1003,10 +1249,13 @@ def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, m
         if len(calls) > 5:
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
+
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", cut_off)
     with pytest.raises(KeyboardInterrupt):
         download.fetch_source(src, str(tmp_path))
-    assert len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()  # nothing half-done in place
+    assert (
+        len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()
+    )  # nothing half-done in place
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", real)
     download.fetch_source(src, str(tmp_path))  # the rerun unpacks again, from scratch
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "eurosat" / "2750") for f in fs]
@@ -1014,18 +1263,36 @@ def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, m
 
 
 def test_unpack_merges_into_existing_folders_and_moves(tmp_path, server):
-    server.routes["/files/dtd.tar.gz"] = ("application/gzip", tar_bytes({"dtd/images/banded/x.jpg": b"1",
-                                                                          "dtd/labels/all.txt": b"2"}))
-    server.routes["/files/fgvc.tar.gz"] = ("application/gzip", tar_bytes({"fgvc-2013b/data/variants.txt": b"3",
-                                                                           "fgvc-2013b/evaluation.m": b"4"}))
+    server.routes["/files/dtd.tar.gz"] = (
+        "application/gzip",
+        tar_bytes({"dtd/images/banded/x.jpg": b"1", "dtd/labels/all.txt": b"2"}),
+    )
+    server.routes["/files/fgvc.tar.gz"] = (
+        "application/gzip",
+        tar_bytes({"fgvc-2013b/data/variants.txt": b"3", "fgvc-2013b/evaluation.m": b"4"}),
+    )
     (tmp_path / "dtd").mkdir()
-    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text("{}")  # already there: kept
-    download.fetch_source(download.Source(url=server.url + "/files/dtd.tar.gz", extract_to=".",
-                                          creates="dtd/images"), str(tmp_path))
-    download.fetch_source(download.Source(url=server.url + "/files/fgvc.tar.gz", extract_to=".",
-                                          creates="fgvc_aircraft/variants.txt",
-                                          move=("fgvc-2013b/data", "fgvc_aircraft")), str(tmp_path))
-    assert sorted(os.listdir(tmp_path / "dtd")) == ["images", "labels", "split_zhou_DescribableTextures.json"]
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(
+        "{}"
+    )  # already there: kept
+    download.fetch_source(
+        download.Source(url=server.url + "/files/dtd.tar.gz", extract_to=".", creates="dtd/images"),
+        str(tmp_path),
+    )
+    download.fetch_source(
+        download.Source(
+            url=server.url + "/files/fgvc.tar.gz",
+            extract_to=".",
+            creates="fgvc_aircraft/variants.txt",
+            move=("fgvc-2013b/data", "fgvc_aircraft"),
+        ),
+        str(tmp_path),
+    )
+    assert sorted(os.listdir(tmp_path / "dtd")) == [
+        "images",
+        "labels",
+        "split_zhou_DescribableTextures.json",
+    ]
     assert (tmp_path / "dtd" / "images" / "banded" / "x.jpg").read_bytes() == b"1"
     assert (tmp_path / "fgvc_aircraft" / "variants.txt").read_bytes() == b"3"
     assert (tmp_path / "fgvc-2013b" / "evaluation.m").read_bytes() == b"4"
@@ -1060,8 +1327,12 @@ def tar_members(entries):
                 info.size = len(arg)
                 t.addfile(info, io.BytesIO(arg))
                 continue
-            info.type = {"dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE,
-                         "fifo": tarfile.FIFOTYPE}[kind]
+            info.type = {
+                "dir": tarfile.DIRTYPE,
+                "sym": tarfile.SYMTYPE,
+                "hard": tarfile.LNKTYPE,
+                "fifo": tarfile.FIFOTYPE,
+            }[kind]
             info.linkname = arg
             t.addfile(info)
     return buf.getvalue()
@@ -1070,38 +1341,77 @@ def tar_members(entries):
 # Each attack: (archive bytes given the test folder, the expected refusal). The target folder is T/x, so
 # T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it for inside.
 ATTACKS = {
-    "zip-dotdot": (lambda T: zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
-                   r"member \.\./evil\.txt climbs out of the target folder"),
-    "zip-sibling": (lambda T: zip_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
-                    r"member \.\./xy/evil\.txt climbs out of the target folder"),
-    "zip-absolute": (lambda T: zip_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
-                     r"member /.*/xy/evil\.txt has an absolute path"),
+    "zip-dotdot": (
+        lambda T: zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
+        r"member \.\./evil\.txt climbs out of the target folder",
+    ),
+    "zip-sibling": (
+        lambda T: zip_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
+        r"member \.\./xy/evil\.txt climbs out of the target folder",
+    ),
+    "zip-absolute": (
+        lambda T: zip_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
+        r"member /.*/xy/evil\.txt has an absolute path",
+    ),
     "zip-symlink": (lambda T: zip_with_symlink("link", "../xy"), r"member link is a symbolic link"),
-    "tar-dotdot": (lambda T: tar_bytes({"ok.txt": b"1", "sub/../../evil.txt": b"2"}),
-                   r"member sub/\.\./\.\./evil\.txt climbs out of the target folder"),
-    "tar-sibling": (lambda T: tar_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
-                    r"member \.\./xy/evil\.txt climbs out of the target folder"),
-    "tar-absolute": (lambda T: tar_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
-                     r"member /.*/xy/evil\.txt has an absolute path"),
-    "tar-symlink-out": (lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", "../xy")]),
-                        r"link link -> \.\./xy climbs out of the target folder"),
-    "tar-symlink-absolute": (lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", f"{T}/xy")]),
-                             r"link link -> /.*/xy has an absolute path"),
+    "tar-dotdot": (
+        lambda T: tar_bytes({"ok.txt": b"1", "sub/../../evil.txt": b"2"}),
+        r"member sub/\.\./\.\./evil\.txt climbs out of the target folder",
+    ),
+    "tar-sibling": (
+        lambda T: tar_bytes({"ok.txt": b"1", "../xy/evil.txt": b"2"}),
+        r"member \.\./xy/evil\.txt climbs out of the target folder",
+    ),
+    "tar-absolute": (
+        lambda T: tar_bytes({"ok.txt": b"1", f"{T}/xy/evil.txt": b"2"}),
+        r"member /.*/xy/evil\.txt has an absolute path",
+    ),
+    "tar-symlink-out": (
+        lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", "../xy")]),
+        r"link link -> \.\./xy climbs out of the target folder",
+    ),
+    "tar-symlink-absolute": (
+        lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", f"{T}/xy")]),
+        r"link link -> /.*/xy has an absolute path",
+    ),
     # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent: x/xy/evil.txt
     # would be written outside. The check refuses the link that steps through another link.
-    "tar-symlink-chain": (lambda T: tar_members([("ok.txt", "file", b"1"), ("y", "sym", "."), ("x", "sym", "y/.."),
-                                                 ("x/xy/evil.txt", "file", b"2")]),
-                          r"link x -> y/\.\. goes through the link y of the same archive"),
-    "tar-through-link": (lambda T: tar_members([("ok.txt", "file", b"1"), ("d", "sym", "sub"), ("sub", "dir", ""),
-                                                ("d/evil.txt", "file", b"2")]),
-                         r"member d/evil\.txt goes through the link d of the same archive"),
-    "tar-hardlink-out": (lambda T: tar_members([("ok.txt", "file", b"1"), ("h", "hard", "../xy/secret.txt")]),
-                         r"link h -> \.\./xy/secret\.txt climbs out of the target folder"),
-    "tar-hardlink-via-symlink": (lambda T: tar_members([("ok.txt", "file", b"1"), ("s", "sym", "."),
-                                                        ("h", "hard", "s/../xy/secret.txt")]),
-                                 r"link h -> s/\.\./xy/secret\.txt goes through the link s"),
-    "tar-pipe": (lambda T: tar_members([("ok.txt", "file", b"1"), ("pipe", "fifo", "")]),
-                 r"member pipe is a device or pipe"),
+    "tar-symlink-chain": (
+        lambda T: tar_members(
+            [
+                ("ok.txt", "file", b"1"),
+                ("y", "sym", "."),
+                ("x", "sym", "y/.."),
+                ("x/xy/evil.txt", "file", b"2"),
+            ]
+        ),
+        r"link x -> y/\.\. goes through the link y of the same archive",
+    ),
+    "tar-through-link": (
+        lambda T: tar_members(
+            [
+                ("ok.txt", "file", b"1"),
+                ("d", "sym", "sub"),
+                ("sub", "dir", ""),
+                ("d/evil.txt", "file", b"2"),
+            ]
+        ),
+        r"member d/evil\.txt goes through the link d of the same archive",
+    ),
+    "tar-hardlink-out": (
+        lambda T: tar_members([("ok.txt", "file", b"1"), ("h", "hard", "../xy/secret.txt")]),
+        r"link h -> \.\./xy/secret\.txt climbs out of the target folder",
+    ),
+    "tar-hardlink-via-symlink": (
+        lambda T: tar_members(
+            [("ok.txt", "file", b"1"), ("s", "sym", "."), ("h", "hard", "s/../xy/secret.txt")]
+        ),
+        r"link h -> s/\.\./xy/secret\.txt goes through the link s",
+    ),
+    "tar-pipe": (
+        lambda T: tar_members([("ok.txt", "file", b"1"), ("pipe", "fifo", "")]),
+        r"member pipe is a device or pipe",
+    ),
 }
 
 
@@ -1116,6 +1426,7 @@ def test_escaping_archive_is_refused_by_its_own_check(tmp_path, monkeypatch, kin
 
     def never(*args, **kwargs):
         raise AssertionError("extraction started before the archive was refused")
+
     monkeypatch.setattr(tarfile.TarFile, "extractall", never)
     monkeypatch.setattr(zipfile.ZipFile, "extractall", never)
     target = tmp_path / "x"
@@ -1127,28 +1438,48 @@ def test_escaping_archive_is_refused_by_its_own_check(tmp_path, monkeypatch, kin
 
 def test_inside_is_a_folder_test_not_a_string_prefix():
     assert download._inside("/data/x", "/data/x/y") and download._inside("/data/x", "/data/x")
-    assert not download._inside("/data/x", "/data/xy") and not download._inside("/data/x", "/data/xy/z")
-    assert not download._inside("/data/x", "/data") and not download._inside("/data/x", "/data/x/../xy")
+    assert not download._inside("/data/x", "/data/xy") and not download._inside(
+        "/data/x", "/data/xy/z"
+    )
+    assert not download._inside("/data/x", "/data") and not download._inside(
+        "/data/x", "/data/x/../xy"
+    )
 
 
 def test_safe_extract_keeps_an_honest_tar(tmp_path):
     archive = tmp_path / "a.tar.gz"
-    archive.write_bytes(tar_bytes({"dtd/images/banded/x.jpg": b"1"}, links=[("dtd/images/alias.jpg", "banded/x.jpg")]))
+    archive.write_bytes(
+        tar_bytes(
+            {"dtd/images/banded/x.jpg": b"1"}, links=[("dtd/images/alias.jpg", "banded/x.jpg")]
+        )
+    )
     download.safe_extract(str(archive), str(tmp_path / "t"))
     assert (tmp_path / "t" / "dtd" / "images" / "alias.jpg").read_bytes() == b"1"
     # `tar -C dir .` style names, a link up to a folder inside, a hard link to a member
-    archive.write_bytes(tar_members([(".", "dir", ""), ("./d", "dir", ""), ("./d/a.txt", "file", b"2"),
-                                     ("./d/e", "dir", ""), ("./d/e/up", "sym", ".."), ("./h.txt", "hard", "d/a.txt")]))
+    archive.write_bytes(
+        tar_members(
+            [
+                (".", "dir", ""),
+                ("./d", "dir", ""),
+                ("./d/a.txt", "file", b"2"),
+                ("./d/e", "dir", ""),
+                ("./d/e/up", "sym", ".."),
+                ("./h.txt", "hard", "d/a.txt"),
+            ]
+        )
+    )
     download.safe_extract(str(archive), str(tmp_path / "u"))
     assert (tmp_path / "u" / "d" / "e" / "up" / "a.txt").read_bytes() == b"2"
     assert (tmp_path / "u" / "h.txt").read_bytes() == b"2"
 
 
 def test_google_drive_confirm_page_then_file(tmp_path, server):
-    page = ('<html><form id="download-form" action="/drive2" method="get">'
-            '<input type="hidden" name="id" value="BIG"><input type="hidden" name="export" value="download">'
-            '<input type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" value="u-1&amp;2">'
-            '</form></html>')
+    page = (
+        '<html><form id="download-form" action="/drive2" method="get">'
+        '<input type="hidden" name="id" value="BIG"><input type="hidden" name="export" value="download">'
+        '<input type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" value="u-1&amp;2">'
+        '</form></html>'
+    )
     server.routes["/drive?id=BIG"] = ("text/html; charset=utf-8", page.encode())
     server.routes["/drive2?id=BIG"] = ("application/octet-stream", b"the big file")
     dest = tmp_path / "big.bin"
@@ -1160,6 +1491,7 @@ def test_google_drive_confirm_page_then_file(tmp_path, server):
 
 
 # ------------------------------------------------------------------ mutation survivors (mutate.sh)
+
 
 def test_folder_split_messages_name_the_folder(tmp_path, capsys):
     """The first run says on stderr how many classes it split and where the split went; a changed
@@ -1196,6 +1528,7 @@ def test_fewshot_split_samples_val_by_default(tmp_path):
 def test_fewshot_split_without_a_writable_cache_says_so_and_goes_on(tmp_path, monkeypatch, capsys):
     def refuse(path, *a, **k):
         raise OSError("read-only")
+
     monkeypatch.setattr(data, "write_json_atomic", refuse)
     split = {"train": [(f"t{i}.png", i % 2, "c") for i in range(6)], "val": []}
     assert len(data.fewshot_split(str(tmp_path), split, 1, 1)[0]) == 2

@@ -1,4 +1,5 @@
 """DeAR model, masks, loss, schedule and the run loop, on a tiny random CLIP."""
+
 import math
 
 import pytest
@@ -24,8 +25,12 @@ def roles_all(role, attribute=None, layers=range(1, 5)):
 
 def mixed_roles():
     """Block roles with one head of each kind: generalization, color attribute, mixed, other specialist."""
-    block = [{"role": "generalization", "attribute": None}, {"role": "attribute", "attribute": "color"},
-             {"role": "mixed", "attribute": None}, {"role": "specialist", "attribute": None}]
+    block = [
+        {"role": "generalization", "attribute": None},
+        {"role": "attribute", "attribute": "color"},
+        {"role": "mixed", "attribute": None},
+        {"role": "specialist", "attribute": None},
+    ]
     return {l: block for l in range(1, 5)}
 
 
@@ -43,13 +48,18 @@ def test_role_mask_semantics_on_attention_weights():
     w = attention_weights(role_mask(mixed_roles()[1], P))
     assert torch.allclose(w.sum(-1), torch.ones(H, 1 + K + P), atol=1e-6)
     g, a, m, s = w  # generalization, color attribute, mixed, other specialist
-    for head in (g, s):  # originals and attribute tokens never exchange weight; attr tokens see only themselves
+    for head in (
+        g,
+        s,
+    ):  # originals and attribute tokens never exchange weight; attr tokens see only themselves
         assert head[ORIG][:, ATTR].abs().max() == 0
         assert head[ATTR][:, ORIG].abs().max() == 0
         assert torch.allclose(head[ATTR][:, ATTR], torch.eye(K))
     color = 1 + ATTRIBUTES.index("color")
     others = [i for i in ATTR if i != color]
-    assert (a[ORIG][:, color] > 0).all() and (a[color][ORIG] > 0).all()  # orig <-> color token, both ways
+    assert (a[ORIG][:, color] > 0).all() and (
+        a[color][ORIG] > 0
+    ).all()  # orig <-> color token, both ways
     for i in others:  # every other attribute token sees only itself and is seen by nobody else
         assert a[i, i] == pytest.approx(1.0)
         assert a[[j for j in range(1 + K + P) if j != i]][:, i].abs().max() == 0
@@ -60,7 +70,9 @@ def test_mask_variants():
     roles = mixed_roles()[1]
     full = role_mask(roles, P, "role")
     gen_only = role_mask(roles, P, "generalization-only")
-    assert torch.equal(gen_only[0], full[0]) and torch.equal(gen_only[3], full[3])  # gen + specialist kept
+    assert torch.equal(gen_only[0], full[0]) and torch.equal(
+        gen_only[3], full[3]
+    )  # gen + specialist kept
     assert (gen_only[1] == 0).all()  # attribute head acts as mixed
     assert (role_mask(roles, P, "none") == 0).all()
     assert full.shape == (H, 1 + K + P, 1 + K + P)
@@ -113,7 +125,9 @@ def test_attribute_head_lets_its_token_reach_cls():
     grad = torch.autograd.grad(f_cls.sum(), model.tokens.R)[0]  # [K, rep_dim]
     color = ATTRIBUTES.index("color")
     assert grad[color].abs().max() > 0
-    assert grad[[i for i in range(K) if i != color]].abs().max() == 0  # other tokens cannot reach CLS
+    assert (
+        grad[[i for i in range(K) if i != color]].abs().max() == 0
+    )  # other tokens cannot reach CLS
 
 
 def test_without_tokens_equals_frozen_clip():
@@ -122,7 +136,9 @@ def test_without_tokens_equals_frozen_clip():
     assert [p for p in model.trainable() if p.requires_grad] == []
     model.set_classes(["cat", "dog_house"], "a photo of a {}.")
     tokens = dear.clip.tokenize(["a photo of a cat.", "a photo of a dog house."])
-    assert torch.allclose(model.encode_classes(), F.normalize(clip_model.encode_text(tokens), dim=-1), atol=1e-5)
+    assert torch.allclose(
+        model.encode_classes(), F.normalize(clip_model.encode_text(tokens), dim=-1), atol=1e-5
+    )
     images = torch.randn(2, 3, 32, 32)
     out = model(images)
     ref = 100 * F.normalize(clip_model.encode_image(images), dim=-1) @ model.t0.t()
@@ -142,10 +158,14 @@ def test_text_tokens_after_sot_and_eot_shift():
         x = blocks[b](x, attn_mask=clip_model.causal_mask(77))
     x = torch.cat([x[:, :1], model.tokens.text(0)[None], x[:, 1:]], 1)  # [1, 77 + K, W]
     x = blocks[2](x, attn_mask=clip_model.causal_mask(77 + K))
-    x = torch.cat([x[:, :1], 0.25 * model.tokens.text(1)[None] + 0.75 * x[:, 1:1 + K], x[:, 1 + K:]], 1)
+    x = torch.cat(
+        [x[:, :1], 0.25 * model.tokens.text(1)[None] + 0.75 * x[:, 1 : 1 + K], x[:, 1 + K :]], 1
+    )
     x = blocks[3](x, attn_mask=clip_model.causal_mask(77 + K))
     eot = tokens.argmax(-1) + K
-    ref = F.normalize(clip_model.ln_final(x[torch.arange(1), eot]) @ clip_model.text_projection, dim=-1)
+    ref = F.normalize(
+        clip_model.ln_final(x[torch.arange(1), eot]) @ clip_model.text_projection, dim=-1
+    )
     assert torch.allclose(model.encode_classes(), ref, atol=1e-5)
     assert not torch.allclose(model.encode_classes(), model.t0, atol=1e-3)  # the tokens do change t
 
@@ -156,8 +176,18 @@ def test_text_tokens_after_sot_and_eot_shift():
 # roles changes the output. Every head kind appears, and every attribute in some block.
 LAYOUTS = {
     2: [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)],
-    3: [("attribute", "shape"), ("mixed", None), ("generalization", None), ("attribute", "texture")],
-    4: [("attribute", "location"), ("generalization", None), ("attribute", "object"), ("mixed", None)],
+    3: [
+        ("attribute", "shape"),
+        ("mixed", None),
+        ("generalization", None),
+        ("attribute", "texture"),
+    ],
+    4: [
+        ("attribute", "location"),
+        ("generalization", None),
+        ("attribute", "object"),
+        ("mixed", None),
+    ],
 }
 
 
@@ -166,15 +196,21 @@ def layout_roles():
 
 
 def hand_allowed(role, attribute, n):
-    """[n, n] bool, row = query, column = key: the paper's rules stated pair by pair over [CLS, attr_1..attr_K, patches]."""
+    """[n, n] bool, row = query, column = key: the paper's rules stated pair by pair over
+    [CLS, attr_1..attr_K, patches]."""
     allowed = torch.zeros(n, n, dtype=torch.bool)
     for q in range(n):
         for k in range(n):
             q_token, k_token = 1 <= q <= K, 1 <= k <= K
             if role == "mixed" or q == k or not (q_token or k_token):
-                allowed[q, k] = True  # mixed: anything; everyone sees itself; originals see originals
+                allowed[q, k] = (
+                    True  # mixed: anything; everyone sees itself; originals see originals
+                )
             elif role == "attribute" and q_token != k_token:
-                allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (q, k)  # originals <-> attr_a only
+                allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (
+                    q,
+                    k,
+                )  # originals <-> attr_a only
     return allowed
 
 
@@ -183,7 +219,9 @@ def hand_block(block, x, allowed=None):
     allowed: [H, n, n] bool or None (no mask)."""
     attn, D = block.attn, x.shape[-1]
     hs = D // H
-    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(D, dim=-1)  # [B, n, D] each
+    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(
+        D, dim=-1
+    )  # [B, n, D] each
     heads = []
     for h in range(H):
         c = slice(h * hs, (h + 1) * hs)
@@ -201,23 +239,30 @@ def hand_vision(clip_model, model, images, J, beta, layouts):
     masked by its own layout (None: no mask); f_cls through the frozen proj, f_attr through P_attr."""
     v = clip_model.visual
     blocks, L, B = v.transformer.resblocks, v.transformer.layers, images.shape[0]
-    x = v.conv1(images).flatten(2).transpose(1, 2)                               # [B, P, D]
+    x = v.conv1(images).flatten(2).transpose(1, 2)  # [B, P, D]
     x = torch.cat([v.class_embedding.expand(B, 1, -1), x], dim=1) + v.positional_embedding
-    x = v.ln_pre(x)                                                              # [B, 1+P, D]
+    x = v.ln_pre(x)  # [B, 1+P, D]
     for l in range(1, J):
         x = hand_block(blocks[l - 1], x)
     for i, l in enumerate(range(J, L + 1)):
         aligner = model.tokens.F_v[i]
-        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(B, K, -1)  # F^l(R): [B, K, D]
+        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(
+            B, K, -1
+        )  # F^l(R): [B, K, D]
         if l == J:
-            x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)                  # [B, 1+K+P, D]
+            x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # [B, 1+K+P, D]
         else:
-            x = torch.cat([x[:, :1], beta * fresh + (1 - beta) * x[:, 1:1 + K], x[:, 1 + K:]], dim=1)
-        allowed = None if layouts is None else \
-            torch.stack([hand_allowed(r, a, x.shape[1]) for r, a in layouts[l]])
+            x = torch.cat(
+                [x[:, :1], beta * fresh + (1 - beta) * x[:, 1 : 1 + K], x[:, 1 + K :]], dim=1
+            )
+        allowed = (
+            None
+            if layouts is None
+            else torch.stack([hand_allowed(r, a, x.shape[1]) for r, a in layouts[l]])
+        )
         x = hand_block(blocks[l - 1], x, allowed)
     f_cls = v.ln_post(x[:, 0]) @ v.proj
-    f_attr = v.ln_post(x[:, 1:1 + K]) @ model.P_attr
+    f_attr = v.ln_post(x[:, 1 : 1 + K]) @ model.P_attr
     return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
 
 
@@ -240,7 +285,9 @@ def test_vision_forward_by_hand_with_a_role_layout_per_block():
     with torch.no_grad():
         ref_cls, ref_attr = hand_vision(clip_model, model, images, J=2, beta=0.3, layouts=LAYOUTS)
     assert torch.allclose(f_cls, ref_cls, atol=1e-5) and torch.allclose(f_attr, ref_attr, atol=1e-5)
-    assert (f_cls - f0).abs().max() > 1e-3  # the attribute and mixed heads do carry the tokens into CLS
+    assert (
+        f_cls - f0
+    ).abs().max() > 1e-3  # the attribute and mixed heads do carry the tokens into CLS
 
 
 def test_mask_none_by_hand():
@@ -258,11 +305,17 @@ def test_every_trainable_part_gets_a_gradient():
     _, model, images = vision_model(layout_roles(), "role")
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     out = model(images, with_frozen=True)
-    total, _ = dear.dear_loss(out, torch.tensor([0, 2]), model.t0, model.alpha(), lambda_reg=0.0, lambda_fusion=0.0)
+    total, _ = dear.dear_loss(
+        out, torch.tensor([0, 2]), model.t0, model.alpha(), lambda_reg=0.0, lambda_fusion=0.0
+    )
     total.backward()
     params = dict(model.named_parameters())
-    names = ["P_attr", "w", "tokens.R"] + [f"tokens.{side}.{i}.{part}" for side in ("F_v", "F_t")
-                                           for i in range(3) for part in ("weight", "bias")]
+    names = ["P_attr", "w", "tokens.R"] + [
+        f"tokens.{side}.{i}.{part}"
+        for side in ("F_v", "F_t")
+        for i in range(3)
+        for part in ("weight", "bias")
+    ]
     for name in names:
         assert params[name].grad is not None and params[name].grad.abs().max() > 0, name
     assert all(p.grad is None for n, p in params.items() if n.startswith("clip."))
@@ -282,10 +335,12 @@ def test_text_tower_shallower_than_vision():
         x = blocks[0](clip_model.embed_text(tokens), attn_mask=clip_model.causal_mask(77))
         x = torch.cat([x[:, :1], fresh[0].expand(2, K, -1), x[:, 1:]], 1)  # [2, 77 + K, W]
         x = blocks[1](x, attn_mask=clip_model.causal_mask(77 + K))
-        x = torch.cat([x[:, :1], 0.25 * fresh[1] + 0.75 * x[:, 1:1 + K], x[:, 1 + K:]], 1)
+        x = torch.cat([x[:, :1], 0.25 * fresh[1] + 0.75 * x[:, 1 : 1 + K], x[:, 1 + K :]], 1)
         x = blocks[2](x, attn_mask=clip_model.causal_mask(77 + K))
         eot = tokens.argmax(-1) + K
-        ref = F.normalize(clip_model.ln_final(x[torch.arange(2), eot]) @ clip_model.text_projection, dim=-1)
+        ref = F.normalize(
+            clip_model.ln_final(x[torch.arange(2), eot]) @ clip_model.text_projection, dim=-1
+        )
         assert torch.allclose(model.encode_classes(), ref, atol=1e-5)
 
 
@@ -293,14 +348,24 @@ def test_loss_terms_on_hand_set_features():
     """Features at known angles: 1 - cos is known, so every term and the total are numbers computed here."""
     e = torch.eye(4)
     c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
-    out = {"f0": torch.stack([e[0], e[1]]),
-           "f_cls": torch.stack([c60 * e[0] + s60 * e[2], e[3]]),  # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
-           "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]),       # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
-           "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]])}
+    out = {
+        "f0": torch.stack([e[0], e[1]]),
+        "f_cls": torch.stack(
+            [c60 * e[0] + s60 * e[2], e[3]]
+        ),  # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
+        "t": torch.stack(
+            [0.8 * e[0] + 0.6 * e[3], e[1]]
+        ),  # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+        "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]]),
+    }
     t0 = torch.stack([e[0], e[1]])
     alpha = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
-    total, parts = dear.dear_loss(out, torch.tensor([0, 1]), t0, alpha, lambda_reg=3.0, lambda_fusion=0.5)
-    ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))) / 2  # two-class CE of margins 2 and 1
+    total, parts = dear.dear_loss(
+        out, torch.tensor([0, 1]), t0, alpha, lambda_reg=3.0, lambda_fusion=0.5
+    )
+    ce = (
+        math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))
+    ) / 2  # two-class CE of margins 2 and 1
     assert parts["ce"] == pytest.approx(ce, rel=1e-6)
     assert parts["reg_img"] == pytest.approx(0.75, rel=1e-6)
     assert parts["reg_txt"] == pytest.approx(0.1, rel=1e-6)
@@ -312,17 +377,20 @@ def test_loss_regularisers_are_cosines_per_row():
     """Three images, two classes, features of unequal norms: each regulariser is the mean over rows
     of 1 - cos(row, its frozen row), not a cosine down the batch (over dim 0) or of unnormalised
     dot products."""
-    out = {"f_cls": torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 3.0], [1.0, 1.0, 0.0]]),
-           "f0": torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 1.0, 0.0]]),
-           "t": torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]),
-           "fused": torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.0]])}
+    out = {
+        "f_cls": torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 3.0], [1.0, 1.0, 0.0]]),
+        "f0": torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 1.0, 0.0]]),
+        "t": torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]),
+        "fused": torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.0]]),
+    }
     t0 = torch.tensor([[3.0, 4.0, 0.0], [0.0, 1.0, 1.0]])
     s2 = math.sqrt(0.5)
-    reg_img = ((1 - s2) + (1 - s2) + (1 - s2)) / 3     # 45 degrees in every row
-    reg_txt = ((1 - 0.6) + (1 - s2)) / 2               # cos 3/5, then 45 degrees
+    reg_img = ((1 - s2) + (1 - s2) + (1 - s2)) / 3  # 45 degrees in every row
+    reg_txt = ((1 - 0.6) + (1 - s2)) / 2  # cos 3/5, then 45 degrees
     alpha = torch.tensor([0.4, 0.2, 0.1, 0.1, 0.1, 0.1])
-    total, parts = dear.dear_loss(out, torch.tensor([0, 1, 1]), t0, alpha, lambda_reg=0.3,
-                                  lambda_fusion=2.0)
+    total, parts = dear.dear_loss(
+        out, torch.tensor([0, 1, 1]), t0, alpha, lambda_reg=0.3, lambda_fusion=2.0
+    )
     assert parts["reg_img"] == pytest.approx(reg_img, rel=1e-6)
     assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-6)
     ce = F.cross_entropy(out["fused"], torch.tensor([0, 1, 1])).item()
@@ -331,7 +399,9 @@ def test_loss_regularisers_are_cosines_per_row():
 
 
 def test_harmonic_mean_by_hand():
-    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)  # 2 * 80 * 60 / 140
+    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(
+        68.5714286, abs=1e-6
+    )  # 2 * 80 * 60 / 140
     assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
     assert runs.harmonic_mean(100.0, 0.0) == 0.0 and runs.harmonic_mean(0.0, 0.0) == 0.0
 
@@ -339,7 +409,9 @@ def test_harmonic_mean_by_hand():
 def test_fusion_weights_and_loss_terms():
     model = DeAR(tiny_clip(text_layers=3), roles_all("generalization"), J=3)
     alpha = model.alpha()
-    assert alpha[0].item() == pytest.approx(0.7) and torch.allclose(alpha[1:], torch.full((K,), 0.06))
+    assert alpha[0].item() == pytest.approx(0.7) and torch.allclose(
+        alpha[1:], torch.full((K,), 0.06)
+    )
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     images = torch.randn(4, 3, 32, 32)
     out = model(images, with_frozen=True)
@@ -348,16 +420,27 @@ def test_fusion_weights_and_loss_terms():
     # six logit sets s * cos(f, t): the class features first, then the tokens in ATTRIBUTES order
     refs = [f_cls] + [f_attr[:, k] for k in range(K)]
     assert out["logits"].shape == (4, 1 + K, 3)
-    assert all(torch.allclose(out["logits"][:, k], scale * f @ t.t(), atol=1e-4) for k, f in enumerate(refs))
-    assert torch.allclose(out["fused"], sum(alpha[k] * out["logits"][:, k] for k in range(1 + K)), atol=1e-4)
+    assert all(
+        torch.allclose(out["logits"][:, k], scale * f @ t.t(), atol=1e-4)
+        for k, f in enumerate(refs)
+    )
+    assert torch.allclose(
+        out["fused"], sum(alpha[k] * out["logits"][:, k] for k in range(1 + K)), atol=1e-4
+    )
     labels = torch.tensor([0, 1, 2, 0])
     total, parts = dear.dear_loss(out, labels, model.t0, alpha, lambda_reg=2.0, lambda_fusion=0.5)
-    reg_img = (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()  # unit vectors: cos is the dot product
+    reg_img = (
+        (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()
+    )  # unit vectors: cos is the dot product
     reg_txt = (1 - (out["t"] * model.t0).sum(-1)).mean().item()
-    assert reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4  # generalization heads: f_cls == f^0
-    assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-4)      # ... while the text tokens move t
+    assert (
+        reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4
+    )  # generalization heads: f_cls == f^0
+    assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-4)  # ... while the text tokens move t
     ce = F.cross_entropy(out["fused"], labels).item()
-    assert total.item() == pytest.approx(ce + 2.0 * (reg_img + reg_txt) - 0.5 * math.log(0.7), rel=1e-5)
+    assert total.item() == pytest.approx(
+        ce + 2.0 * (reg_img + reg_txt) - 0.5 * math.log(0.7), rel=1e-5
+    )
 
 
 def test_head_is_fp32_under_bf16_autocast(monkeypatch):
@@ -366,7 +449,9 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64) tie or swap about 13% of them."""
     g = torch.Generator().manual_seed(0)
     B, C, E = 128, 100, 64
-    t = F.normalize(torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1)  # close classes
+    t = F.normalize(
+        torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1
+    )  # close classes
     center = t.mean(0, keepdim=True)
     f_cls = F.normalize(center + 0.5 * torch.randn(B, E, generator=g), dim=-1).bfloat16()
     f_attr = F.normalize(center + 0.5 * torch.randn(B, K, E, generator=g), dim=-1).bfloat16()
@@ -378,7 +463,7 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.zeros(B, 3, 32, 32), t=t.bfloat16())
     # by hand, in fp64: 100 * cos of each feature set with each class, fused with alpha = softmax(w)
-    feats = torch.cat([f_cls.double()[:, None], f_attr.double()], 1)                       # [B, 1+K, E]
+    feats = torch.cat([f_cls.double()[:, None], f_attr.double()], 1)  # [B, 1+K, E]
     feats, tt = feats / feats.norm(dim=-1, keepdim=True), t.bfloat16().double()
     tt = tt / tt.norm(dim=-1, keepdim=True)
     logits = 100.0 * torch.einsum("bke,ce->bkc", feats, tt)
@@ -390,8 +475,12 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     top2 = fused.topk(2, -1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # the reference top-1 is unambiguous in fp32
     assert torch.equal(out["fused"].argmax(-1), fused.argmax(-1))
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the case is sensitive: a bf16 head gets many wrong
-        half = torch.einsum("k,bkc->bc", model.alpha().detach(), 100.0 * feats.float() @ tt.float().t())
+    with torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    ):  # the case is sensitive: a bf16 head gets many wrong
+        half = torch.einsum(
+            "k,bkc->bc", model.alpha().detach(), 100.0 * feats.float() @ tt.float().t()
+        )
     assert (half.argmax(-1) != fused.argmax(-1)).sum() >= 5
 
 
@@ -403,9 +492,13 @@ def test_aligners_start_identical_and_R_init_unchanged():
     assert torch.equal(tokens.R, torch.randn(K, 16) * 0.02)
     for aligners in (tokens.F_v, tokens.F_t):
         for a in aligners[1:]:
-            assert torch.equal(a.weight, aligners[0].weight) and torch.equal(a.bias, aligners[0].bias)
+            assert torch.equal(a.weight, aligners[0].weight) and torch.equal(
+                a.bias, aligners[0].bias
+            )
             assert a.weight.data_ptr() != aligners[0].weight.data_ptr()  # copies, trained apart
-    assert not torch.equal(tokens.F_v[0].weight[:20], tokens.F_t[0].weight)  # vision and text: separate draws
+    assert not torch.equal(
+        tokens.F_v[0].weight[:20], tokens.F_t[0].weight
+    )  # vision and text: separate draws
     bound = 1 / math.sqrt(16)  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in))
     assert tokens.F_v[0].weight.abs().max() <= bound and tokens.F_v[0].weight.std() > bound / 3
 
@@ -429,25 +522,54 @@ def test_set_beta_equals_a_model_built_with_that_beta():
 
 def test_xd_targets_get_mmrl_pp_test_time_beta():
     """SPEC §3 (MMRL++ config.py, task CD), restated by hand with the paper's dataset names."""
-    published = {"ImageNet-V2": 0.9, "ImageNet-R": 0.9, "ImageNet-A": 0.8, "ImageNet-Sketch": 0.7,
-                 "FGVCAircraft": 0.9, "UCF101": 0.9, "SUN397": 0.7, "OxfordPets": 0.6, "Caltech101": 0.6,
-                 "DTD": 0.5, "OxfordFlowers": 0.4, "StanfordCars": 0.3, "EuroSAT": 0.3, "Food101": 0.3}
-    ours = {"ImageNet-V2": "imagenetv2", "ImageNet-R": "imagenet_r", "ImageNet-A": "imagenet_a",
-            "ImageNet-Sketch": "imagenet_sketch", "FGVCAircraft": "fgvc_aircraft", "UCF101": "ucf101",
-            "SUN397": "sun397", "OxfordPets": "oxford_pets", "Caltech101": "caltech101", "DTD": "dtd",
-            "OxfordFlowers": "oxford_flowers", "StanfordCars": "stanford_cars", "EuroSAT": "eurosat",
-            "Food101": "food101"}
+    published = {
+        "ImageNet-V2": 0.9,
+        "ImageNet-R": 0.9,
+        "ImageNet-A": 0.8,
+        "ImageNet-Sketch": 0.7,
+        "FGVCAircraft": 0.9,
+        "UCF101": 0.9,
+        "SUN397": 0.7,
+        "OxfordPets": 0.6,
+        "Caltech101": 0.6,
+        "DTD": 0.5,
+        "OxfordFlowers": 0.4,
+        "StanfordCars": 0.3,
+        "EuroSAT": 0.3,
+        "Food101": 0.3,
+    }
+    ours = {
+        "ImageNet-V2": "imagenetv2",
+        "ImageNet-R": "imagenet_r",
+        "ImageNet-A": "imagenet_a",
+        "ImageNet-Sketch": "imagenet_sketch",
+        "FGVCAircraft": "fgvc_aircraft",
+        "UCF101": "ucf101",
+        "SUN397": "sun397",
+        "OxfordPets": "oxford_pets",
+        "Caltech101": "caltech101",
+        "DTD": "dtd",
+        "OxfordFlowers": "oxford_flowers",
+        "StanfordCars": "stanford_cars",
+        "EuroSAT": "eurosat",
+        "Food101": "food101",
+    }
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
     assert set(ours.values()) == set(data.DG_TARGETS + data.B2N_DATASETS) - {"imagenet"}
     for name, beta in published.items():
         assert config.eval_beta(xd, ours[name]) == beta, name
     assert config.eval_beta(xd, "imagenet") == 0.9 == xd.beta  # the source keeps its own
     assert config.eval_beta(xd, "folder:/x") == xd.beta  # not in the table
-    source = dear.resolve(dear.Config(dataset="imagenet", protocol="xd", beta=0.6, target_beta="source"))
+    source = dear.resolve(
+        dear.Config(dataset="imagenet", protocol="xd", beta=0.6, target_beta="source")
+    )
     assert all(config.eval_beta(source, n) == 0.6 for n in ours.values())
     b2n = dear.resolve(dear.Config(dataset="dtd"))
     assert config.eval_beta(b2n, "dtd") == 0.9  # other protocols: the run's beta
-    assert runs.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source")) == "target_beta-source"
+    assert (
+        runs.variant_name(dear.Config(dataset="imagenet", protocol="xd", target_beta="source"))
+        == "target_beta-source"
+    )
 
 
 def test_schedule_values():
@@ -459,24 +581,46 @@ def test_schedule_values():
     assert lrs[-1] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 8 / 10)) / 2) and lrs[-1] > 0
     assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))
     xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
-    assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (1, 32, 0, 0.9, 0.1)
+    assert (xd.epochs, xd.batch_size, xd.warmup_epochs, xd.beta, xd.lambda_reg) == (
+        1,
+        32,
+        0,
+        0.9,
+        0.1,
+    )
     assert train.lr_at(0, xd) == pytest.approx(1e-3)
     assert dear.resolve(dear.Config(dataset="imagenet")).epochs == 5
     # few-shot: MMRL++'s vit_b16_few_shot (100 epochs, batch 32, lr 2e-3, warm-up 1) with its beta /
     # lambda table; ImageNet keeps vit_b16_imagenet (5 epochs, batch 32, lr 1e-3)
     imagenet_fs = dear.resolve(dear.Config(dataset="imagenet", protocol="fewshot"))
-    assert (imagenet_fs.epochs, imagenet_fs.batch_size, imagenet_fs.warmup_epochs, imagenet_fs.lr) == \
-        (5, 32, 1, 1e-3)
+    assert (
+        imagenet_fs.epochs,
+        imagenet_fs.batch_size,
+        imagenet_fs.warmup_epochs,
+        imagenet_fs.lr,
+    ) == (5, 32, 1, 1e-3)
     for name, beta, lam in (("dtd", 0.9, 7.0), ("eurosat", 0.2, 0.01), ("food101", 0.1, 1.0)):
         fs = dear.resolve(dear.Config(dataset=name, protocol="fewshot"))
-        assert (fs.epochs, fs.batch_size, fs.warmup_epochs, fs.lr, fs.beta, fs.lambda_reg) == \
-            (100, 32, 1, 2e-3, beta, lam)
+        assert (fs.epochs, fs.batch_size, fs.warmup_epochs, fs.lr, fs.beta, fs.lambda_reg) == (
+            100,
+            32,
+            1,
+            2e-3,
+            beta,
+            lam,
+        )
         assert train.lr_at(1, fs) == 2e-3 and train.lr_at(0, fs) == 1e-5
-    assert dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4  # --lr wins
+    assert (
+        dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4
+    )  # --lr wins
     assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
     # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3; the toy world keeps its tables' recipe
-    for c in (dict(dataset="dtd"), dict(dataset="imagenet"), dict(dataset="imagenet", protocol="xd")):
+    for c in (
+        dict(dataset="dtd"),
+        dict(dataset="imagenet"),
+        dict(dataset="imagenet", protocol="xd"),
+    ):
         assert dear.resolve(dear.Config(**c)).lr == 1e-3, c
     toy = dear.resolve(dear.Config(dataset="toyworld", protocol="fewshot"))
     assert (toy.epochs, toy.batch_size, toy.lr) == (50, 32, 1e-3)
@@ -545,14 +689,23 @@ def test_variant_names_separate_ablations():
 def test_epoch_batches_are_seeded_and_drop_last():
     a, b = train.epoch_batches(10, 4, 3), train.epoch_batches(10, 4, 3)
     assert a == b and len(a) == 2 and all(len(x) == 4 for x in a)
-    small = train.epoch_batches(3, 4, 0)  # fewer items than a batch: one partial batch, nothing dropped
+    small = train.epoch_batches(
+        3, 4, 0
+    )  # fewer items than a batch: one partial batch, nothing dropped
     assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
     assert train.epoch_batches(10, 4, 4) != a
 
 
 # ---------------------------------------------------------------------------------------------- the real CLI
 
-COLORS = [(220, 40, 40), (40, 200, 60), (40, 80, 220), (230, 210, 40), (200, 60, 200), (40, 200, 210)]
+COLORS = [
+    (220, 40, 40),
+    (40, 200, 60),
+    (40, 80, 220),
+    (230, 210, 40),
+    (200, 60, 200),
+    (40, 200, 210),
+]
 
 
 @pytest.fixture(scope="module")
@@ -561,6 +714,7 @@ def world(tmp_path_factory):
     import numpy as np
     from PIL import Image
     from conftest import tiny_state_dict
+
     root = tmp_path_factory.mktemp("world")
     ckpt = root / "tiny.pt"
     torch.save(tiny_state_dict(text_layers=4), ckpt)
@@ -569,31 +723,62 @@ def world(tmp_path_factory):
         folder = root / "colors" / f"class_{c}"
         folder.mkdir(parents=True)
         for i in range(20):
-            pixels = np.clip(np.array(color) + rng.normal(0, 25, (32, 32, 3)), 0, 255).astype(np.uint8)
+            pixels = np.clip(np.array(color) + rng.normal(0, 25, (32, 32, 3)), 0, 255).astype(
+                np.uint8
+            )
             Image.fromarray(pixels).save(folder / f"{i}.png")
     return root, str(ckpt), f"folder:{root / 'colors'}"
 
 
 def cli(world, out, *extra):
     root, ckpt, dataset = world
-    return ["--dataset", dataset, "--root", str(root), "--backbone", ckpt, "--shots", "4", "--epochs", "2",
-            "--batch-size", "4", "--J", "3", "--workers", "0", "--out", str(out), *extra]
+    return [
+        "--dataset",
+        dataset,
+        "--root",
+        str(root),
+        "--backbone",
+        ckpt,
+        "--shots",
+        "4",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--J",
+        "3",
+        "--workers",
+        "0",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs, base/novel/HM written."""
     import json
+
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
     dear.main(cli(world, tmp_path / "runs"))
     (rdir,) = (tmp_path / "runs" / "b2n").glob("*/dear-*")
     results = json.loads((rdir / "results.json").read_text())
-    assert [(e["split"], e["n"]) for e in results["evals"]] == [("base", 18), ("novel", 18)]  # 6 test images x 3 classes
+    assert [(e["split"], e["n"]) for e in results["evals"]] == [
+        ("base", 18),
+        ("novel", 18),
+    ]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(runs.harmonic_mean(base, novel))
-    w = torch.load(rdir / "model.pt")["w"]  # the trained fusion weights: alpha = softmax(w), by hand here
+    w = torch.load(rdir / "model.pt")[
+        "w"
+    ]  # the trained fusion weights: alpha = softmax(w), by hand here
     assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
-    assert list(results["fusion_weights"].values()) == pytest.approx((w.exp() / w.exp().sum()).tolist(), abs=1e-6)
-    assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)  # trained away from the start
+    assert list(results["fusion_weights"].values()) == pytest.approx(
+        (w.exp() / w.exp().sum()).tolist(), abs=1e-6
+    )
+    assert results["fusion_weights"]["cls"] != pytest.approx(
+        0.7, abs=1e-4
+    )  # trained away from the start
     sha = runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
@@ -603,10 +788,14 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     dear.main(cli(world, tmp_path / "runs"))  # a finished run is not redone
     assert "done already" in capsys.readouterr().out
     # the trained model evaluated again, on all classes, without training
-    dear.main(cli(world, tmp_path / "runs", "--eval-only", "--load", str(rdir), "--protocol", "fewshot"))
+    dear.main(
+        cli(world, tmp_path / "runs", "--eval-only", "--load", str(rdir), "--protocol", "fewshot")
+    )
     (again,) = (rdir / "eval").rglob("results.json")
     again = json.loads(again.read_text())
-    assert [(e["split"], e["n"]) for e in again["evals"]] == [("all", 36)] and again["config"]["J"] == 3
+    assert [(e["split"], e["n"]) for e in again["evals"]] == [("all", 36)] and again["config"][
+        "J"
+    ] == 3
     assert again["fusion_weights"] == results["fusion_weights"]  # the trained weights, loaded
     # zero-shot CLIP through the same code: no training, no roles
     dear.main(cli(world, tmp_path / "runs", "--method", "zeroshot"))
@@ -626,13 +815,16 @@ def test_resume_replays_the_interrupted_run_exactly(world, tmp_path, monkeypatch
         if epoch == 1:
             raise KeyboardInterrupt
         return real_lr_at(epoch, cfg)
+
     monkeypatch.setattr(train, "lr_at", interrupt)
     args_b = cli(world, tmp_path / "b", "--roles", str(roles), "--protocol", "fewshot")
     with pytest.raises(SystemExit) as stop:
         dear.main(args_b)
     assert stop.value.code == 130
     (ckpt,) = (tmp_path / "b").rglob("checkpoint.pt")
-    with pytest.raises(SystemExit) as refused:  # a partial run is neither silently redone nor resumed
+    with pytest.raises(
+        SystemExit
+    ) as refused:  # a partial run is neither silently redone nor resumed
         dear.main(args_b)
     assert refused.value.code == 2
     monkeypatch.setattr(train, "lr_at", real_lr_at)
@@ -644,13 +836,40 @@ def test_resume_replays_the_interrupted_run_exactly(world, tmp_path, monkeypatch
 
 def fake_roles_doc(model_name=None):
     """A roles file in entropy.py's format for the tiny CLIP's blocks 3-4: one head of each role."""
-    kinds = [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)]
-    heads = [{"layer": l, "head": h, "entropy": 1.0, "P": {}, "texts": [], "role": r, "attribute": a,
-              **({"concept": "animal"} if r == "specialist" else {})}
-             for l in (3, 4) for h, (r, a) in enumerate(kinds)]
-    return {"format": "dear-roles/1", "model": model_name, "checkpoint_sha256": "", "num_layers": 4, "num_heads": 4,
-            "layers": [3, 4], "probe": {}, "texts_per_head": 20, "rank": 80, "concepts": [],
-            "thresholds": {"low": 0.5, "high": 2.0}, "heads": heads}
+    kinds = [
+        ("generalization", None),
+        ("attribute", "color"),
+        ("mixed", None),
+        ("specialist", None),
+    ]
+    heads = [
+        {
+            "layer": l,
+            "head": h,
+            "entropy": 1.0,
+            "P": {},
+            "texts": [],
+            "role": r,
+            "attribute": a,
+            **({"concept": "animal"} if r == "specialist" else {}),
+        }
+        for l in (3, 4)
+        for h, (r, a) in enumerate(kinds)
+    ]
+    return {
+        "format": "dear-roles/1",
+        "model": model_name,
+        "checkpoint_sha256": "",
+        "num_layers": 4,
+        "num_heads": 4,
+        "layers": [3, 4],
+        "probe": {},
+        "texts_per_head": 20,
+        "rank": 80,
+        "concepts": [],
+        "thresholds": {"low": 0.5, "high": 2.0},
+        "heads": heads,
+    }
 
 
 def test_training_lowers_the_loss(world, tmp_path):
@@ -660,16 +879,27 @@ def test_training_lowers_the_loss(world, tmp_path):
     cfg = dear.resolve(dear.Config(epochs=2, batch_size=4, workers=0, lr=5e-3, lambda_reg=0.1))
 
     def train_loss():
-        images = torch.stack([data.test_transform(32)(__import__("PIL").Image.open(p).convert("RGB"))
-                              for p, _, _ in ds.train])
+        images = torch.stack(
+            [
+                data.test_transform(32)(__import__("PIL").Image.open(p).convert("RGB"))
+                for p, _, _ in ds.train
+            ]
+        )
         labels = torch.tensor([y for _, y, _ in ds.train])
         with torch.no_grad():
             out = model(images, with_frozen=True)
-            return dear.dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)[0].item()
+            return dear.dear_loss(
+                out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion
+            )[0].item()
+
     model.set_classes(ds.classnames, ds.template)
     before = train_loss()
+
     def loss_fn(model, out, labels):
-        return dear.dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+        return dear.dear_loss(
+            out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion
+        )
+
     train.train(model, ds, cfg, torch.device("cpu"), str(tmp_path), lambda m: None, loss_fn)
     assert train_loss() < before - 0.05
 
@@ -702,6 +932,7 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     config.json records the precision used (fp32 on a CPU by default, bf16 when asked; fp16 is refused)."""
     import json
     import shutil
+
     root = world[0]
     target = tmp_path / "target"
     shutil.copytree(root / "colors", target)
@@ -714,24 +945,49 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     def evaluate(model, *args, **kw):  # the beta the model really has during each evaluation
         seen.append(model.beta)
         return real_evaluate(model, *args, **kw)
+
     monkeypatch.setattr(runs, "evaluate", evaluate)
-    args = cli(world, tmp_path / "runs", "--protocol", "xd", "--targets", f"folder:{target}", "--roles", str(roles),
-               "--device", "cpu")
+    args = cli(
+        world,
+        tmp_path / "runs",
+        "--protocol",
+        "xd",
+        "--targets",
+        f"folder:{target}",
+        "--roles",
+        str(roles),
+        "--device",
+        "cpu",
+    )
     dear.main(args)
     (rdir,) = (tmp_path / "runs" / "xd").glob("*/dear-*")
     results = json.loads((rdir / "results.json").read_text())
-    assert [(e["dataset"], e["beta"]) for e in results["evals"]] == [(world[2], 0.9), (f"folder:{target}", 0.3)]
+    assert [(e["dataset"], e["beta"]) for e in results["evals"]] == [
+        (world[2], 0.9),
+        (f"folder:{target}", 0.3),
+    ]
     assert seen == [0.9, 0.3]
-    assert json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"  # amp on a CPU
-    dear.main(args + ["--eval-only", "--load", str(rdir), "--target-beta", "source", "--precision", "bf16"])
+    assert (
+        json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"
+    )  # amp on a CPU
+    dear.main(
+        args
+        + ["--eval-only", "--load", str(rdir), "--target-beta", "source", "--precision", "bf16"]
+    )
     (again,) = (rdir / "eval").rglob("results.json")
-    assert [e["beta"] for e in json.loads(again.read_text())["evals"]] == [0.9, 0.9] and seen[2:] == [0.9, 0.9]
+    assert [e["beta"] for e in json.loads(again.read_text())["evals"]] == [0.9, 0.9] and seen[
+        2:
+    ] == [0.9, 0.9]
     assert json.loads((again.parent / "config.json").read_text())["precision"] == "bf16"
     dear.main(args + ["--precision", "fp16"])  # CUDA's default path, GradScaler included, on a CPU
-    (half,) = [d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir]  # its own folder
+    (half,) = [
+        d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir
+    ]  # its own folder
     assert json.loads((half / "config.json").read_text())["resolved"]["precision"] == "fp16"
     done = json.loads((half / "results.json").read_text())
-    assert done["precisions"] == {"train": "fp16", "eval": "fp32"} and "skipped_steps" in done["train"]
+    assert (
+        done["precisions"] == {"train": "fp16", "eval": "fp32"} and "skipped_steps" in done["train"]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -744,17 +1000,31 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
     model = DeAR(tiny_clip(text_layers=3), mixed_roles(), J=3)  # tokens in blocks 3 and 4 of 4
     seen = []
     for b, block in enumerate(model.clip.visual.transformer.resblocks):  # (block, positions, dtype)
-        block.register_forward_pre_hook(lambda m, a, b=b: seen.append((b, a[0].shape[1], a[0].dtype)))
+        block.register_forward_pre_hook(
+            lambda m, a, b=b: seen.append((b, a[0].shape[1], a[0].dtype))
+        )
     model.clip.visual.ln_post.register_forward_pre_hook(
-        lambda m, a: seen.append(("ln_post", a[0].shape[1:-1], a[0].dtype)))  # [B, K, D]: f_attr
+        lambda m, a: seen.append(("ln_post", a[0].shape[1:-1], a[0].dtype))
+    )  # [B, K, D]: f_attr
     model.set_classes(["cat", "dog"], "a photo of a {}.")
-    with torch.no_grad(), train.frozen_weights_in(dtype, model.clip), torch.autocast("cpu", dtype=dtype):
+    with (
+        torch.no_grad(),
+        train.frozen_weights_in(dtype, model.clip),
+        torch.autocast("cpu", dtype=dtype),
+    ):
         model(torch.randn(2, 3, 32, 32), with_frozen=True)
     half, f32, n = dtype, torch.float32, 1 + P  # n: CLS and patches
-    assert seen == [(0, n, half), (1, n, half),                     # the frozen prefix, blocks 1..J-1
-                    (2, n, half), (3, n, half), ("ln_post", (), half),   # f^0 as before
-                    (2, n + K, f32), (3, n + K, f32),               # blocks J..L with the tokens
-                    ("ln_post", (), f32), ("ln_post", (K,), f32)]   # f_cls, f_attr
+    assert seen == [
+        (0, n, half),
+        (1, n, half),  # the frozen prefix, blocks 1..J-1
+        (2, n, half),
+        (3, n, half),
+        ("ln_post", (), half),  # f^0 as before
+        (2, n + K, f32),
+        (3, n + K, f32),  # blocks J..L with the tokens
+        ("ln_post", (), f32),
+        ("ln_post", (K,), f32),
+    ]  # f_cls, f_attr
 
 
 # Equivalent mutants (mutate.sh): survivors that no input can tell apart from the real code.

@@ -1,4 +1,5 @@
 """Tests of entropy.py: the head decomposition, TextSpan, concept entropy, roles, the roles file and the CLI."""
+
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from entropy import CONCEPTS, EntropyError, RolesError
 
 
 # ---------------------------------------------------------------------------------------------- decomposition
+
 
 def perturb_ln_post(model, seed=0):
     """Give ln_post a non-trivial weight and bias, so the test sees the LayerNorm treatment."""
@@ -51,7 +53,9 @@ def test_head_contributions_are_in_units_of_the_normalised_embedding(tiny_model)
     scaled = entropy.head_contributions(tiny_model, images, [1, 2, 3, 4])
     with torch.no_grad():
         norm = tiny_model.encode_image(images).norm(dim=-1)  # [B]
-    torch.testing.assert_close(scaled * norm.view(-1, 1, 1, 1), parts["heads"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        scaled * norm.view(-1, 1, 1, 1), parts["heads"], atol=1e-6, rtol=1e-5
+    )
 
 
 def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
@@ -78,9 +82,15 @@ def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
         y = block.ln_1(x)
         W, c = block.attn.in_proj_weight, block.attn.in_proj_bias
         cols = slice(h * hs, (h + 1) * hs)  # head h's rows of W_q, W_k, W_v and columns of W_O
-        q, k, v = (y @ W[i * D:(i + 1) * D][cols].T + c[i * D:(i + 1) * D][cols] for i in range(3))  # [B, T, hs]
-        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)  # CLS row [B, T]
-        head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[:, cols].T + block.attn.out_proj.bias / H
+        q, k, v = (
+            y @ W[i * D : (i + 1) * D][cols].T + c[i * D : (i + 1) * D][cols] for i in range(3)
+        )  # [B, T, hs]
+        a = torch.softmax(
+            (q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1
+        )  # CLS row [B, T]
+        head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[
+            :, cols
+        ].T + block.attn.out_proj.bias / H
         mlp = block.mlp(block.ln_2(x + block.attn(y)))[:, 0]  # [B, D]
         r = x
         for blk in blocks[b:]:
@@ -95,7 +105,9 @@ def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
         want_mlp = ((mlp - mean / n) * w / std + beta / n) @ proj
     got = entropy.head_contributions(model, images, [2, 3])  # block 3 is the second analysed block
     torch.testing.assert_close(got[:, 1, h], want_head, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(entropy.decompose(model, images, [2, 3])["mlp"][:, 1], want_mlp, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        entropy.decompose(model, images, [2, 3])["mlp"][:, 1], want_mlp, atol=1e-5, rtol=1e-4
+    )
 
 
 def plant_heads(model, layers=(3, 4), seed=0):
@@ -113,7 +125,9 @@ def plant_heads(model, layers=(3, 4), seed=0):
         visual.ln_post.bias.zero_()
         visual.proj.copy_(torch.randn(D, E, generator=g))
         visual.proj.sub_(visual.proj.mean(0))
-        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[:2 * H * len(layers)]  # [K, E]
+        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[
+            : 2 * H * len(layers)
+        ]  # [K, E]
         writes = directions @ torch.linalg.pinv(visual.proj)  # [K, D]: writes @ proj = directions
         for b, block in enumerate(visual.transformer.resblocks):
             block.mlp.c_proj.weight.zero_()
@@ -125,8 +139,10 @@ def plant_heads(model, layers=(3, 4), seed=0):
             i = list(layers).index(b + 1)
             for h in range(H):
                 k = 2 * (i * H + h)
-                mix = torch.randn(2, hs, generator=g)  # what the head reads out of its 16 value dimensions
-                block.attn.out_proj.weight[:, h * hs:(h + 1) * hs] = writes[k:k + 2].T @ mix
+                mix = torch.randn(
+                    2, hs, generator=g
+                )  # what the head reads out of its 16 value dimensions
+                block.attn.out_proj.weight[:, h * hs : (h + 1) * hs] = writes[k : k + 2].T @ mix
     return directions
 
 
@@ -136,8 +152,11 @@ def test_planted_heads_are_credited_to_their_block_and_head(tiny_model):
     for i in range(2):
         for h in range(4):
             c = got[:, i, h] - got[:, i, h].mean(0)  # the head's variation across images
-            own = directions[2 * (4 * i + h):2 * (4 * i + h) + 2]  # [2, E]
-            assert (c @ own.T).pow(2).sum() > 0.999 * c.pow(2).sum(), (i, h)  # all of it along its own directions
+            own = directions[2 * (4 * i + h) : 2 * (4 * i + h) + 2]  # [2, E]
+            assert (c @ own.T).pow(2).sum() > 0.999 * c.pow(2).sum(), (
+                i,
+                h,
+            )  # all of it along its own directions
             assert c.pow(2).sum() > 1e-6
 
 
@@ -148,21 +167,37 @@ def test_roles_json_labels_planted_heads_at_their_block_and_head(tiny_model, tmp
     concepts = CONCEPTS[:8]
     texts = [f"{c} text {j}" for c in concepts for j in range(2)]  # texts[k] is directions[k]
     labels = [c for c in concepts for _ in range(2)]
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: directions[[texts.index(t) for t in batch]])
+    monkeypatch.setattr(
+        entropy, "encode_texts", lambda model, batch: directions[[texts.index(t) for t in batch]]
+    )
     g = torch.Generator().manual_seed(0)
     items = []
     for i in range(12):
         path = tmp_path / f"{i}.png"
         Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()).save(path)
         items.append((str(path), 0, "x"))
-    path = entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5,
-                                 n=2, rank=2, low=0.5, high=1.0)
+    path = entropy.compute_roles(
+        tiny_model,
+        items,
+        texts,
+        labels,
+        [3, 4],
+        str(tmp_path / "out"),
+        batch_size=5,
+        n=2,
+        rank=2,
+        low=0.5,
+        high=1.0,
+    )
     heads = {(e["layer"], e["head"]): e for e in json.loads(open(path).read())["heads"]}
     roles = entropy.load_roles(path)
     for i, layer in enumerate((3, 4)):
         for h in range(4):
             concept = concepts[4 * i + h]
-            assert sorted(heads[(layer, h)]["texts"]) == [f"{concept} text 0", f"{concept} text 1"], (layer, h)
+            assert sorted(heads[(layer, h)]["texts"]) == [
+                f"{concept} text 0",
+                f"{concept} text 1",
+            ], (layer, h)
             want = ("attribute", concept) if concept in entropy.ATTRIBUTES else ("specialist", None)
             assert (roles[layer][h]["role"], roles[layer][h]["attribute"]) == want, (layer, h)
             assert roles[layer][h].get("concept", concept) == concept
@@ -170,12 +205,17 @@ def test_roles_json_labels_planted_heads_at_their_block_and_head(tiny_model, tmp
 
 # ---------------------------------------------------------------------------------------------- TextSpan
 
-def planted(N=400, E=64, T=300, picks=(17, 123, 250, 5), scales=(4.0, 3.0, 2.0, 1.0), noise=0.02, seed=0):
+
+def planted(
+    N=400, E=64, T=300, picks=(17, 123, 250, 5), scales=(4.0, 3.0, 2.0, 1.0), noise=0.02, seed=0
+):
     """Contributions made of known text directions (largest variance first) plus small noise."""
     g = torch.Generator().manual_seed(seed)
     texts = torch.nn.functional.normalize(torch.randn(T, E, generator=g), dim=-1)
     coeffs = torch.randn(N, len(picks), generator=g) * torch.tensor(scales)  # [N, k]
-    contributions = coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0  # offset: centring
+    contributions = (
+        coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0
+    )  # offset: centring
     return contributions, texts
 
 
@@ -223,7 +263,11 @@ def skewed(seed, N=60, E=12, T=40):
     """Contributions with a sizeable mean (as real CLIP heads have) and unequal variances; random unit texts in
     few dimensions, so they are far from orthogonal (|cos| ~ 0.25)."""
     g = np.random.default_rng(seed)
-    contributions = g.normal(size=(N, E)) @ np.diag(np.linspace(3, 0.2, E)) @ np.linalg.qr(g.normal(size=(E, E)))[0]
+    contributions = (
+        g.normal(size=(N, E))
+        @ np.diag(np.linspace(3, 0.2, E))
+        @ np.linalg.qr(g.normal(size=(E, E)))[0]
+    )
     contributions += 4 * g.normal(size=E)  # the head's mean
     texts = g.normal(size=(T, E))
     return contributions, texts / np.linalg.norm(texts, axis=1, keepdims=True)
@@ -234,9 +278,15 @@ def test_textspan_matches_a_restatement_of_textspans_iterative_removal():
     for seed in range(6):
         contributions, texts = skewed(seed)
         want = textspan_by_hand(contributions, texts, n=5, rank=6)
-        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=5, rank=6) == want, seed
-        differs["centre_first"] += textspan_by_hand(contributions, texts, 5, 6, centre_first=True) != want
-        differs["no_deflation"] += textspan_by_hand(contributions, texts, 5, 6, deflate=False) != want
+        assert (
+            entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=5, rank=6) == want
+        ), seed
+        differs["centre_first"] += (
+            textspan_by_hand(contributions, texts, 5, 6, centre_first=True) != want
+        )
+        differs["no_deflation"] += (
+            textspan_by_hand(contributions, texts, 5, 6, deflate=False) != want
+        )
     assert min(differs.values()) >= 3, differs  # the data tell both departures apart from TextSpan
 
 
@@ -245,21 +295,36 @@ def test_textspan_takes_the_span_of_the_uncentred_contributions():
     span of the raw contributions is {e0, e1}, where text A = e2 has no component: TextSpan picks B =
     (0.5 e1 + e3) / |.| (variance 9 * 0.25 / 1.25 = 1.8). Centring first would give the span {e1, e2} and A
     (variance 4)."""
-    hadamard = torch.tensor([[1., 1, 1, 1, 1, 1, 1, 1], [1, -1, 1, -1, 1, -1, 1, -1], [1, 1, -1, -1, 1, 1, -1, -1],
-                             [1, -1, -1, 1, 1, -1, -1, 1]]).T  # [8, 4], orthogonal columns; 1..3 have mean 0
-    contributions = hadamard * torch.tensor([10.0, 3.0, 2.0, 0.5])  # [8 images, E = 4]: e0 constant 10
-    A, B = torch.tensor([0.0, 0, 1, 0]), torch.nn.functional.normalize(torch.tensor([0.0, 0.5, 0, 1]), dim=0)
+    hadamard = torch.tensor(
+        [
+            [1.0, 1, 1, 1, 1, 1, 1, 1],
+            [1, -1, 1, -1, 1, -1, 1, -1],
+            [1, 1, -1, -1, 1, 1, -1, -1],
+            [1, -1, -1, 1, 1, -1, -1, 1],
+        ]
+    ).T  # [8, 4], orthogonal columns; 1..3 have mean 0
+    contributions = hadamard * torch.tensor(
+        [10.0, 3.0, 2.0, 0.5]
+    )  # [8 images, E = 4]: e0 constant 10
+    A, B = (
+        torch.tensor([0.0, 0, 1, 0]),
+        torch.nn.functional.normalize(torch.tensor([0.0, 0.5, 0, 1]), dim=0),
+    )
     assert entropy.textspan(contributions, torch.stack([A, B]), n=1, rank=2) == [1]
-    assert textspan_by_hand(contributions, torch.stack([A, B]), n=1, rank=2, centre_first=True) == [0]
+    assert textspan_by_hand(contributions, torch.stack([A, B]), n=1, rank=2, centre_first=True) == [
+        0
+    ]
 
 
 def test_textspan_removes_each_pick_from_the_other_texts():
     """By hand: variances 9 along e1 and 4 along e2; texts A = e1, B = (e1 + 0.2 e2) / |.|, C = e2. First pick A
     (9 against 8.81 and 4). Removing e1 leaves B = 0.196 e2 (variance 0.15) against C (4): C is second. Without
     the removal B (8.81) would come second."""
-    hadamard = torch.tensor([[1., 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]]).T  # [4, 3]
+    hadamard = torch.tensor([[1.0, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]]).T  # [4, 3]
     contributions = hadamard * torch.tensor([1.0, 3.0, 2.0])  # E = 3: e0 constant, e1 and e2 vary
-    texts = torch.nn.functional.normalize(torch.tensor([[0.0, 1, 0], [0, 1, 0.2], [0, 0, 1]]), dim=-1)
+    texts = torch.nn.functional.normalize(
+        torch.tensor([[0.0, 1, 0], [0, 1, 0.2], [0, 0, 1]]), dim=-1
+    )
     assert entropy.textspan(contributions, texts, n=2, rank=3) == [0, 2]
     assert textspan_by_hand(contributions, texts, n=2, rank=3, deflate=False) == [0, 1]
 
@@ -269,7 +334,7 @@ def stream(contributions, sizes):
     stats = entropy.GramStatistics(contributions.shape[1:-1], contributions.shape[-1])
     i, k = 0, 0
     while i < len(contributions):
-        stats.add(contributions[i:i + sizes[k % len(sizes)]])
+        stats.add(contributions[i : i + sizes[k % len(sizes)]])
         i, k = i + sizes[k % len(sizes)], k + 1
     return stats
 
@@ -306,7 +371,9 @@ def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored
         assert got == textspan_by_hand(contributions, texts, n=5, rank=6), seed
 
 
-def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_path, monkeypatch, capsys):
+def test_compute_roles_streamed_matches_the_stored_path_by_hand(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
     """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written here: every
     image's head contributions in one array, TextSpan's iterative removal on each head's full matrix, concept
     entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts, entropies and roles per head."""
@@ -314,44 +381,65 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(tiny_model, tmp_
     g = np.random.default_rng(0)
     T, E = 40, model.visual.output_dim
     vectors = g.normal(size=(T, E))
-    vectors = torch.tensor(vectors / np.linalg.norm(vectors, axis=1, keepdims=True), dtype=torch.float32)
+    vectors = torch.tensor(
+        vectors / np.linalg.norm(vectors, axis=1, keepdims=True), dtype=torch.float32
+    )
     texts = [f"text {j}" for j in range(T)]
     labels = [CONCEPTS[j % 7] if j < 28 else "color" for j in range(T)]  # unequal concepts
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    monkeypatch.setattr(
+        entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]]
+    )
     items = []
     for i in range(23):
         path = tmp_path / f"{i}.png"
         Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
         items.append((str(path), 0, "x"))
-    path = entropy.compute_roles(model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5,
-                                 n=4, rank=6)
+    path = entropy.compute_roles(
+        model, items, texts, labels, [3, 4], str(tmp_path / "out"), batch_size=5, n=4, rank=6
+    )
     doc = json.loads(open(path).read())
-    assert doc["probe"]["images"] == doc["probe"]["available"] == 23 and doc["probe"]["max_images"] is None
+    assert (
+        doc["probe"]["images"] == doc["probe"]["available"] == 23
+        and doc["probe"]["max_images"] is None
+    )
     # the stored path: all 23 images at once
-    images = torch.stack([entropy.data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in items])
+    images = torch.stack(
+        [entropy.data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in items]
+    )
     stored = entropy.head_contributions(model, images, [3, 4]).double().numpy()  # [23, 2, 4, E]
     want = {}
     for li, layer in enumerate((3, 4)):
         for h in range(4):
             picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
             shares = [sum(labels[j] == c for j in picks) / 4 for c in CONCEPTS]
-            want[(layer, h)] = ([texts[j] for j in picks], -sum(p * math.log2(p) for p in shares if p > 0))
-    low, high = np.quantile([round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3])  # numpy's default: linear
+            want[(layer, h)] = (
+                [texts[j] for j in picks],
+                -sum(p * math.log2(p) for p in shares if p > 0),
+            )
+    low, high = np.quantile(
+        [round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3]
+    )  # numpy's default: linear
     heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
-    assert doc["thresholds"] == {"low": round(float(low), 4), "high": round(float(high), 4)}  # as stored
+    assert doc["thresholds"] == {
+        "low": round(float(low), 4),
+        "high": round(float(high), 4),
+    }  # as stored
     assert "heads 8/8" in capsys.readouterr().err
     for key, (picked, H) in want.items():
         assert heads[key]["texts"] == picked, key
         assert heads[key]["entropy"] == round(H, 4)  # stored to 4 decimals, as P
-        assert heads[key]["P"] == {c: round(sum(labels[texts.index(t)] == c for t in picked) / 4, 4)
-                                   for c in CONCEPTS}
+        assert heads[key]["P"] == {
+            c: round(sum(labels[texts.index(t)] == c for t in picked) / 4, 4) for c in CONCEPTS
+        }
         role = "attribute" if H <= low + 1e-4 else "generalization" if H >= high - 1e-4 else "mixed"
         if role == "attribute":  # the dominant concept decides attribute / other specialist
             P = heads[key]["P"]
             top = max(CONCEPTS, key=lambda c: (P[c], -CONCEPTS.index(c)))
             role = "attribute" if top in entropy.ATTRIBUTES else "specialist"
         assert heads[key]["role"] == role, key
-    assert len({tuple(t) for t, _ in want.values()}) > 4  # the heads differ: the comparison means something
+    assert (
+        len({tuple(t) for t, _ in want.values()}) > 4
+    )  # the heads differ: the comparison means something
 
 
 def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
@@ -359,8 +447,17 @@ def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
     exist): each with its own message."""
     items = [(str(tmp_path / "missing.png"), 0, "x")] * 30
     texts, labels = ["a", "b", "c"], ["color", "shape", "animal"]
-    run = lambda **k: entropy.compute_roles(tiny_model, k.pop("items", items), k.pop("texts", texts),
-                                            k.pop("labels", labels), [3, 4], str(tmp_path / "out"), n=2, rank=4, **k)
+    run = lambda **k: entropy.compute_roles(
+        tiny_model,
+        k.pop("items", items),
+        k.pop("texts", texts),
+        k.pop("labels", labels),
+        [3, 4],
+        str(tmp_path / "out"),
+        n=2,
+        rank=4,
+        **k,
+    )
     with pytest.raises(EntropyError, match="--low 2.0 is above --high 1.0"):
         run(low=2.0, high=1.0)
     need = "^every text of the pool needs one concept label out of " + ", ".join(CONCEPTS) + "$"
@@ -368,20 +465,31 @@ def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
         run(labels=["color", "shape"])  # one label short
     with pytest.raises(EntropyError, match=need):
         run(labels=["color", "shape", "colour"])  # as many labels, one unknown
-    with pytest.raises(EntropyError, match="^the text pool has duplicate descriptions; TextSpan needs unique texts$"):
+    with pytest.raises(
+        EntropyError,
+        match="^the text pool has duplicate descriptions; TextSpan needs unique texts$",
+    ):
         run(texts=["a", "b", "a"])
-    with pytest.raises(EntropyError, match="^no probe images found; check --dataset/--root/--split$"):
+    with pytest.raises(
+        EntropyError, match="^no probe images found; check --dataset/--root/--split$"
+    ):
         run(items=[])
     assert not (tmp_path / "out").exists()
 
 
-def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model, tmp_path, monkeypatch):
+def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
+    tiny_model, tmp_path, monkeypatch
+):
     """max_images 12 of 30: the seeded sample random.Random(seed).sample, in the items' order (seen through the
     factors hook, which gets the probe images' paths); given thresholds are recorded and used; a given low
     above the automatic high stops; an error inside TextSpan advises the caller named."""
-    vectors = torch.nn.functional.normalize(torch.randn(6, 32, generator=torch.Generator().manual_seed(1)), dim=-1)
+    vectors = torch.nn.functional.normalize(
+        torch.randn(6, 32, generator=torch.Generator().manual_seed(1)), dim=-1
+    )
     texts = [f"text {j}" for j in range(6)]
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    monkeypatch.setattr(
+        entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]]
+    )
     items = []
     for i in range(30):
         path = tmp_path / f"{i:02d}.png"
@@ -394,24 +502,51 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(tiny_model
         seen.append(list(paths))
         return {"brightness": [i % 2 for i in range(len(paths))]}
 
-    run = lambda out, **k: json.loads(open(entropy.compute_roles(
-        tiny_model, items, texts, labels, [4], str(tmp_path / out), batch_size=5, n=2, rank=4, max_images=12,
-        factors=factors, **k)).read())
+    run = lambda out, **k: json.loads(
+        open(
+            entropy.compute_roles(
+                tiny_model,
+                items,
+                texts,
+                labels,
+                [4],
+                str(tmp_path / out),
+                batch_size=5,
+                n=2,
+                rank=4,
+                max_images=12,
+                factors=factors,
+                **k,
+            )
+        ).read()
+    )
     doc = run("a", seed=3, low=0.25, high=0.75)
     run("b", seed=4)
     want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
     assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
     assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
-    assert not hasattr(tiny_model, "name") and doc["model"] == "unknown"  # what roles.json records besides
+    assert (
+        not hasattr(tiny_model, "name") and doc["model"] == "unknown"
+    )  # what roles.json records besides
     assert doc["pool"] == {"name": None, "texts": 6} and doc["concepts"] == list(CONCEPTS)
-    assert doc["decoding"] == {"probe": "ridge least-squares classifier, 2-fold cross-validation",
-                               "chance": {"brightness": 0.5}}
-    assert all(h["role"] == entropy.assign_role(h["entropy"], h["P"], 0.25, 0.75)["role"] for h in doc["heads"])
+    assert doc["decoding"] == {
+        "probe": "ridge least-squares classifier, 2-fold cross-validation",
+        "chance": {"brightness": 0.5},
+    }
+    assert all(
+        h["role"] == entropy.assign_role(h["entropy"], h["P"], 0.25, 0.75)["role"]
+        for h in doc["heads"]
+    )
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])  # one direction
-    with pytest.raises(EntropyError, match="^the text pool spans only 1 directions inside this head's top-4 "
-                                           "space, fewer than n = 2; use a larger pool or a smaller --n$"):
+    monkeypatch.setattr(
+        entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)]
+    )  # one direction
+    with pytest.raises(
+        EntropyError,
+        match="^the text pool spans only 1 directions inside this head's top-4 "
+        "space, fewer than n = 2; use a larger pool or a smaller --n$",
+    ):
         run("d", seed=3, caller="entropy.py")
 
 
@@ -421,33 +556,60 @@ def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkey
     x E x E doubles) and one batch, however many images. With factors (the toy world's probes) every image's
     contributions are kept, and only then."""
     import gc
+
     seen, calls, original = [], [], entropy.textspan_from_statistics
 
     def textspan_checking_memory(*args, **kwargs):
         if calls.append(1) or len(calls) > 1:  # once per compute_roles: gc.get_objects is slow
             return original(*args, **kwargs)
         gc.collect()
-        seen.append(max([o.shape[0] for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 4
-                         and tuple(o.shape[1:]) == (2, 4, 32)], default=0))
+        seen.append(
+            max(
+                [
+                    o.shape[0]
+                    for o in gc.get_objects()
+                    if type(o) is torch.Tensor and o.dim() == 4 and tuple(o.shape[1:]) == (2, 4, 32)
+                ],
+                default=0,
+            )
+        )
         return original(*args, **kwargs)
 
     monkeypatch.setattr(entropy, "textspan_from_statistics", textspan_checking_memory)
-    vectors = torch.nn.functional.normalize(torch.randn(12, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
+    vectors = torch.nn.functional.normalize(
+        torch.randn(12, 32, generator=torch.Generator().manual_seed(0)), dim=-1
+    )
     texts = [f"text {j}" for j in range(12)]
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    monkeypatch.setattr(
+        entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]]
+    )
     items = []
     for i in range(23):
         path = tmp_path / f"{i}.png"
         Image.fromarray(np.full((32, 32, 3), 10 * i, dtype=np.uint8)).save(path)
         items.append((str(path), 0, "x"))
     labels = [CONCEPTS[j % 3] for j in range(12)]
-    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "a"), batch_size=5, n=2, rank=4)
+    entropy.compute_roles(
+        tiny_model, items, texts, labels, [3, 4], str(tmp_path / "a"), batch_size=5, n=2, rank=4
+    )
     assert len(calls) == 8 and seen and max(seen) <= 5, seen
     seen.clear(), calls.clear()
     factors = lambda paths: {"brightness": [i % 2 for i in range(len(paths))]}
-    entropy.compute_roles(tiny_model, items, texts, labels, [3, 4], str(tmp_path / "b"), batch_size=5, n=2, rank=4,
-                          factors=factors)
-    assert min(seen) == 23, seen  # the probes' copy: the control that the check sees stored contributions
+    entropy.compute_roles(
+        tiny_model,
+        items,
+        texts,
+        labels,
+        [3, 4],
+        str(tmp_path / "b"),
+        batch_size=5,
+        n=2,
+        rank=4,
+        factors=factors,
+    )
+    assert min(seen) == 23, (
+        seen
+    )  # the probes' copy: the control that the check sees stored contributions
 
 
 def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
@@ -455,37 +617,73 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     singular vector has no component in the default span, so with it alone the pool spans no direction there;
     rank 81 reaches it. With no n given, 20 texts are picked."""
     g = np.random.default_rng(0)
-    basis = np.linalg.qr(g.normal(size=(96, 96)))[0]  # [E, E] orthonormal columns: the right singular vectors
+    basis = np.linalg.qr(g.normal(size=(96, 96)))[
+        0
+    ]  # [E, E] orthonormal columns: the right singular vectors
     left = np.linalg.qr(g.normal(size=(200, 96)))[0]  # [N, E] orthonormal columns
-    data = (left * np.linspace(10, 1, 96)) @ basis.T  # singular values 10..1 along basis 0..95, exactly
+    data = (
+        left * np.linspace(10, 1, 96)
+    ) @ basis.T  # singular values 10..1 along basis 0..95, exactly
     data, texts = torch.tensor(data), torch.tensor(basis.T[[80, 81]])
-    with pytest.raises(EntropyError, match="spans only 0 directions inside this head's top-80 space"):
+    with pytest.raises(
+        EntropyError, match="spans only 0 directions inside this head's top-80 space"
+    ):
         entropy.textspan(data, texts, n=1)
     assert entropy.textspan(data, texts, n=1, rank=81) == [0]
     assert len(entropy.textspan(data, torch.tensor(g.normal(size=(30, 96))))) == 20
     import inspect
-    defaults = {k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()}
-    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high", "seed")} == \
-        {"n": 20, "rank": 80, "max_images": None, "low": None, "high": None, "seed": 0}
-    defaults = {k: v.default for k, v in inspect.signature(entropy.textspan_from_statistics).parameters.items()}
+
+    defaults = {
+        k: v.default for k, v in inspect.signature(entropy.compute_roles).parameters.items()
+    }
+    assert {k: defaults[k] for k in ("n", "rank", "max_images", "low", "high", "seed")} == {
+        "n": 20,
+        "rank": 80,
+        "max_images": None,
+        "low": None,
+        "high": None,
+        "seed": 0,
+    }
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(entropy.textspan_from_statistics).parameters.items()
+    }
     assert (defaults["n"], defaults["rank"]) == (20, 80)
     # called directly with too few images, the check inside advises the caller named
     stats = stream(data[:3], [3])
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as e:
-        entropy.textspan_from_statistics(*stats.head(()), torch.tensor(g.normal(size=(30, 96))), caller="entropy.py")
+        entropy.textspan_from_statistics(
+            *stats.head(()), torch.tensor(g.normal(size=(30, 96))), caller="entropy.py"
+        )
     assert "dear.py" not in str(e.value) and "--max-images" in str(e.value)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((5, 80, 4, 100, 64), "TextSpan picks n = 5 texts per head but the pool has only 4; "
-                          "use a larger pool (--texts) or a smaller --n"),
-    ((5, 4, 10, 100, 64), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
-                          "raise --rank or lower --n"),
-    ((5, 80, 10, 100, 4), "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
-                          "raise --rank or lower --n"),
-    ((5, 80, 10, 5, 64), "TextSpan needs at least n + 1 = 6 probe images for n = 5 texts per head (the centred "
-                         "contributions of N images span at most N - 1 directions), got 5; " + entropy.IMAGES_FIX),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            (5, 80, 4, 100, 64),
+            "TextSpan picks n = 5 texts per head but the pool has only 4; "
+            "use a larger pool (--texts) or a smaller --n",
+        ),
+        (
+            (5, 4, 10, 100, 64),
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
+            "raise --rank or lower --n",
+        ),
+        (
+            (5, 80, 10, 100, 4),
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
+            "raise --rank or lower --n",
+        ),
+        (
+            (5, 80, 10, 5, 64),
+            "TextSpan needs at least n + 1 = 6 probe images for n = 5 texts per head (the centred "
+            "contributions of N images span at most N - 1 directions), got 5; "
+            + entropy.IMAGES_FIX,
+        ),
+    ],
+)
 def test_check_textspan_messages_and_their_bounds(args, message):
     """Each limit, one past it: the whole message for entropy.py's user; for dear.py's, dear.py's own fix. At
     the limit itself (n texts, rank n, width n, n + 1 images) nothing is raised."""
@@ -494,7 +692,7 @@ def test_check_textspan_messages_and_their_bounds(args, message):
     assert str(e.value) == message
     with pytest.raises(EntropyError) as e:
         entropy.check_textspan(*args, caller="dear.py")
-    assert str(e.value) == message[:message.rindex("; ") + 2] + entropy.DEAR_FIX
+    assert str(e.value) == message[: message.rindex("; ") + 2] + entropy.DEAR_FIX
     entropy.check_textspan(5, 5, 5, 6, 5)  # every bound met exactly
 
 
@@ -504,7 +702,9 @@ def test_textspan_with_fewer_images_than_the_rank_keeps_only_their_span():
     for seed in range(4):
         contributions, texts = skewed(seed, N=8, E=12, T=30)
         want = textspan_by_hand(contributions, texts, n=3, rank=10)
-        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=3, rank=10) == want, seed
+        assert (
+            entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n=3, rank=10) == want
+        ), seed
 
 
 def test_textspan_stops_clearly_with_too_few_images():
@@ -513,18 +713,25 @@ def test_textspan_stops_clearly_with_too_few_images():
         entropy.textspan(contributions, texts, n=20)
     with pytest.raises(EntropyError, match="needs rank >= n"):
         entropy.textspan(contributions, texts, n=5, rank=3)
-    with pytest.raises(EntropyError, match="the pool has only 4;"):  # T texts, not the E = 64 of their width
+    with pytest.raises(
+        EntropyError, match="the pool has only 4;"
+    ):  # T texts, not the E = 64 of their width
         entropy.textspan(contributions, texts[:4], n=5, rank=8)
 
 
 # ---------------------------------------------------------------------------------------------- entropy, roles
 
+
 def test_concept_entropy_of_known_distributions():
     assert entropy.concept_entropy([1.0] + [0.0] * 11) == 0.0
     assert entropy.concept_entropy([0.5, 0.5]) == pytest.approx(1.0)
     assert entropy.concept_entropy([1 / 12] * 12) == pytest.approx(math.log2(12))
-    assert entropy.concept_entropy({"color": 0.25, "shape": 0.25, "animal": 0.5}) == pytest.approx(1.5)
-    with pytest.raises(ValueError, match=r"not a probability distribution \(non-negative, sum 1\): \[0.5, 0.6\]"):
+    assert entropy.concept_entropy({"color": 0.25, "shape": 0.25, "animal": 0.5}) == pytest.approx(
+        1.5
+    )
+    with pytest.raises(
+        ValueError, match=r"not a probability distribution \(non-negative, sum 1\): \[0.5, 0.6\]"
+    ):
         entropy.concept_entropy([0.5, 0.6])
 
 
@@ -532,19 +739,29 @@ def test_concept_distribution_counts_shares_of_a_heads_texts():
     P = entropy.concept_distribution(["color"] * 15 + ["shape"] * 5)
     assert list(P) == list(CONCEPTS)
     assert P == {**{c: 0.0 for c in CONCEPTS}, "color": 0.75, "shape": 0.25}
-    assert entropy.concept_entropy(P) == pytest.approx(-(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
+    assert entropy.concept_entropy(P) == pytest.approx(
+        -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))
+    )
 
 
 def test_roles_by_thresholds_and_the_other_specialist_rule():
     low, high = 1.0, 2.0
-    assert entropy.assign_role(0.5, {"texture": 0.9, "animal": 0.1}, low, high) == \
-        {"role": "attribute", "attribute": "texture"}
-    assert entropy.assign_role(1.0, {"animal": 0.8, "color": 0.2}, low, high) == \
-        {"role": "specialist", "attribute": None, "concept": "animal"}  # low entropy, not one of the five
+    assert entropy.assign_role(0.5, {"texture": 0.9, "animal": 0.1}, low, high) == {
+        "role": "attribute",
+        "attribute": "texture",
+    }
+    assert entropy.assign_role(1.0, {"animal": 0.8, "color": 0.2}, low, high) == {
+        "role": "specialist",
+        "attribute": None,
+        "concept": "animal",
+    }  # low entropy, not one of the five
     assert entropy.assign_role(1.5, {"color": 1.0}, low, high)["role"] == "mixed"
     assert entropy.assign_role(2.0, {"color": 1.0}, low, high)["role"] == "generalization"
     # a tie for the dominant concept goes to the concept listed first (attributes before the others)
-    assert entropy.assign_role(1.0, {"animal": 0.5, "location": 0.5}, low, high)["attribute"] == "location"
+    assert (
+        entropy.assign_role(1.0, {"animal": 0.5, "location": 0.5}, low, high)["attribute"]
+        == "location"
+    )
 
 
 def test_default_thresholds_are_the_tertiles_of_the_heads_entropies():
@@ -566,6 +783,7 @@ def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
 
 # ---------------------------------------------------------------------------------------------- text pools
 
+
 def test_builtin_pool_covers_the_12_concepts_with_unique_descriptions():
     texts, labels = entropy.default_pool()
     assert 1000 <= len(texts) <= 3000
@@ -584,11 +802,14 @@ def test_toy_pool_speaks_the_toy_worlds_words():
     assert len(set(texts)) == len(texts)
 
 
-@pytest.mark.parametrize("content, message", [
-    ("a red car\n\na dog\n", "line 2: empty description"),
-    ("a red car\na dog\nA red car\n", "line 3: 'A red car' repeats line 1"),
-    ("colour\ta red car\n", "unknown concept 'colour'"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("a red car\n\na dog\n", "line 2: empty description"),
+        ("a red car\na dog\nA red car\n", "line 3: 'A red car' repeats line 1"),
+        ("colour\ta red car\n", "unknown concept 'colour'"),
+    ],
+)
 def test_bad_text_pools_are_refused_with_the_line(tmp_path, content, message):
     path = tmp_path / "pool.txt"
     path.write_text(content)
@@ -613,7 +834,9 @@ def test_user_texts_take_the_nearest_normalised_centroid_with_unequal_concept_si
     and the single nearest text (the colour text next to q)."""
     g = torch.Generator().manual_seed(0)
     e = torch.eye(16)
-    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]]
+    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [
+        0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]
+    ]
     scene = [e[1] + e[2], e[1] - e[2], e[1] + e[3]]
     ref = torch.nn.functional.normalize(torch.stack(color + scene), dim=-1)  # [33, 16]
     ref_labels = ["color"] * 30 + ["scene"] * 3
@@ -627,24 +850,55 @@ def test_user_texts_take_the_nearest_normalised_centroid_with_unequal_concept_si
 
 
 def _head(role, attribute=None, skill=None, entropy_=1.0, concept=None):
-    return {"role": role, "attribute": attribute, "entropy": entropy_, **({"skill": skill} if skill else {}),
-            **({"concept": concept} if concept else {})}
+    return {
+        "role": role,
+        "attribute": attribute,
+        "entropy": entropy_,
+        **({"skill": skill} if skill else {}),
+        **({"concept": concept} if concept else {}),
+    }
 
 
 def test_random_roles_shuffle_each_block_on_its_own():
     """Two blocks of 8 heads with different role mixes; each head is marked by a distinct entropy. Every block
     keeps its own multiset of roles (rules out one shuffle over all blocks pooled), the two blocks get different
     permutations (rules out one permutation reused for every block), and another seed another shuffle."""
-    mix = {3: ["attribute", "attribute", "attribute", "mixed", "mixed", "generalization", "specialist", "mixed"],
-           4: ["generalization", "generalization", "generalization", "generalization", "mixed", "attribute",
-               "mixed", "mixed"]}
-    roles = {b: [_head(r, "color" if r == "attribute" else None, entropy_=10 * b + h) for h, r in enumerate(rs)]
-             for b, rs in mix.items()}
+    mix = {
+        3: [
+            "attribute",
+            "attribute",
+            "attribute",
+            "mixed",
+            "mixed",
+            "generalization",
+            "specialist",
+            "mixed",
+        ],
+        4: [
+            "generalization",
+            "generalization",
+            "generalization",
+            "generalization",
+            "mixed",
+            "attribute",
+            "mixed",
+            "mixed",
+        ],
+    }
+    roles = {
+        b: [
+            _head(r, "color" if r == "attribute" else None, entropy_=10 * b + h)
+            for h, r in enumerate(rs)
+        ]
+        for b, rs in mix.items()
+    }
     out = entropy.control_roles(roles, "random", 7)
     perms = {}
     for b in roles:
         assert sorted(h["role"] for h in out[b]) == sorted(mix[b]), b  # the block's counts kept
-        perms[b] = [int(h["entropy"]) - 10 * b for h in out[b]]  # which head of block b landed where
+        perms[b] = [
+            int(h["entropy"]) - 10 * b for h in out[b]
+        ]  # which head of block b landed where
         assert sorted(perms[b]) == list(range(8)), b  # heads of block b only
     assert perms[3] != perms[4] and perms[3] != list(range(8)) and perms[4] != list(range(8))
     other = entropy.control_roles(roles, "random", 8)
@@ -659,59 +913,108 @@ def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_ge
     the rest mixed. Rules out: a specialist left out of the masked count (bottom 2 only), the specialist role
     kept, a ranking within each block (block 3 would keep an attribute head), and an attribute head turned
     generalization (block 3 head 3) that keeps its attribute."""
+
     def skills(best, lead, base=0.2):
         s = {f: base for f in ("color", "shape", "texture", "location")}
         s[best] = base + lead
         return s
-    roles = {3: [_head("attribute", "color", skills("color", 0.30)), _head("specialist", None, skills("shape", 0.05),
-                 concept="animal"), _head("mixed", None, skills("texture", 0.20)),
-                 _head("attribute", "location", skills("location", 0.10))],
-             4: [_head("mixed", None, skills("texture", 0.70)), _head("generalization", None, skills("location", 0.60)),
-                 _head("generalization", None, skills("color", 0.0)), _head("mixed", None, skills("shape", 0.40))]}
+
+    roles = {
+        3: [
+            _head("attribute", "color", skills("color", 0.30)),
+            _head("specialist", None, skills("shape", 0.05), concept="animal"),
+            _head("mixed", None, skills("texture", 0.20)),
+            _head("attribute", "location", skills("location", 0.10)),
+        ],
+        4: [
+            _head("mixed", None, skills("texture", 0.70)),
+            _head("generalization", None, skills("location", 0.60)),
+            _head("generalization", None, skills("color", 0.0)),
+            _head("mixed", None, skills("shape", 0.40)),
+        ],
+    }
     # leads: 4/0 0.7, 4/1 0.6, 4/3 0.4, 3/0 0.3, 3/2 0.2, 3/3 0.1, 3/1 0.05, 4/2 0.0
     out = entropy.control_roles(roles, "oracle", 1)
     got = {b: [(h["role"], h["attribute"]) for h in heads] for b, heads in out.items()}
-    assert got == {3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
-                   4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
-                       ("mixed", None)]}
+    assert got == {
+        3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
+        4: [
+            ("attribute", "texture"),
+            ("attribute", "location"),
+            ("generalization", None),
+            ("mixed", None),
+        ],
+    }
     assert out[3][1]["skill"] == roles[3][1]["skill"]  # the ground truth travels with the head
 
 
 def test_control_roles_none_and_bad_controls():
     roles = {4: [_head("mixed", None, {"color": 0.5, "shape": 0.1})]}
     assert entropy.control_roles(roles, "none", 1) is roles
-    with pytest.raises(ValueError, match="unknown roles control 'shuffle'; choose none, random or oracle"):
+    with pytest.raises(
+        ValueError, match="unknown roles control 'shuffle'; choose none, random or oracle"
+    ):
         entropy.control_roles(roles, "shuffle", 1)
-    with pytest.raises(ValueError, match="^--roles-control oracle needs roles with ground-truth decoding skills; "
-                                         "entropy.py writes them only for the toy world \\(--dataset toyworld\\)$"):
+    with pytest.raises(
+        ValueError,
+        match="^--roles-control oracle needs roles with ground-truth decoding skills; "
+        "entropy.py writes them only for the toy world \\(--dataset toyworld\\)$",
+    ):
         entropy.control_roles({4: [_head("mixed")]}, "oracle", 1)
 
 
 # ---------------------------------------------------------------------------------------------- roles file
 
+
 def make_doc(layers=(3, 4), H=4, model="tiny"):
-    roles = [("attribute", "color"), ("generalization", None), ("mixed", None), ("specialist", None)]
+    roles = [
+        ("attribute", "color"),
+        ("generalization", None),
+        ("mixed", None),
+        ("specialist", None),
+    ]
     heads = []
     for i, layer in enumerate(layers):
         for h in range(H):
             role, attribute = roles[(h + i) % len(roles)]
             P = {c: 0.0 for c in CONCEPTS}
             P["color" if role != "specialist" else "animal"] = 1.0
-            entry = {"layer": layer, "head": h, "entropy": 0.25 * (h + i), "P": P, "texts": ["a red object"],
-                     "role": role, "attribute": attribute}
+            entry = {
+                "layer": layer,
+                "head": h,
+                "entropy": 0.25 * (h + i),
+                "P": P,
+                "texts": ["a red object"],
+                "role": role,
+                "attribute": attribute,
+            }
             if role == "specialist":
                 entry["concept"] = "animal"
             heads.append(entry)
-    return {"format": entropy.FORMAT, "model": model, "checkpoint_sha256": "0" * 64, "num_layers": 4,
-            "num_heads": H, "layers": list(layers), "probe": {"dataset": "toy", "split": "test", "images": 8},
-            "texts_per_head": 1, "rank": 80, "concepts": list(CONCEPTS),
-            "thresholds": {"low": 0.3, "high": 0.6}, "heads": heads}
+    return {
+        "format": entropy.FORMAT,
+        "model": model,
+        "checkpoint_sha256": "0" * 64,
+        "num_layers": 4,
+        "num_heads": H,
+        "layers": list(layers),
+        "probe": {"dataset": "toy", "split": "test", "images": 8},
+        "texts_per_head": 1,
+        "rank": 80,
+        "concepts": list(CONCEPTS),
+        "thresholds": {"low": 0.3, "high": 0.6},
+        "heads": heads,
+    }
 
 
 def test_roles_round_trip(tmp_path):
     doc = make_doc()
     path = entropy.write_outputs(doc, str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["roles.json", "roles.md", "roles.png"]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == [
+        "roles.json",
+        "roles.md",
+        "roles.png",
+    ]  # no temp files left
     roles = entropy.load_roles(path, model_name="tiny", num_layers=4, num_heads=4, layers=[3, 4])
     assert sorted(roles) == [3, 4] and all(len(r) == 4 for r in roles.values())
     for entry in doc["heads"]:
@@ -744,21 +1047,28 @@ def corrupt(doc, what):
     return doc
 
 
-@pytest.mark.parametrize("what, kwargs, message", [
-    ("format", {}, "not a roles file of format 'dear-roles/1'"),
-    (None, {"model_name": "ViT-B/16"}, "computed for 'tiny', not 'ViT-B/16'"),
-    (None, {"num_layers": 12}, "num_layers = 4, the model has 12"),
-    (None, {"num_heads": 12}, "num_heads = 4, the model has 12"),
-    (None, {"layers": [2, 3, 4]}, "blocks \\[2\\] are needed"),
-    ("role", {}, "unknown role 'boss'"),
-    ("attribute", {}, "an attribute head needs an attribute"),
-    ("attribute-on-mixed", {}, "a mixed head must have attribute null"),
-    ("head-missing", {}, "lacks 1 heads, e.g. block 4 head 1"),
-    ("head-twice", {}, "listed twice"),
-    ("heads-not-objects", {}, "'heads' must be a list of objects .* found \"block 3 head 3: mixed\""),
-    ("heads-not-a-list", {}, "'heads' must be a list of objects"),
-    ("layer-not-a-number", {}, "entry \\[3\\]/2: block/head outside the file's blocks"),
-])
+@pytest.mark.parametrize(
+    "what, kwargs, message",
+    [
+        ("format", {}, "not a roles file of format 'dear-roles/1'"),
+        (None, {"model_name": "ViT-B/16"}, "computed for 'tiny', not 'ViT-B/16'"),
+        (None, {"num_layers": 12}, "num_layers = 4, the model has 12"),
+        (None, {"num_heads": 12}, "num_heads = 4, the model has 12"),
+        (None, {"layers": [2, 3, 4]}, "blocks \\[2\\] are needed"),
+        ("role", {}, "unknown role 'boss'"),
+        ("attribute", {}, "an attribute head needs an attribute"),
+        ("attribute-on-mixed", {}, "a mixed head must have attribute null"),
+        ("head-missing", {}, "lacks 1 heads, e.g. block 4 head 1"),
+        ("head-twice", {}, "listed twice"),
+        (
+            "heads-not-objects",
+            {},
+            "'heads' must be a list of objects .* found \"block 3 head 3: mixed\"",
+        ),
+        ("heads-not-a-list", {}, "'heads' must be a list of objects"),
+        ("layer-not-a-number", {}, "entry \\[3\\]/2: block/head outside the file's blocks"),
+    ],
+)
 def test_load_roles_refuses_bad_files_clearly(tmp_path, what, kwargs, message):
     path = tmp_path / "roles.json"
     path.write_text(json.dumps(corrupt(make_doc(), what)))
@@ -798,11 +1108,16 @@ def test_png_is_a_grid_of_blocks_by_heads_coloured_by_role(tmp_path):
     doc = make_doc(layers=(2, 3, 4), H=4)
     entropy.write_outputs(doc, str(tmp_path))
     img = Image.open(tmp_path / "roles.png").convert("RGB")
-    assert img.size == (max(roles_report.LEFT + 4 * roles_report.CELL, 480) + 8,
-                        roles_report.TOP + 3 * roles_report.CELL + roles_report.LEGEND)
+    assert img.size == (
+        max(roles_report.LEFT + 4 * roles_report.CELL, 480) + 8,
+        roles_report.TOP + 3 * roles_report.CELL + roles_report.LEGEND,
+    )
     for entry in doc["heads"]:
         x0, y0 = roles_report.cell_origin(doc["layers"].index(entry["layer"]), entry["head"])
-        corner = (x0 + roles_report.CELL - 6, y0 + roles_report.CELL - 6)  # inside the cell, away from its text
+        corner = (
+            x0 + roles_report.CELL - 6,
+            y0 + roles_report.CELL - 6,
+        )  # inside the cell, away from its text
         assert img.getpixel(corner) == roles_report.ROLE_COLORS[entry["role"]]
 
 
@@ -814,7 +1129,9 @@ def test_layer_parsing(tmp_path):
     with pytest.raises(EntropyError, match="has 4 blocks"):
         entropy.parse_layers("3-6", 4)
     # blocks J..L with J beyond the depth: an empty list, one clear message (not an IndexError)
-    with pytest.raises(EntropyError, match=r"no blocks in \[\]: the backbone has 12 blocks .* at most 12"):
+    with pytest.raises(
+        EntropyError, match=r"no blocks in \[\]: the backbone has 12 blocks .* at most 12"
+    ):
         entropy.parse_layers(list(range(13, 13)), 12)
     with pytest.raises(EntropyError, match="no blocks to analyse"):
         entropy.layers_tag([])
@@ -831,11 +1148,24 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == os.path.join(str(tmp_path), "roles")
     assert re.fullmatch(r"ViT-B-16_L3-4_imagenet-test_[0-9a-f]{12}", folder), folder
-    assert entropy.default_roles_path(tiny_model, **base) == path  # the same inputs, the same folder
-    changes = [dict(layers=[4]), dict(dataset="eurosat"), dict(split="train"), dict(pool="toy"),
-               dict(texts=str(tmp_path / "mine.txt")), dict(n=10), dict(rank=40), dict(low=0.5), dict(high=2.0),
-               dict(max_images=500), dict(seed=1), dict(dataset=f"folder:{tmp_path / 'pets'}"),
-               dict(dataset=f"folder:{tmp_path / 'other' / 'pets'}")]
+    assert (
+        entropy.default_roles_path(tiny_model, **base) == path
+    )  # the same inputs, the same folder
+    changes = [
+        dict(layers=[4]),
+        dict(dataset="eurosat"),
+        dict(split="train"),
+        dict(pool="toy"),
+        dict(texts=str(tmp_path / "mine.txt")),
+        dict(n=10),
+        dict(rank=40),
+        dict(low=0.5),
+        dict(high=2.0),
+        dict(max_images=500),
+        dict(seed=1),
+        dict(dataset=f"folder:{tmp_path / 'pets'}"),
+        dict(dataset=f"folder:{tmp_path / 'other' / 'pets'}"),
+    ]
     paths = {entropy.default_roles_path(tiny_model, **{**base, **change}) for change in changes}
     tiny_model.sha256 = "cd" * 32  # another checkpoint under the same name
     paths.add(entropy.default_roles_path(tiny_model, **base))
@@ -843,7 +1173,10 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
     paths.add(entropy.default_roles_path(tiny_model, **base))
     assert len(paths | {path}) == len(changes) + 3
     (tmp_path / "mine.txt").write_text("a blue thing\n")  # the same file name, other texts
-    assert entropy.default_roles_path(tiny_model, **{**base, "texts": str(tmp_path / "mine.txt")}) not in paths
+    assert (
+        entropy.default_roles_path(tiny_model, **{**base, "texts": str(tmp_path / "mine.txt")})
+        not in paths
+    )
     with pytest.raises(EntropyError, match="unknown probe split 'val'"):
         entropy.default_roles_path(tiny_model, **{**base, "split": "val"})
     with pytest.raises(EntropyError, match="has 4 blocks"):
@@ -851,6 +1184,7 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
 
 
 # ---------------------------------------------------------------------------------------------- command line
+
 
 @pytest.fixture
 def fake_world(tmp_path, monkeypatch, tiny_model):
@@ -873,46 +1207,95 @@ def fake_world(tmp_path, monkeypatch, tiny_model):
 def test_cli_writes_roles_json_md_and_png(fake_world, capsys):
     root, dataset = fake_world
     out = root / "out"
-    rc = entropy.main(["--backbone", "tiny", "--dataset", dataset, "--root", str(root), "--out", str(out),
-                       "--pool", "toy", "--n", "5", "--rank", "16", "--max-images", "10", "--batch-size", "4",
-                       "--device", "cpu"])
+    rc = entropy.main(
+        [
+            "--backbone",
+            "tiny",
+            "--dataset",
+            dataset,
+            "--root",
+            str(root),
+            "--out",
+            str(out),
+            "--pool",
+            "toy",
+            "--n",
+            "5",
+            "--rank",
+            "16",
+            "--max-images",
+            "10",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert sorted(os.listdir(out)) == ["roles.json", "roles.md", "roles.png"]
     doc = json.loads((out / "roles.json").read_text())
     assert doc["model"] == "tiny" and doc["checkpoint_sha256"] == "ab" * 32
     assert doc["layers"] == [1, 2, 3, 4] and doc["num_heads"] == 4 and len(doc["heads"]) == 16
-    assert doc["probe"]["images"] == 10 and doc["probe"]["split"] == "test" and doc["probe"]["max_images"] == 10
+    assert (
+        doc["probe"]["images"] == 10
+        and doc["probe"]["split"] == "test"
+        and doc["probe"]["max_images"] == 10
+    )
     low, high = doc["thresholds"]["low"], doc["thresholds"]["high"]
     toy_texts, toy_labels = entropy.toy_pool()
     concept_of = dict(zip(toy_texts, toy_labels))
     for head in doc["heads"]:
         assert len(head["texts"]) == len(set(head["texts"])) == 5
         # the stored P and entropy follow from the stored texts, and the role from the thresholds
-        assert head["P"] == pytest.approx(entropy.concept_distribution([concept_of[t] for t in head["texts"]]))
+        assert head["P"] == pytest.approx(
+            entropy.concept_distribution([concept_of[t] for t in head["texts"]])
+        )
         assert head["entropy"] == pytest.approx(entropy.concept_entropy(head["P"]), abs=1e-4)
         want = entropy.assign_role(head["entropy"], head["P"], low, high)
         assert (head["role"], head["attribute"]) == (want["role"], want["attribute"])
-    roles = entropy.load_roles(str(out / "roles.json"), model_name="tiny", num_layers=4, num_heads=4)
-    assert sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1  # the top tertile
+    roles = entropy.load_roles(
+        str(out / "roles.json"), model_name="tiny", num_layers=4, num_heads=4
+    )
+    assert (
+        sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1
+    )  # the top tertile
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--low", "2", "--high", "1"], "--low 2.0 is above --high 1.0"),
-    (["--layers", "3-6"], "the backbone has 4 blocks"),
-    (["--n", "30"], "at least n \\+ 1 = 31 probe images"),
-    (["--texts", "DUP"], "repeats line 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--low", "2", "--high", "1"], "--low 2.0 is above --high 1.0"),
+        (["--layers", "3-6"], "the backbone has 4 blocks"),
+        (["--n", "30"], "at least n \\+ 1 = 31 probe images"),
+        (["--texts", "DUP"], "repeats line 1"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_message(fake_world, capsys, extra, message):
     root, dataset = fake_world
     if "DUP" in extra:
         (root / "dup.txt").write_text("a red thing\na red thing\n")
         extra = ["--texts", str(root / "dup.txt")]
-    rc = entropy.main(["--dataset", dataset, "--root", str(root), "--out", str(root / "out"), "--pool", "toy",
-                       "--device", "cpu"] + extra)
+    rc = entropy.main(
+        [
+            "--dataset",
+            dataset,
+            "--root",
+            str(root),
+            "--out",
+            str(root / "out"),
+            "--pool",
+            "toy",
+            "--device",
+            "cpu",
+        ]
+        + extra
+    )
     err = capsys.readouterr().err
     assert rc == 2
     lines = err.strip().splitlines()
-    assert lines[-1].startswith("entropy.py: error: ") and sum("error" in line for line in lines) == 1
+    assert (
+        lines[-1].startswith("entropy.py: error: ") and sum("error" in line for line in lines) == 1
+    )
     assert re.search(message, lines[-1]), err
     assert not (root / "out").exists()
 
@@ -929,41 +1312,100 @@ def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
         entropy.run("tiny", dataset, str(root), caller="dear.py", **args)
     with pytest.raises(EntropyError) as cli:
         entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
-    dear_fix = ("dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
-                "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles")
+    dear_fix = (
+        "dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
+        "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles"
+    )
     assert dear_fix in str(both.value) and "--max-images" in str(both.value)
     assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)
-    assert "--max-images" in str(cli.value) and "--n" in str(cli.value) and "dear.py" not in str(cli.value)
+    assert (
+        "--max-images" in str(cli.value)
+        and "--n" in str(cli.value)
+        and "dear.py" not in str(cli.value)
+    )
 
 
 def test_cli_without_images_exits_2(fake_world, capsys):
     root, _ = fake_world
     (root / "empty").mkdir()
-    rc = entropy.main(["--dataset", f"folder:{root / 'empty'}", "--root", str(root), "--device", "cpu"])
+    rc = entropy.main(
+        ["--dataset", f"folder:{root / 'empty'}", "--root", str(root), "--device", "cpu"]
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and err.count("error") == 1 and "entropy.py: error: " in err and "has no class sub-folders" in err
+    assert (
+        rc == 2
+        and err.count("error") == 1
+        and "entropy.py: error: " in err
+        and "has no class sub-folders" in err
+    )
 
 
 def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, capsys):
     """--split train: every training image of the dataset (20 here; its test split has 12), recorded in roles.json;
     without --out the roles land in the CLIP cache at default_roles_path, which records all inputs."""
     root, dataset = fake_world
-    args = ["--backbone", "tiny", "--dataset", dataset, "--root", str(root), "--pool", "toy", "--n", "3",
-            "--rank", "8", "--max-images", "30", "--device", "cpu", "--download-root", str(root / "cache")]
+    args = [
+        "--backbone",
+        "tiny",
+        "--dataset",
+        dataset,
+        "--root",
+        str(root),
+        "--pool",
+        "toy",
+        "--n",
+        "3",
+        "--rank",
+        "8",
+        "--max-images",
+        "30",
+        "--device",
+        "cpu",
+        "--download-root",
+        str(root / "cache"),
+    ]
     assert entropy.main(args + ["--split", "train"]) == 0, capsys.readouterr().err
     model = entropy.toyworld.load_clip("tiny")[0]
-    path = entropy.default_roles_path(model, [1, 2, 3, 4], str(root / "cache"), dataset, split="train", pool="toy",
-                                      n=3, rank=8, max_images=30)
+    path = entropy.default_roles_path(
+        model,
+        [1, 2, 3, 4],
+        str(root / "cache"),
+        dataset,
+        split="train",
+        pool="toy",
+        n=3,
+        rank=8,
+        max_images=30,
+    )
     doc = json.loads(open(path).read())
-    assert doc["probe"] == {"dataset": "folder:" + os.path.realpath(dataset[7:]), "split": "train", "images": 20,
-                            "available": 20, "max_images": 30, "seed": 0}
-    assert doc["inputs"] == entropy.roles_inputs(model, [1, 2, 3, 4], dataset, split="train", pool="toy", n=3,
-                                                 rank=8, max_images=30)
+    assert doc["probe"] == {
+        "dataset": "folder:" + os.path.realpath(dataset[7:]),
+        "split": "train",
+        "images": 20,
+        "available": 20,
+        "max_images": 30,
+        "seed": 0,
+    }
+    assert doc["inputs"] == entropy.roles_inputs(
+        model, [1, 2, 3, 4], dataset, split="train", pool="toy", n=3, rank=8, max_images=30
+    )
     assert doc["inputs"]["checkpoint_sha256"] == "ab" * 32 and doc["inputs"]["low"] is None
     assert entropy.main(args) == 0  # the test split: another folder beside it
     assert len(list((root / "cache" / "roles").iterdir())) == 2
-    test_doc = json.loads(open(entropy.default_roles_path(model, [1, 2, 3, 4], str(root / "cache"), dataset,
-                                                          pool="toy", n=3, rank=8, max_images=30)).read())
+    test_doc = json.loads(
+        open(
+            entropy.default_roles_path(
+                model,
+                [1, 2, 3, 4],
+                str(root / "cache"),
+                dataset,
+                pool="toy",
+                n=3,
+                rank=8,
+                max_images=30,
+            )
+        ).read()
+    )
     assert test_doc["probe"]["split"] == "test" and test_doc["probe"]["images"] == 12
 
 
@@ -975,8 +1417,24 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
     model = entropy.toyworld.load_clip("tiny")[0]
     inputs = lambda **k: entropy.roles_inputs(model, [3, 4], dataset, **k)["texts_per_head"]
     assert (inputs(pool="toy"), inputs(pool="default"), inputs(pool="toy", n=7)) == (4, 20, 7)
-    args = ["--backbone", "tiny", "--dataset", dataset, "--root", str(root), "--pool", "toy", "--layers", "3-4",
-            "--rank", "8", "--device", "cpu", "--out", str(root / "roles")]
+    args = [
+        "--backbone",
+        "tiny",
+        "--dataset",
+        dataset,
+        "--root",
+        str(root),
+        "--pool",
+        "toy",
+        "--layers",
+        "3-4",
+        "--rank",
+        "8",
+        "--device",
+        "cpu",
+        "--out",
+        str(root / "roles"),
+    ]
     assert entropy.main(args) == 0, capsys.readouterr().err
     doc = json.loads((root / "roles" / "roles.json").read_text())
     assert doc["texts_per_head"] == doc["inputs"]["texts_per_head"] == 4

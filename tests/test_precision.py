@@ -2,6 +2,7 @@
 bookkeeping (non-finite loss, persistent workers, exact resume), on a tiny random CLIP.
 
 Tests marked `cuda` run only where CUDA is present (skipped elsewhere; `pytest -m cuda` selects them)."""
+
 import dataclasses
 import math
 import sys
@@ -32,19 +33,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 #   fp16 SAFE_SCALE  7.7e-4 / 2.4e-3     3.1e-3 / 8.7e-3       100%               1.9e-3 / 4.5e-3
 #   bf16             4.8e-3 / 1.4e-2     2.4e-2 / 1.0e-1       87.5%              1.7e-2 / 3.3e-2
 # Tolerances: about twice the maximum (bench.py's agreement targets come from the same table).
-TOLERANCE = {"bf16": dict(loss=3e-2, grad=0.2, agree=0.85),
-             "fp16": dict(loss=5e-3, grad=2e-2, agree=0.95)}
+TOLERANCE = {
+    "bf16": dict(loss=3e-2, grad=0.2, agree=0.85),
+    "fp16": dict(loss=5e-3, grad=2e-2, agree=0.95),
+}
 # MARGIN (logits): above the largest fused-logit move measured over 30 seeds (fp16 0.045, bf16 0.39)
 MARGIN = 0.5
 # A GradScaler scale at which no step of these tests overflows (the unscaled gradients that pass
 # through fp16 reach about 20 on the tiny CLIP; a fresh scaler's 65536 overflows:
 # test_fp16_fresh_scaler_skips_then_recovers)
-SAFE_SCALE = 2.0 ** 8
+SAFE_SCALE = 2.0**8
 
 
 def roles(layers=range(1, 5)):
-    block = [{"role": "generalization", "attribute": None}, {"role": "attribute", "attribute": "color"},
-             {"role": "mixed", "attribute": None}, {"role": "specialist", "attribute": None}]
+    block = [
+        {"role": "generalization", "attribute": None},
+        {"role": "attribute", "attribute": "color"},
+        {"role": "mixed", "attribute": None},
+        {"role": "specialist", "attribute": None},
+    ]
     return {l: block for l in layers}
 
 
@@ -61,7 +68,9 @@ def loss_fn(model, out, labels):
 
 
 def cfg(**kw):
-    return dear.resolve(dear.Config(**{"epochs": 2, "batch_size": 4, "workers": 0, "lambda_reg": 0.1, **kw}))
+    return dear.resolve(
+        dear.Config(**{"epochs": 2, "batch_size": 4, "workers": 0, "lambda_reg": 0.1, **kw})
+    )
 
 
 CLASSES = [f"class {i}" for i in range(10)]
@@ -86,7 +95,10 @@ def images(tmp_path_factory):
 def test_precision_names_and_devices():
     assert train.resolve_precision("amp", CPU) == "fp32"  # CPU stays fp32 unless asked
     assert train.resolve_precision("amp", torch.device("cuda")) == "fp16"  # MMRL's PREC amp on CUDA
-    assert train.resolve_precision("bf16", CPU) == "bf16" and train.autocast_dtype(CPU, "bf16") == torch.bfloat16
+    assert (
+        train.resolve_precision("bf16", CPU) == "bf16"
+        and train.autocast_dtype(CPU, "bf16") == torch.bfloat16
+    )
     assert train.autocast_dtype(CPU, "fp32") is None and train.autocast_dtype(CPU) is None
     # fp16 on a CPU: CUDA's default path (CPU autocast fp16 and a GradScaler of the CPU's own type)
     assert train.resolve_precision("fp16", CPU) == "fp16"
@@ -114,18 +126,33 @@ def test_frozen_weights_in_gives_autocast_exactly():
         low = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = model(x, with_frozen=True)
-    # by hand: per block (4 vision + 3 text) in_proj w/b, out_proj w/b, c_fc w/b, c_proj w/b; conv1, proj, text_projection
-    blocks = [f"clip.visual.transformer.resblocks.{b}." for b in range(4)] + \
-             [f"clip.transformer.resblocks.{b}." for b in range(3)]
-    expected = {p + n for p in blocks for n in ("attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight",
-                                                 "attn.out_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                                                 "mlp.c_proj.weight", "mlp.c_proj.bias")}
+    # by hand: per block (4 vision + 3 text) in_proj w/b, out_proj w/b, c_fc w/b, c_proj w/b;
+    # conv1, proj, text_projection
+    blocks = [f"clip.visual.transformer.resblocks.{b}." for b in range(4)] + [
+        f"clip.transformer.resblocks.{b}." for b in range(3)
+    ]
+    expected = {
+        p + n
+        for p in blocks
+        for n in (
+            "attn.in_proj_weight",
+            "attn.in_proj_bias",
+            "attn.out_proj.weight",
+            "attn.out_proj.bias",
+            "mlp.c_fc.weight",
+            "mlp.c_fc.bias",
+            "mlp.c_proj.weight",
+            "mlp.c_proj.bias",
+        )
+    }
     expected |= {"clip.visual.conv1.weight", "clip.visual.proj", "clip.text_projection"}
     assert low == expected
     for k in ("logits", "fused", "f_cls", "f0", "t"):
         assert torch.equal(got[k], ref[k]), k
     after = model.state_dict()
-    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    assert all(
+        after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items()
+    )
     with train.frozen_weights_in(None, model.clip):  # fp32: nothing changes
         assert all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -176,10 +203,13 @@ def deviation(precision, seed, device):
         assert scaler.get_scale() == (SAFE_SCALE if p == "fp16" else 1.0)  # no step was skipped
         result[p] = loss, grad, fused
     (l32, g32, f32), (l, g, f) = result["fp32"], result[precision]
-    return {"loss": abs(l - l32) / l32, "grad": ((g - g32).norm() / g32.norm()).item(),
-            "logits": (f - f32).abs().max().item(),
-            "logits_rel": ((f - f32).abs().max() / f32.abs().max()).item(),
-            "agree": (f.argmax(-1) == f32.argmax(-1)).float().mean().item()}
+    return {
+        "loss": abs(l - l32) / l32,
+        "grad": ((g - g32).norm() / g32.norm()).item(),
+        "logits": (f - f32).abs().max().item(),
+        "logits_rel": ((f - f32).abs().max() / f32.abs().max()).item(),
+        "agree": (f.argmax(-1) == f32.argmax(-1)).float().mean().item(),
+    }
 
 
 def step_and_eval(precision, device, items):
@@ -187,8 +217,10 @@ def step_and_eval(precision, device, items):
     state: (loss, grad of R, the accuracy on each of `items` lists, labelled with fp32's top-1)."""
     model = make_model().to(device)
     c = with_eval_precision(cfg(precision=precision, eval_batch_size=16), precision)
-    runs = [train.evaluate(model, subset, CLASSES, "a photo of a {}.", c, device,
-                           log=lambda *_: None) for subset in items]
+    runs = [
+        train.evaluate(model, subset, CLASSES, "a photo of a {}.", c, device, log=lambda *_: None)
+        for subset in items
+    ]
     assert all(r["precision"] == precision for r in runs)
     model.set_classes(CLASSES, "a photo of a {}.")
     loss, grad, _ = one_step(model, precision, device, seed=3)
@@ -200,12 +232,16 @@ def labelled_by_fp32(images, device):
     where that top-1 leads the runner-up by more than MARGIN."""
     model = make_model().to(device).eval()
     model.set_classes(CLASSES, "a photo of a {}.")
-    x = torch.stack([data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in images]).to(device)
+    x = torch.stack(
+        [data.test_transform(32)(Image.open(p).convert("RGB")) for p, _, _ in images]
+    ).to(device)
     with torch.no_grad():
         fused = model(x)["fused"].double()
     top2 = fused.topk(2, -1)
     items = [(p, int(y), CLASSES[y]) for (p, _, _), y in zip(images, top2.indices[:, 0].tolist())]
-    confident = [it for it, m in zip(items, (top2.values[:, 0] - top2.values[:, 1]).tolist()) if m > MARGIN]
+    confident = [
+        it for it, m in zip(items, (top2.values[:, 0] - top2.values[:, 1]).tolist()) if m > MARGIN
+    ]
     return items, confident
 
 
@@ -281,21 +317,38 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_pat
     def poisoned(model, out, labels):
         loss, parts = loss_fn(model, out, labels)
         calls.append(1)
-        return (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)  # 6 steps per epoch
+        return (
+            (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)
+        )  # 6 steps per epoch
+
     model, logs = make_model(), []
-    with pytest.raises(RunError, match=r"became nan at epoch 2, step 3 .*last good checkpoint is kept"):
+    with pytest.raises(
+        RunError, match=r"became nan at epoch 2, step 3 .*last good checkpoint is kept"
+    ):
         train.train(model, Data(images), cfg(epochs=3), CPU, str(tmp_path), logs.append, poisoned)
-    assert not all(torch.isfinite(p).all() for p in model.trainable())  # the nan did reach the parameters ...
+    assert not all(
+        torch.isfinite(p).all() for p in model.trainable()
+    )  # the nan did reach the parameters ...
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert (state["epoch"], state["step"], state["precision"]) == (1, 0, "fp32")  # ... but not the checkpoint
+    assert (state["epoch"], state["step"], state["precision"]) == (
+        1,
+        0,
+        "fp32",
+    )  # ... but not the checkpoint
     assert all(torch.isfinite(v).all() for v in state["model"].values())
-    assert sum("epoch 2/3" in line for line in logs) >= 1  # it ran on to a log line of epoch 2, then stopped
+    assert (
+        sum("epoch 2/3" in line for line in logs) >= 1
+    )  # it ran on to a log line of epoch 2, then stopped
 
 
 def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypatch):
     """Random crops and flips seeded per (epoch, item): two worker processes kept alive across epochs give the
     same model as loading in the main process, and so does a run interrupted at epoch 2 and resumed."""
-    ds, c0, c2 = Data(images), cfg(epochs=3, crop_scale=0.3, lr=5e-3), cfg(epochs=3, crop_scale=0.3, lr=5e-3, workers=2)
+    ds, c0, c2 = (
+        Data(images),
+        cfg(epochs=3, crop_scale=0.3, lr=5e-3),
+        cfg(epochs=3, crop_scale=0.3, lr=5e-3, workers=2),
+    )
     ref = make_model()
     train.train(ref, ds, c0, CPU, str(tmp_path / "ref"), lambda m: None, loss_fn)
     real_lr_at = train.lr_at
@@ -304,6 +357,7 @@ def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypa
         if epoch == 1:
             raise KeyboardInterrupt
         return real_lr_at(epoch, c)
+
     monkeypatch.setattr(train, "lr_at", interrupt)
     with pytest.raises(KeyboardInterrupt):
         train.train(make_model(), ds, c2, CPU, str(tmp_path / "run"), lambda m: None, loss_fn)
@@ -312,9 +366,18 @@ def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypa
     train.train(resumed, ds, c2, CPU, str(tmp_path / "run"), lambda m: None, loss_fn)
     a, b = ref.trainable_state(), resumed.trainable_state()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(RunError, match="written with --precision fp32"):  # a checkpoint resumes in its precision
-        train.train(make_model(), ds, cfg(epochs=4, precision="bf16"), CPU, str(tmp_path / "run"),
-                    lambda m: None, loss_fn)
+    with pytest.raises(
+        RunError, match="written with --precision fp32"
+    ):  # a checkpoint resumes in its precision
+        train.train(
+            make_model(),
+            ds,
+            cfg(epochs=4, precision="bf16"),
+            CPU,
+            str(tmp_path / "run"),
+            lambda m: None,
+            loss_fn,
+        )
 
 
 def frozen_state(model):
@@ -343,6 +406,7 @@ def test_layernorm_computes_in_fp32(dtype):
     (weights rounded to it) gives different numbers on these inputs (large mean, weights not
     representable in half precision)."""
     from clip.model import LayerNorm
+
     torch.manual_seed(0)
     ln = LayerNorm(64)
     with torch.no_grad():
@@ -364,12 +428,17 @@ def dtypes_seen_in_evaluate(c, images):
     block's output, and ln_post's output (forward hooks)."""
     model, seen = make_model(), set()
     block = model.clip.visual.transformer.resblocks[-1]
+
     def c_fc(m, i, o):
         seen.update({("c_fc weight", m.weight.dtype), ("c_fc out", o.dtype)})
-    hooks = [block.mlp.c_fc.register_forward_hook(c_fc),
-             block.register_forward_hook(lambda m, i, o: seen.add(("block out", o.dtype))),
-             model.clip.visual.ln_post.register_forward_hook(
-                 lambda m, i, o: seen.add(("ln_post out", o.dtype)))]
+
+    hooks = [
+        block.mlp.c_fc.register_forward_hook(c_fc),
+        block.register_forward_hook(lambda m, i, o: seen.add(("block out", o.dtype))),
+        model.clip.visual.ln_post.register_forward_hook(
+            lambda m, i, o: seen.add(("ln_post out", o.dtype))
+        ),
+    ]
     r = train.evaluate(model, images[:8], CLASSES, "a photo of a {}.", c, CPU, log=lambda *_: None)
     for h in hooks:
         h.remove()
@@ -400,8 +469,15 @@ def test_training_leaves_every_frozen_tensor_unchanged(images, tmp_path):
     for precision in ("fp16", "bf16"):
         model = make_model()
         before = frozen_state(model)
-        train.train(model, Data(images), cfg(precision=precision), CPU, str(tmp_path / precision),
-                    lambda m: None, loss_fn)
+        train.train(
+            model,
+            Data(images),
+            cfg(precision=precision),
+            CPU,
+            str(tmp_path / precision),
+            lambda m: None,
+            loss_fn,
+        )
         after = model.clip.state_dict()
         assert after.keys() == before.keys()
         assert all(after[k].dtype == before[k].dtype for k in before)
@@ -419,9 +495,15 @@ def test_train_counts_skipped_steps_and_logs_them(images, tmp_path, monkeypatch)
         before = self.get_scale()
         real(self, *a, **k)
         scales.append((before, self.get_scale()))
+
     monkeypatch.setattr(torch.amp.GradScaler, "update", update)
-    monkeypatch.setattr(train, "make_scaler", lambda device, amp: torch.amp.GradScaler(
-        device.type, enabled=amp == torch.float16, growth_interval=3))
+    monkeypatch.setattr(
+        train,
+        "make_scaler",
+        lambda device, amp: torch.amp.GradScaler(
+            device.type, enabled=amp == torch.float16, growth_interval=3
+        ),
+    )
     logs = []
     c = cfg(epochs=3, lr=5e-3, precision="fp16")
     result = train.train(make_model(), Data(images), c, CPU, str(tmp_path), logs.append, loss_fn)
@@ -432,8 +514,9 @@ def test_train_counts_skipped_steps_and_logs_them(images, tmp_path, monkeypatch)
     assert f"skipped {skips} " in logs[-1] and all(" skipped " in line for line in logs)
     shown = [int(line.split(" skipped ")[1].split()[0]) for line in logs]
     assert shown == sorted(shown) and shown[0] < skips  # a running count, one skip at a time
-    r32 = train.train(make_model(), Data(images), cfg(epochs=1), CPU, str(tmp_path / "fp32"),
-                      logs.append, loss_fn)
+    r32 = train.train(
+        make_model(), Data(images), cfg(epochs=1), CPU, str(tmp_path / "fp32"), logs.append, loss_fn
+    )
     assert r32 == {"steps": 6, "skipped_steps": 0, "final_scale": None}
     assert " skipped " not in logs[-1]
 
@@ -447,9 +530,17 @@ def test_the_first_nonfinite_step_is_the_one_reported(images, tmp_path):
         loss, parts = loss_fn(model, out, labels)
         calls.append(1)
         return (loss * float("nan"), parts) if len(calls) == 3 else (loss, parts)
+
     with pytest.raises(RunError, match=r"became nan at epoch 1, step 3 "):
-        train.train(make_model(), Data(images, n=48), cfg(epochs=1), CPU, str(tmp_path),
-                    lambda m: None, poisoned)
+        train.train(
+            make_model(),
+            Data(images, n=48),
+            cfg(epochs=1),
+            CPU,
+            str(tmp_path),
+            lambda m: None,
+            poisoned,
+        )
     assert len(calls) == 4  # it stopped at the check after step 4
 
 
@@ -458,6 +549,7 @@ def host_reads_in_training(images, tmp_path, monkeypatch, n, device=CPU):
     epoch of train.train on n images (batch 4): .item(), .tolist(), bool(), float(), int() called
     from a project file."""
     import os
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     count = [0]
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -469,10 +561,18 @@ def host_reads_in_training(images, tmp_path, monkeypatch, n, device=CPU):
             if ours and "/tests/" not in caller:
                 count[0] += 1
             return _real(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     logs = []
-    train.train(make_model().to(device), Data(images, n=n), cfg(epochs=1, precision="fp16"), device,
-                str(tmp_path / str(n)), logs.append, loss_fn)
+    train.train(
+        make_model().to(device),
+        Data(images, n=n),
+        cfg(epochs=1, precision="fp16"),
+        device,
+        str(tmp_path / str(n)),
+        logs.append,
+        loss_fn,
+    )
     monkeypatch.undo()
     return count[0], len(logs)
 
@@ -496,6 +596,7 @@ def test_cuda_training_loop_waits_only_at_checks(images, tmp_path, monkeypatch):
     of 10, and both have 5 log lines (a check each), so they sync equally often; a per-step .item()
     would add 5."""
     import warnings
+
     monkeypatch.setattr(train, "atomic_save", lambda *a, **k: None)
     device = torch.device("cuda")
 
@@ -505,11 +606,19 @@ def test_cuda_training_loop_waits_only_at_checks(images, tmp_path, monkeypatch):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                train.train(make_model().to(device), Data(images, n=n), cfg(epochs=1), device,
-                            str(tmp_path / str(n)), logs.append, loss_fn)
+                train.train(
+                    make_model().to(device),
+                    Data(images, n=n),
+                    cfg(epochs=1),
+                    device,
+                    str(tmp_path / str(n)),
+                    logs.append,
+                    loss_fn,
+                )
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught), len(logs)
+
     syncs(20)  # warm-up: first-call syncs (cuBLAS, allocator) stay out of the comparison
     (s5, l5), (s10, l10) = syncs(20), syncs(40)
     # 2: slack for the runtime's own; a per-step sync adds 5
@@ -524,9 +633,16 @@ def test_cuda_fused_sdpa_masked_attention_matches_math():
     (dear.role_mask), through each fused SDPA backend available against the MATH backend (fp32
     reference too)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     device, H, B, hs = torch.device("cuda"), 12, 4, 64
-    kinds = [("generalization", None), ("attribute", "color"), ("attribute", "shape"),
-             ("mixed", None), ("specialist", None), ("attribute", "texture")]
+    kinds = [
+        ("generalization", None),
+        ("attribute", "color"),
+        ("attribute", "shape"),
+        ("mixed", None),
+        ("specialist", None),
+        ("attribute", "texture"),
+    ]
     head_roles = [{"role": r, "attribute": a} for r, a in (kinds * 2)[:H]]
     mask = dear.role_mask(head_roles, 196).to(device)  # [12, 202, 202], 0 / -inf
     assert mask.shape == (H, 202, 202) and torch.isinf(mask).any()
@@ -553,10 +669,12 @@ def test_cuda_fused_sdpa_masked_attention_matches_math():
         auto = F.scaled_dot_product_attention(*half, attn_mask=mask.half())
     assert (auto.float() - math_out.float()).abs().max() < 5e-3
 
+
 # python tests/test_precision.py --spread N [--device cuda]: the spread of the TOLERANCE table
 if __name__ == "__main__":
     import argparse
     import statistics
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--spread", type=int, default=30)
     ap.add_argument("--device", default="cpu")

@@ -2,6 +2,7 @@
 K tokens; CLS for f^0), the text start shared by every prompt runs once, prompts run in groups of similar
 length, and blocks 1..J-1 run once. The reference is dear.reference_forward: every position, every block,
 prompts padded to 77 tokens, features read afterwards."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,21 +17,35 @@ H = 4  # heads per block of the tiny CLIP
 
 def varied_roles(layers=range(1, 5)):
     """Per-head roles that differ from block to block, so every block has a different per-head mask."""
-    kinds = [{"role": "generalization", "attribute": None}, {"role": "attribute", "attribute": "color"},
-             {"role": "mixed", "attribute": None}, {"role": "specialist", "attribute": None},
-             {"role": "attribute", "attribute": "shape"}]
+    kinds = [
+        {"role": "generalization", "attribute": None},
+        {"role": "attribute", "attribute": "color"},
+        {"role": "mixed", "attribute": None},
+        {"role": "specialist", "attribute": None},
+        {"role": "attribute", "attribute": "shape"},
+    ]
     return {l: [kinds[(l + h) % len(kinds)] for h in range(H)] for l in layers}
 
 
 def grads(model, value):
-    params = [model.tokens.R, model.P_attr] + list(model.tokens.F_v.parameters()) + list(model.tokens.F_t.parameters())
-    return [g if g is not None else torch.zeros_like(p)
-            for g, p in zip(torch.autograd.grad(value, params, allow_unused=True, retain_graph=True), params)]
+    params = (
+        [model.tokens.R, model.P_attr]
+        + list(model.tokens.F_v.parameters())
+        + list(model.tokens.F_t.parameters())
+    )
+    return [
+        g if g is not None else torch.zeros_like(p)
+        for g, p in zip(
+            torch.autograd.grad(value, params, allow_unused=True, retain_graph=True), params
+        )
+    ]
 
 
 def test_image_side_equals_the_plain_computation_with_per_head_masks():
     torch.manual_seed(0)
-    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7)  # tokens in blocks 2, 3, 4
+    model = DeAR(
+        tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7
+    )  # tokens in blocks 2, 3, 4
     with torch.no_grad():  # trained-looking tokens and P_attr, so every path carries signal
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -55,7 +70,9 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
     if group_cost is not None:
         monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     torch.manual_seed(1)
-    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6)  # tokens in text blocks 3, 4
+    model = DeAR(
+        tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6
+    )  # tokens in text blocks 3, 4
     with torch.no_grad():
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -64,7 +81,9 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths
             assert model.text_shared.shape[1] == 6
             assert len(model.text_groups) == (3 if group_cost == 0 else 1)
-            assert sum(len(g[2]) for g in model.text_groups) == 3  # the last block: three EOT rows in all
+            assert (
+                sum(len(g[2]) for g in model.text_groups) == 3
+            )  # the last block: three EOT rows in all
         t, t0 = reference_classes(model)
         assert torch.allclose(model.t0, t0, atol=1e-6)
         ours = model.encode_classes()
@@ -72,7 +91,9 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         w = torch.randn_like(t)
         for a, b in zip(grads(model, (w * ours).sum()), grads(model, (w * t).sum())):
             assert torch.allclose(a, b, atol=1e-6)
-    assert model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1  # all but EOT
+    assert (
+        model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
+    )  # all but EOT
 
 
 def perturbed(model, seed):
@@ -89,9 +110,13 @@ def test_forward_equals_reference_forward(attr_tokens):
     """The whole forward (Figure 2 with its four shortcuts) against the plain computation: class names of
     several lengths whose prompts share a start, non-uniform images, beta 0.7, roles that differ per block
     and per head, trained-looking weights; every output, t^0, and the gradients of the fused logits."""
-    model = perturbed(DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7,
-                           attr_tokens=attr_tokens), seed=4)
-    model.set_classes(["red fox of the hills", "cat", "red sea lion", "ox", "dog_house"], "a photo of a {}.")
+    model = perturbed(
+        DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7, attr_tokens=attr_tokens),
+        seed=4,
+    )
+    model.set_classes(
+        ["red fox of the hills", "cat", "red sea lion", "ox", "dog_house"], "a photo of a {}."
+    )
     images = torch.randn(3, 3, 32, 32) * torch.linspace(0.2, 2.0, 32)  # no two pixels alike
     ours, ref = model(images, with_frozen=True), reference_forward(model, images)
     keys = ("logits", "fused", "f_cls", "f0", "t") + (("f_attr",) if attr_tokens else ())
@@ -102,7 +127,10 @@ def test_forward_equals_reference_forward(attr_tokens):
     if attr_tokens:  # f^0 only when asked (zero-shot: f^0 is the image feature)
         assert model(images)["f0"] is None and reference_forward(model, images, False)["f0"] is None
         w = torch.randn_like(ours["fused"])
-        g_ours, g_ref = grads(model, (w * ours["fused"]).sum()), grads(model, (w * ref["fused"]).sum())
+        g_ours, g_ref = (
+            grads(model, (w * ours["fused"]).sum()),
+            grads(model, (w * ref["fused"]).sum()),
+        )
         assert g_ours[0].abs().max() > 0
         for a, b in zip(g_ours, g_ref):
             assert torch.allclose(a, b, atol=1e-5)

@@ -1,6 +1,7 @@
 """Faults of the machine around a run: full disks, unusable folders, over-long names, locks that
 outlive their process, two pretrainings at once, and a toy CLIP checkpoint replaced in the cache.
 Each ends in one line that names the file and the fix, before any work is lost."""
+
 import errno
 import hashlib
 import os
@@ -21,8 +22,13 @@ from conftest import ROOT, tiny_clip
 def _run(code, *args):
     """A separate Python process running `code` with the repository importable."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for(path, timeout=60):
@@ -58,10 +64,12 @@ def _full_disk(monkeypatch, code=errno.ENOSPC, over=0):
     monkeypatch.setattr(util.os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
 
 
-@pytest.mark.parametrize("code, says", [(errno.ENOSPC, "the disk is full"),
-                                        (errno.EDQUOT, "quota")])
-def test_a_full_disk_names_the_file_and_the_bytes_and_keeps_the_old_file(tmp_path, monkeypatch,
-                                                                         code, says):
+@pytest.mark.parametrize(
+    "code, says", [(errno.ENOSPC, "the disk is full"), (errno.EDQUOT, "quota")]
+)
+def test_a_full_disk_names_the_file_and_the_bytes_and_keeps_the_old_file(
+    tmp_path, monkeypatch, code, says
+):
     path = tmp_path / "roles.json"
     path.write_text("the old roles")
     _full_disk(monkeypatch, code)
@@ -81,6 +89,7 @@ def test_a_full_cache_during_toy_pretraining_names_the_checkpoint(tmp_path, monk
 
     def pretrain(steps, seed, out_path, log):  # what pretraining ends with: saving the checkpoint
         T.save_checkpoint(tiny_clip(), out_path)
+
     monkeypatch.setattr(T, "pretrain", pretrain)
     _full_disk(monkeypatch, over=1000)  # the SHA256 record fits, the checkpoint does not
     with pytest.raises(T.ToyWorldError) as e:
@@ -117,7 +126,7 @@ def test_a_cache_without_room_for_the_checkpoint_stops_before_pretraining(tmp_pa
 
 
 def test_a_name_over_the_limit_is_counted_in_bytes(tmp_path):
-    util.check_path_names(str(tmp_path / ("a" * 255) / "b"))                # 255 bytes: allowed
+    util.check_path_names(str(tmp_path / ("a" * 255) / "b"))  # 255 bytes: allowed
     with pytest.raises(util.PathError) as e:
         util.check_path_names(str(tmp_path / ("a" * 256)), "choose a shorter --out")
     msg = str(e.value)
@@ -152,8 +161,10 @@ def test_the_loaded_toy_checkpoint_is_checked_and_its_own_hash_is_reported(tmp_p
     assert open(T.sha256_file(path)).read() == record
     # another checkpoint put in its place is refused, with the fix
     torch.save(T.toy_state_dict(tiny_clip(seed=1)), path)
-    for load in (lambda: T.load_clip("toy", download_root=cache),
-                 lambda: T.loaded_sha256("toy", cache)):
+    for load in (
+        lambda: T.load_clip("toy", download_root=cache),
+        lambda: T.loaded_sha256("toy", cache),
+    ):
         with pytest.raises(T.ToyWorldError) as e:
             load()
         assert f"checkpoint {path} is not the file its pretraining wrote" in str(e.value)
@@ -162,8 +173,10 @@ def test_the_loaded_toy_checkpoint_is_checked_and_its_own_hash_is_reported(tmp_p
     with pytest.raises(T.ToyWorldError, match="no readable SHA256 record beside it.*delete it"):
         T.load_clip("toy", download_root=cache)
     os.remove(path)  # deleting it, as the message says, pretrains it again
+
     def pretrain(steps, seed, out_path, log):
         T.save_checkpoint(tiny_clip(seed=2), out_path)
+
     monkeypatch.setattr(T, "pretrain", pretrain)
     assert T.load_clip("toy", download_root=cache)[0].sha256 == T.verify_checkpoint(path)
 
@@ -253,8 +266,9 @@ def test_the_lock_ends_with_its_process_though_a_forked_worker_lives_on(tmp_path
 
 
 def test_a_held_lock_names_its_live_holder_and_a_dead_recorded_pid(tmp_path):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead = int(gone.stdout)  # a process that has ended
     lock_path = str(tmp_path / ".lock")
     holder = _run(_HOLD, lock_path, tmp_path / "ready", dead)
@@ -262,8 +276,9 @@ def test_a_held_lock_names_its_live_holder_and_a_dead_recorded_pid(tmp_path):
     try:
         with pytest.raises(util.LockHeld) as e:
             util.FileLock(lock_path, "the run folder").acquire()
-        assert e.value.holder == (f"pid {holder.pid}; {lock_path} names pid {dead}, "
-                                  "which is no longer running")
+        assert e.value.holder == (
+            f"pid {holder.pid}; {lock_path} names pid {dead}, which is no longer running"
+        )
     finally:
         holder.kill()
         holder.wait()

@@ -27,7 +27,7 @@ import entropy
 import runs
 import toyworld
 import train
-from dear import ATTRIBUTES, K, role_mask
+from dear import K, role_mask
 from test_dear import cli, fake_roles_doc, world  # noqa: F401  (world is a fixture)
 from test_runs import stop_message, write_roles
 
@@ -373,7 +373,9 @@ def test_the_toy_pretraining_is_logged_into_the_run(world, tmp_path, monkeypatch
     def ensure_pretrained(cache_dir, log=print, **kw):  # stands in for the 2-minute pretraining
         if log:
             log("Pretraining the toy CLIP once (stand-in)")
-        path = str(tmp_path / "toy.pt")  # with the SHA256 record a real pretraining writes beside it
+        path = str(
+            tmp_path / "toy.pt"
+        )  # with the SHA256 record a real pretraining writes beside it
         with open(world[1], "rb") as f:
             payload = f.read()
         with open(path, "wb") as f:
@@ -723,8 +725,7 @@ def test_a_file_rewritten_in_place_gets_its_new_hash(tmp_path, monkeypatch):
 
 
 def test_a_fresh_file_is_never_remembered(tmp_path):
-    """Within FRESH_S of its last change a file may change again unseen, even its ctime: not cached.
-    """
+    """Within FRESH_S of its last change a file may change again unseen, even its ctime: not cached."""
     path = tmp_path / "roles.json"
     path.write_text("{}")
     runs.file_sha256(str(path))

@@ -3,6 +3,7 @@ files that are no results, runs no table has a cell for, and runs of several sch
 batch size, lr) under one root. Each result that fills no cell is named, on stderr and at the end of
 tables.md; a cell never mixes schedules. The tables themselves (cells, averages, reference numbers)
 are tested in test_run_all.py."""
+
 import json
 import os
 import shutil
@@ -21,14 +22,34 @@ def write_results(folder, res):
     return os.path.join(folder, "results.json")
 
 
-def run(out, protocol, dataset, evals, method="dear", seed=1, shots=16, variant="default",
-        backbone="ViT-B/16", **extra):
+def run(
+    out,
+    protocol,
+    dataset,
+    evals,
+    method="dear",
+    seed=1,
+    shots=16,
+    variant="default",
+    backbone="ViT-B/16",
+    **extra,
+):
     """One results.json in dear.py's format and folder layout; returns its path."""
     d = os.path.join(out, protocol, dataset, f"{method}-{variant}-shots{shots}-seed{seed}")
-    res = {"method": method, "protocol": protocol, "dataset": dataset, "backbone": backbone,
-           "shots": shots, "seed": seed, "variant": variant, "config": {},
-           "evals": [{"dataset": ds, "split": split, "accuracy": acc, "n": 100}
-                     for ds, split, acc in evals], **extra}
+    res = {
+        "method": method,
+        "protocol": protocol,
+        "dataset": dataset,
+        "backbone": backbone,
+        "shots": shots,
+        "seed": seed,
+        "variant": variant,
+        "config": {},
+        "evals": [
+            {"dataset": ds, "split": split, "accuracy": acc, "n": 100} for ds, split, acc in evals
+        ],
+        **extra,
+    }
     return write_results(d, res)
 
 
@@ -64,20 +85,23 @@ def md_row(md, label, dataset):
 
 # ------------------------------------------------------------------------------------ duplicates
 
+
 def test_a_backup_copy_is_named_and_fills_no_cell(tmp_path, capsys):
     """A copy of some runs under the same root (runs/old/...): the copy used to win the cell
     silently. Now the cell it shares is left empty and both files are named; the other cells are
     unaffected."""
     out = str(tmp_path)
     first = b2n(out, "eurosat", 90.0, 70.0)
-    copy = b2n(os.path.join(out, "old"), "eurosat", 80.0, 60.0)      # an older copy, other numbers
+    copy = b2n(os.path.join(out, "old"), "eurosat", 80.0, 60.0)  # an older copy, other numbers
     b2n(out, "dtd", 70.0, 50.0)
     problems = []
     runs = tables.load_runs(out, problems=problems)
     err = capsys.readouterr().err
     assert sorted(p for p, _ in problems) == sorted([first, copy])
-    assert (f"tables.py: not shown: {first} fills the same table cell(s) as {copy}; those cells "
-            f"use neither") in err
+    assert (
+        f"tables.py: not shown: {first} fills the same table cell(s) as {copy}; those cells "
+        f"use neither"
+    ) in err
     assert f"tables.py: not shown: {copy} fills the same table cell(s) as {first}" in err
     rows = rows_by_label(tables.table_b2n(runs, "ViT-B/16"))
     assert rows[("EuroSAT", tables.OURS_DEAR)] == [None, None, None]
@@ -115,16 +139,28 @@ def test_an_eval_only_rerun_of_the_same_model_is_no_conflict(tmp_path, capsys):
     out = str(tmp_path)
     source = run(out, "xd", "imagenet", [("imagenet", "all", 70.0), ("dtd", "all", 45.0)])
     rdir = os.path.dirname(source)
-    again = write_results(os.path.join(rdir, "eval", "xd-imagenet"), {
-        "method": "dear", "protocol": "xd", "dataset": "imagenet", "backbone": "ViT-B/16",
-        "shots": 16, "seed": 1, "variant": "default", "config": {"eval_only": True, "load": rdir},
-        "evals": [{"dataset": "imagenet", "split": "all", "accuracy": 70.5},
-                  {"dataset": "caltech101", "split": "all", "accuracy": 90.0}]})
+    again = write_results(
+        os.path.join(rdir, "eval", "xd-imagenet"),
+        {
+            "method": "dear",
+            "protocol": "xd",
+            "dataset": "imagenet",
+            "backbone": "ViT-B/16",
+            "shots": 16,
+            "seed": 1,
+            "variant": "default",
+            "config": {"eval_only": True, "load": rdir},
+            "evals": [
+                {"dataset": "imagenet", "split": "all", "accuracy": 70.5},
+                {"dataset": "caltech101", "split": "all", "accuracy": 90.0},
+            ],
+        },
+    )
     problems = []
     runs = tables.load_runs(out, problems=problems)
     assert problems == [] and "not shown" not in capsys.readouterr().err
     xd = rows_by_label(tables.table_xd(runs, "ViT-B/16"))[tables.OURS_DEAR]
-    assert xd[0].mean == 70.0                                         # the training run's source
+    assert xd[0].mean == 70.0  # the training run's source
     assert xd[1 + tables.XD_TARGETS.index("caltech101")].mean == 90.0  # the eval-only run's target
     assert xd[1 + tables.XD_TARGETS.index("dtd")].mean == 45.0
     # a copy of the eval-only result elsewhere is a duplicate like any other: of the training run
@@ -135,9 +171,15 @@ def test_an_eval_only_rerun_of_the_same_model_is_no_conflict(tmp_path, capsys):
     tables.load_runs(out, problems=problems)
     fix = "; those cells use neither: move or delete the copy you do not want, then rerun tables.py"
     same = "fills the same table cell(s) as"
-    assert sorted(problems) == sorted([(source, f"{same} {copy}{fix}"), (again, f"{same} {copy}{fix}"),
-                                       (copy, f"{same} {again}, {source}{fix}")])
+    assert sorted(problems) == sorted(
+        [
+            (source, f"{same} {copy}{fix}"),
+            (again, f"{same} {copy}{fix}"),
+            (copy, f"{same} {again}, {source}{fix}"),
+        ]
+    )
     capsys.readouterr()
+
 
 # ---------------------------------------------------------------------------------- broken files
 
@@ -154,10 +196,19 @@ BROKEN = {
 
 
 def broken_results(kind):
-    res = {"method": "dear", "protocol": "b2n", "dataset": "eurosat", "backbone": "ViT-B/16",
-           "shots": 16, "seed": 1, "variant": "default",
-           "evals": [{"dataset": "eurosat", "split": "base", "accuracy": 90.0},
-                     {"dataset": "eurosat", "split": "novel", "accuracy": 70.0}]}
+    res = {
+        "method": "dear",
+        "protocol": "b2n",
+        "dataset": "eurosat",
+        "backbone": "ViT-B/16",
+        "shots": 16,
+        "seed": 1,
+        "variant": "default",
+        "evals": [
+            {"dataset": "eurosat", "split": "base", "accuracy": 90.0},
+            {"dataset": "eurosat", "split": "novel", "accuracy": 70.0},
+        ],
+    }
     value = BROKEN[kind][0]
     if not isinstance(value, str):
         return value
@@ -196,7 +247,7 @@ def test_an_unreadable_results_json_is_named(tmp_path, capsys):
     bad = os.path.join(out, "b2n", "eurosat", "dear-default-shots16-seed1", "results.json")
     os.makedirs(os.path.dirname(bad))
     with open(bad, "w") as f:
-        f.write('{"method": "dear", "evals": [')                         # cut off
+        f.write('{"method": "dear", "evals": [')  # cut off
     assert tables.main(["--out", out]) == 0
     err = capsys.readouterr().err
     assert err.startswith(f"tables.py: not shown: {bad} cannot be read (")
@@ -209,15 +260,18 @@ def test_runs_that_no_table_has_a_cell_for_are_named(tmp_path, capsys):
     named."""
     out = str(tmp_path)
     b2n(out, "dtd", 70.0, 50.0)
-    odd = [run(out, "xd", "imagenet", [("imagenet", "all", 70.0)], variant="mask-none"),
-           b2n(out, "dtd", 60.0, 40.0, shots=4),
-           run(out, "other", "dtd", [("dtd", "all", 50.0)])]
+    odd = [
+        run(out, "xd", "imagenet", [("imagenet", "all", 70.0)], variant="mask-none"),
+        b2n(out, "dtd", 60.0, 40.0, shots=4),
+        run(out, "other", "dtd", [("dtd", "all", 50.0)]),
+    ]
     tables.build(out)
     err, md = capsys.readouterr().err, open(tmp_path / "tables" / "tables.md").read()
     for path in odd:
         assert f"not shown: {path} is in no table: tables.py has no cell for protocol" in err
         assert f"- {path} is in no table: tables.py has no cell for protocol" in md
     assert md.count("is in no table") == 3
+
 
 # ------------------------------------------------------------------------------------- schedules
 
@@ -227,9 +281,9 @@ def test_a_run_of_another_schedule_never_fills_a_default_cell(tmp_path, capsys):
     one never holds a run of another (the default schedule used to win a cell, and a lone epochs-1
     run filled it)."""
     out = str(tmp_path)
-    b2n(out, "eurosat", 90.0, 70.0)                                       # the default schedule
+    b2n(out, "eurosat", 90.0, 70.0)  # the default schedule
     b2n(out, "eurosat", 50.0, 40.0, variant="epochs-1")
-    b2n(out, "dtd", 60.0, 30.0, variant="epochs-1")                       # only at epochs-1
+    b2n(out, "dtd", 60.0, 30.0, variant="epochs-1")  # only at epochs-1
     run(out, "b2n", "dtd", [("dtd", "base", 55.0), ("dtd", "novel", 45.0)], method="zeroshot")
     md = tables.build(out)
     default, rest = md.split("## Schedule: default", 1)[1].split("## Schedule: epochs-1", 1)
@@ -237,7 +291,7 @@ def test_a_run_of_another_schedule_never_fills_a_default_cell(tmp_path, capsys):
     assert md_row(default, tables.OURS_DEAR, "DTD") == ["–", "–", "–"]
     assert md_row(rest, tables.OURS_DEAR, "EuroSAT")[0].startswith("50.00")
     assert md_row(rest, tables.OURS_DEAR, "DTD")[0].startswith("60.00")
-    assert md_row(default, tables.OURS_CLIP, "DTD")[0].startswith("55.00")   # zero-shot: in each
+    assert md_row(default, tables.OURS_CLIP, "DTD")[0].startswith("55.00")  # zero-shot: in each
     assert md_row(rest, tables.OURS_CLIP, "DTD")[0].startswith("55.00")
     assert "[ViT-B/16, schedule epochs-1]" in rest
     assert "schedule" not in default.split("## Table 1.")[1][:80]
@@ -253,7 +307,7 @@ def test_ablations_compare_against_the_full_model_of_their_own_schedule(tmp_path
     ΔHM is taken against the 1-epoch full model, not the 20-epoch one (which gave "no role mask" ΔHM
     -16)."""
     out = str(tmp_path)
-    b2n(out, "toyworld", 87.0, 84.0, backbone="toy")                      # quick start, 20 epochs
+    b2n(out, "toyworld", 87.0, 84.0, backbone="toy")  # quick start, 20 epochs
     b2n(out, "toyworld", 60.0, 55.0, backbone="toy", variant="epochs-1")  # smoke: full model
     b2n(out, "toyworld", 62.0, 58.0, backbone="toy", variant="mask-none_epochs-1")
     md = tables.build(out)
@@ -283,7 +337,7 @@ def test_the_full_method_of_another_backbone_is_its_table_row(tmp_path, capsys):
     b2n(out, "eurosat", 88.0, 66.0, backbone="ViT-B/32", variant="backbone-ViT-B-32")
     rows = rows_by_label(tables.table_b2n(tables.load_runs(out), "ViT-B/32"))
     assert rows[("EuroSAT", tables.OURS_DEAR)][0].mean == 88.0
-    assert tables.table_ablations(tables.load_runs(out), "ViT-B/32") is None   # not an ablation
+    assert tables.table_ablations(tables.load_runs(out), "ViT-B/32") is None  # not an ablation
     capsys.readouterr()
 
 
@@ -291,5 +345,6 @@ def test_tables_parse_every_field_runs_puts_in_a_folder_name():
     """A field runs.py names a variant by but tables.py cannot parse would make the run a variant of
     its own name (planted: eval_precision missing from tables.VARIANT_FIELDS fails here)."""
     import runs
+
     assert set(runs.VARIANT_FIELDS) <= set(tables.VARIANT_FIELDS)
     assert set(tables.SCHEDULE_FIELDS) <= set(runs.VARIANT_FIELDS)

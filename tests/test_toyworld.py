@@ -1,6 +1,7 @@
 """The toy world: images whose factors can be read back from the pixels, a CoOp-format dataset with
 base/novel halves that are unseen combinations, and a tiny CLIP whose short pretraining already beats
 chance zero-shot and whose checkpoint loads through clip.model.build_model."""
+
 import itertools
 import json
 import math
@@ -22,14 +23,17 @@ from clip.tokenizer import tokenize
 # Reading the factors back from the pixels (a tiny hand-written "oracle")
 # ---------------------------------------------------------------------------------------------
 
+
 def read_factors(a):
     """Recover (colour, shape, texture, location) from a uint8 image [H, W, 3] by plain rules."""
     a = a.astype(np.float64) / 255.0
     mx, mn = a.max(-1), a.min(-1)
-    obj = (mx - mn) / np.maximum(mx, 1e-6) > 0.45         # the object is saturated, the background grey
+    obj = (mx - mn) / np.maximum(mx, 1e-6) > 0.45  # the object is saturated, the background grey
     padded = np.pad(obj, 1)
-    neighbours = padded[:-2, 1:-1].astype(int) + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:]
-    obj &= neighbours >= 2                                 # drop isolated noisy background pixels
+    neighbours = (
+        padded[:-2, 1:-1].astype(int) + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:]
+    )
+    obj &= neighbours >= 2  # drop isolated noisy background pixels
     ys, xs = np.nonzero(obj)
     size = a.shape[0]
     # colour: majority vote of the palette colour nearest to each object pixel's chroma direction
@@ -49,7 +53,15 @@ def read_factors(a):
     h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
     fill = obj.sum() / (h * w)
     low = (ys.mean() - (ys.min() + ys.max()) / 2) / h
-    shape = "square" if fill > 0.9 else "circle" if fill > 0.68 else "triangle" if low > 0.08 else "cross"
+    shape = (
+        "square"
+        if fill > 0.9
+        else "circle"
+        if fill > 0.68
+        else "triangle"
+        if low > 0.08
+        else "cross"
+    )
     return color, shape, texture, location
 
 
@@ -72,10 +84,19 @@ def test_every_factor_is_recoverable_from_the_pixels(monkeypatch):
 
 
 def test_caption_names_the_factors_and_fits_the_tiny_context():
-    assert T.caption("red", "circle", "striped", "top left") == "a red striped circle in the top left"
-    longest = max((f"a photo of {T.caption(*f)}." for f in
-                   itertools.product(T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)), key=len)
-    tokens = tokenize([longest], context_length=T.TOY_CONFIG["context_length"])  # raises if too long
+    assert (
+        T.caption("red", "circle", "striped", "top left") == "a red striped circle in the top left"
+    )
+    longest = max(
+        (
+            f"a photo of {T.caption(*f)}."
+            for f in itertools.product(T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)
+        ),
+        key=len,
+    )
+    tokens = tokenize(
+        [longest], context_length=T.TOY_CONFIG["context_length"]
+    )  # raises if too long
     assert tokens.shape == (1, 16)
     with pytest.raises(T.ToyWorldError, match="unknown color 'pink'"):
         T.caption("pink", "circle", "solid", "top left")
@@ -115,27 +136,35 @@ def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
                 assert (fc[j] >= 0) == any(w in text for w in words), text
             assert fc[1] >= 0 or "object" in text
         if k == 1:
-            assert set((cap_f >= 0).float().argmax(1).tolist()) == {0, 1, 2, 3}  # every factor gets named
+            assert set((cap_f >= 0).float().argmax(1).tolist()) == {
+                0,
+                1,
+                2,
+                3,
+            }  # every factor gets named
     factors = ("red", "square", "solid", "top left")
     monkeypatch.setattr(T, "SATURATION", 1.0)
     full = T.render_array(*factors, seed=3).astype(float)
     monkeypatch.setattr(T, "SATURATION", 0.35)
     pale = T.render_array(*factors, seed=3).astype(float)
-    obj = (full != pale).any(-1)                                   # only object pixels change ...
+    obj = (full != pale).any(-1)  # only object pixels change ...
     assert 0.1 < obj.mean() < 0.3
     chroma = lambda a: (a.max(-1) - a.min(-1))[obj].mean()
-    assert chroma(pale) < 0.5 * chroma(full)                      # ... and lose most of their chroma
-    assert (pale[obj].argmax(-1) == 0).mean() > 0.9               # still red
+    assert chroma(pale) < 0.5 * chroma(full)  # ... and lose most of their chroma
+    assert (pale[obj].argmax(-1) == 0).mean() > 0.9  # still red
     monkeypatch.setattr(T, "SATURATION", 1.0)
     spread = {}
-    for where in ("object", "background"):                        # TEXTURE_ON: where the stripes go
+    for where in ("object", "background"):  # TEXTURE_ON: where the stripes go
         monkeypatch.setattr(T, "TEXTURE_ON", where)
         a = T.render_array("red", "square", "striped", "top left", seed=3).astype(float) / 255
-        red = (a[..., 0] - a[..., 1:].max(-1)) > 0.25               # the object (the ground is grey)
+        red = (a[..., 0] - a[..., 1:].max(-1)) > 0.25  # the object (the ground is grey)
         light = a.max(-1)
-        spread[where] = (light[red].std(), light[~red].std())     # brightness spread on the object, on the ground
-    assert spread["object"][0] > 3 * spread["background"][0]      # striped object vs solid object
-    assert spread["background"][1] > 2 * spread["object"][1]      # plain ground vs striped ground
+        spread[where] = (
+            light[red].std(),
+            light[~red].std(),
+        )  # brightness spread on the object, on the ground
+    assert spread["object"][0] > 3 * spread["background"][0]  # striped object vs solid object
+    assert spread["background"][1] > 2 * spread["object"][1]  # plain ground vs striped ground
 
 
 def test_pale_colours_stay_apart(monkeypatch):
@@ -153,15 +182,19 @@ def test_pale_colours_stay_apart(monkeypatch):
         monkeypatch.undo()
         bright = a.max(-1)
         obj = (bright - a.min(-1)) / bright > 0.45
-        obj &= bright >= 0.75 * np.percentile(bright[obj], 90)         # not a stripe or a dot
+        obj &= bright >= 0.75 * np.percentile(bright[obj], 90)  # not a stripe or a dot
         mean = light[obj].mean(0)
-        right.append(min(pale, key=lambda c: ((chromaticity(pale[c]) - chromaticity(mean)) ** 2).sum()) == factors[0])
+        right.append(
+            min(pale, key=lambda c: ((chromaticity(pale[c]) - chromaticity(mean)) ** 2).sum())
+            == factors[0]
+        )
     assert np.mean(right) >= 0.95, np.mean(right)
 
 
 # ---------------------------------------------------------------------------------------------
 # The dataset
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def toy_root(tmp_path_factory):
@@ -174,11 +207,12 @@ def test_a_dataset_drawn_with_other_knobs_stops_the_run(tmp_path, capsys, monkey
     """A toy dataset records the rendering knobs it was drawn with; one drawn by another recipe (e.g. a v1 folder,
     which has no record) stops dear.py with one line instead of pairing the v2 CLIP with v1 images."""
     import dear
+
     root = tmp_path / "data"
     folder = pathlib.Path(T.ensure_dataset(str(root)))
     assert json.loads((folder / T.RENDER_FILE).read_text()) == T.render_knobs()
-    assert T.ensure_dataset(str(root)) == str(folder)                  # the same knobs: reused
-    (folder / T.RENDER_FILE).unlink()                                   # as a recipe v1 folder
+    assert T.ensure_dataset(str(root)) == str(folder)  # the same knobs: reused
+    (folder / T.RENDER_FILE).unlink()  # as a recipe v1 folder
     with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
         T.ensure_dataset(str(root))
     with pytest.raises(SystemExit) as stop:
@@ -186,7 +220,7 @@ def test_a_dataset_drawn_with_other_knobs_stops_the_run(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "other rendering knobs" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
-    for knob, value in T.V1.items():                                    # with recipe v1's knobs it is v1's folder
+    for knob, value in T.V1.items():  # with recipe v1's knobs it is v1's folder
         monkeypatch.setattr(T, knob, value)
     assert T.ensure_dataset(str(root)) == str(folder)
     monkeypatch.undo()
@@ -202,26 +236,42 @@ def test_every_knob_the_drawing_reads_is_recorded_and_compared(tmp_path, monkeyp
     walking it): a palette or noise change stops the run like a saturation change does, and so does
     a knob added later."""
     knobs = T.render_knobs()
-    for name in ("palette", "saturation", "dark", "texture_on", "background_dark", "colors",
-                 "split_sizes", "render_array.noise", "render_array.scale", "render.size"):
+    for name in (
+        "palette",
+        "saturation",
+        "dark",
+        "texture_on",
+        "background_dark",
+        "colors",
+        "split_sizes",
+        "render_array.noise",
+        "render_array.scale",
+        "render.size",
+    ):
         assert name in knobs, name
     folder = T.ensure_dataset(str(tmp_path / "data"))
-    changes = [("PALETTE", dict(T.PALETTE, red=(0.9, 0.1, 0.1))),
-               ("SPLIT_SIZES", dict(T.SPLIT_SIZES, test=31))]
+    changes = [
+        ("PALETTE", dict(T.PALETTE, red=(0.9, 0.1, 0.1))),
+        ("SPLIT_SIZES", dict(T.SPLIT_SIZES, test=31)),
+    ]
     for knob, value in changes:
         with monkeypatch.context() as m:
             m.setattr(T, knob, value)
             with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
                 T.ensure_dataset(str(tmp_path / "data"))
-    with monkeypatch.context() as m:                         # a keyword default of the drawing
+    with monkeypatch.context() as m:  # a keyword default of the drawing
         m.setattr(T.render_array, "__defaults__", (32, 1.0, 0.03))
         with pytest.raises(T.ToyWorldError, match="other rendering knobs"):
             T.ensure_dataset(str(tmp_path / "data"))
     # a knob added later, read by a helper of render_array: recorded without being listed anywhere
     monkeypatch.setattr(T, "_real_texture_dark", T.texture_dark, raising=False)
     ns = {}
-    exec("def texture_dark(texture, x, y, size, rng):\n"                 # a toyworld function
-         "    return _real_texture_dark(texture, x, y, size * GLOW, rng)\n", vars(T), ns)
+    exec(
+        "def texture_dark(texture, x, y, size, rng):\n"  # a toyworld function
+        "    return _real_texture_dark(texture, x, y, size * GLOW, rng)\n",
+        vars(T),
+        ns,
+    )
     texture_dark = ns["texture_dark"]
     monkeypatch.setattr(T, "GLOW", 1.0, raising=False)
     monkeypatch.setattr(T, "texture_dark", texture_dark)
@@ -267,32 +317,39 @@ def test_split_json_has_the_coop_format(toy_root):
         assert len(split[key]) == n * len(names)
         for path, label, classname in split[key]:
             assert isinstance(path, str) and isinstance(label, int) and isinstance(classname, str)
-            assert classname.replace("_", " ") == names[label]            # CoOp stores '_' for spaces
-            assert path.split("/")[0] == classname                       # images/<class_folder>/...
+            assert classname.replace("_", " ") == names[label]  # CoOp stores '_' for spaces
+            assert path.split("/")[0] == classname  # images/<class_folder>/...
             assert (folder / "images" / path).is_file()
     counts = np.bincount([label for _, label, _ in split["train"]])
-    assert counts.min() >= 16                                            # 16-shot training is possible
-    assert not [p for p in os.listdir(toy_root) if p.startswith(".toyworld-")]  # no temp folder left
+    assert counts.min() >= 16  # 16-shot training is possible
+    assert not [
+        p for p in os.listdir(toy_root) if p.startswith(".toyworld-")
+    ]  # no temp folder left
 
 
 def test_dataset_is_written_once_and_deterministically(toy_root, tmp_path):
     folder = toy_root / "toyworld"
     stamp = os.path.getmtime(folder / T.SPLIT_FILE)
-    assert T.ensure_dataset(str(toy_root)) == str(folder)                # second call: reused, not rewritten
+    assert T.ensure_dataset(str(toy_root)) == str(folder)  # second call: reused, not rewritten
     assert os.path.getmtime(folder / T.SPLIT_FILE) == stamp
     from PIL import Image
+
     item = T.dataset_items()[100]
     png = np.asarray(Image.open(folder / "images" / item["file"]).convert("RGB"))
-    assert np.array_equal(png, T.render_array(item["color"], item["shape"], item["texture"],
-                                              item["location"], item["seed"]))  # PNG is lossless
-    (tmp_path / "toyworld").mkdir()                                      # a foreign folder is not overwritten
+    assert np.array_equal(
+        png,
+        T.render_array(
+            item["color"], item["shape"], item["texture"], item["location"], item["seed"]
+        ),
+    )  # PNG is lossless
+    (tmp_path / "toyworld").mkdir()  # a foreign folder is not overwritten
     with pytest.raises(T.ToyWorldError, match="not a toy-world dataset"):
         T.ensure_dataset(str(tmp_path))
 
 
 def test_base_and_novel_halves_are_unseen_combinations_of_seen_words():
     pairs = T.class_list()
-    m = math.ceil(len(pairs) / 2)                  # CoOp's base = the first ceil(n/2) labels
+    m = math.ceil(len(pairs) / 2)  # CoOp's base = the first ceil(n/2) labels
     base, novel = pairs[:m], pairs[m:]
     assert len(set(pairs)) == len(pairs) == len(T.COLORS) * len(T.SHAPES)
     assert not set(base) & set(novel)
@@ -317,6 +374,7 @@ def test_data_py_reads_the_toy_dataset(toy_root):
 # The tiny CLIP
 # ---------------------------------------------------------------------------------------------
 
+
 def test_default_pretraining_beats_chance_zero_shot(toy_pretraining):
     cache, lines = toy_pretraining
     steps = T.DEFAULT_STEPS
@@ -324,11 +382,13 @@ def test_default_pretraining_beats_chance_zero_shot(toy_pretraining):
     path = os.path.join(cache, T.checkpoint_name())
     model = build_model(torch.load(path, map_location="cpu", weights_only=True))
     acc = T.zero_shot(model)
-    chance = 100.0 / len(T.classnames())           # 4.2 % over 24 classes
+    chance = 100.0 / len(T.classnames())  # 4.2 % over 24 classes
     # measured with seed 0 (recipe v2, 400 steps): all 51.8, base 81.3, novel 80.5 (chance 4.2 / 8.3 / 8.3)
     assert acc["all"] > 5 * chance, acc
-    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 30, acc  # novel combinations too, not only base
-    assert max(acc["base"], acc["novel"]) < 95, acc                 # room left to adapt
+    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 30, (
+        acc
+    )  # novel combinations too, not only base
+    assert max(acc["base"], acc["novel"]) < 95, acc  # room left to adapt
 
 
 def test_checkpoint_loads_strictly_and_is_reused(toy_pretraining, monkeypatch):
@@ -337,7 +397,7 @@ def test_checkpoint_loads_strictly_and_is_reused(toy_pretraining, monkeypatch):
     sd = torch.load(path, map_location="cpu", weights_only=True)
     assert sd["vision_heads"].ndim == 0 and int(sd["vision_heads"]) == T.TOY_CONFIG["vision_heads"]
     assert int(sd["text_heads"]) == T.TOY_CONFIG["transformer_heads"]
-    model = build_model(dict(sd))                  # strict load inside build_model
+    model = build_model(dict(sd))  # strict load inside build_model
     assert model.visual.input_resolution == 32 and model.context_length == 16
     assert model.visual.transformer.heads == 4 and model.transformer.heads == 4
     weights = {k: v for k, v in sd.items() if k not in ("vision_heads", "text_heads")}
@@ -352,20 +412,23 @@ def test_pretraining_groups_are_minimal_pairs_that_name_their_difference():
     img_f, cap_f, texts, _ = T.sample_batch(64, torch.Generator().manual_seed(1), group=4)
     varied = set()
     for start in range(0, 64, 4):
-        f, c = img_f[start:start + 4], cap_f[start:start + 4]
+        f, c = img_f[start : start + 4], cap_f[start : start + 4]
         differ = [k for k in range(4) if len(set(f[:, k].tolist())) > 1]
-        assert len(differ) == 1, f                     # three factors shared, one differs ...
+        assert len(differ) == 1, f  # three factors shared, one differs ...
         k = differ[0]
-        assert (c[:, k] == f[:, k]).all()              # ... and every caption of the group names it
-        assert len(set(f[:, k].tolist())) == min(4, f.new_tensor([6, 4, 3, 4])[k].item())  # no repeats needed
+        assert (c[:, k] == f[:, k]).all()  # ... and every caption of the group names it
+        assert len(set(f[:, k].tolist())) == min(
+            4, f.new_tensor([6, 4, 3, 4])[k].item()
+        )  # no repeats needed
         varied.add(k)
-    assert varied == {0, 1, 2, 3}                      # every factor gets its minimal pairs
+    assert varied == {0, 1, 2, 3}  # every factor gets its minimal pairs
 
 
 def test_pretraining_is_deterministic_in_the_seed():
     def weights(seed):
         model, _ = T.pretrain(steps=2, seed=seed, batch_size=16, log=None)
         return torch.cat([p.detach().flatten() for p in model.parameters()])
+
     a = weights(3)
     assert torch.equal(a, weights(3))
     assert not torch.equal(a, weights(4))
@@ -374,11 +437,33 @@ def test_pretraining_is_deterministic_in_the_seed():
 def test_cli_renders_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(T, "SATURATION", 1.0)  # what read_factors reads
     out = tmp_path / "x.png"
-    assert T.main(["render", "--color", "red", "--shape", "circle", "--texture", "striped",
-                   "--location", "top left", "--out", str(out)]) == 0
+    assert (
+        T.main(
+            [
+                "render",
+                "--color",
+                "red",
+                "--shape",
+                "circle",
+                "--texture",
+                "striped",
+                "--location",
+                "top left",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "a red striped circle in the top left" in capsys.readouterr().out
     from PIL import Image
-    assert read_factors(np.asarray(Image.open(out).convert("RGB"))) == ("red", "circle", "striped", "top left")
+
+    assert read_factors(np.asarray(Image.open(out).convert("RGB"))) == (
+        "red",
+        "circle",
+        "striped",
+        "top left",
+    )
     assert T.main(["render", "--color", "pink", "--shape", "circle", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown color 'pink'" in err and "red" in err and "Traceback" not in err
@@ -387,48 +472,75 @@ def test_cli_renders_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 # The offline demo end to end: `python dear.py --dataset toyworld` through the real CLI
 
+
 def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, monkeypatch):
     """The README's first command: the default toy CLIP, roles from entropy.py, DeAR training, base/novel/HM.
     DeAR must beat the same model's zero-shot base accuracy by a clear margin (recipe v2, measured on seeds 1-3:
     +5.7 to +8.6 points); the novel accuracy is reported, whatever it is."""
     import dear
+
     monkeypatch.setenv("CLIP_CACHE", toy_cache)
-    common = ["--dataset", "toyworld", "--root", str(tmp_path / "data"), "--out", str(tmp_path / "runs"),
-              "--workers", "0"]
+    common = [
+        "--dataset",
+        "toyworld",
+        "--root",
+        str(tmp_path / "data"),
+        "--out",
+        str(tmp_path / "runs"),
+        "--workers",
+        "0",
+    ]
     dear.main(common)
     dear.main(common + ["--method", "zeroshot"])
-    runs = {p.parent.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("results.json")}
+    runs = {
+        p.parent.name.split("-")[0]: json.loads(p.read_text())
+        for p in (tmp_path / "runs").rglob("results.json")
+    }
     ours, zero_shot = runs["dear"], runs["zeroshot"]
     base = {name: r["evals"][0]["accuracy"] for name, r in runs.items()}
     assert ours["config"]["backbone"] == "toy" and ours["config"]["J"] == 3
     assert base["dear"] >= base["zeroshot"] + 3.0, base
-    assert [e["split"] for e in ours["evals"]] == ["base", "novel"] and 0 < ours["evals"][1]["accuracy"] <= 100
+    assert [e["split"] for e in ours["evals"]] == ["base", "novel"] and 0 < ours["evals"][1][
+        "accuracy"
+    ] <= 100
     assert ours["hm"] > 0 and zero_shot["hm"] > 0
-    (roles_file,) = pathlib.Path(toy_cache).rglob("roles.json")  # computed once by entropy.py, cached
+    (roles_file,) = pathlib.Path(toy_cache).rglob(
+        "roles.json"
+    )  # computed once by entropy.py, cached
     roles = json.loads(roles_file.read_text())
-    assert roles["model"] == "toy" and roles["layers"] == [3, 4] and roles["probe"]["dataset"] == "toyworld"
+    assert (
+        roles["model"] == "toy"
+        and roles["layers"] == [3, 4]
+        and roles["probe"]["dataset"] == "toyworld"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Ground truth for Concept Entropy: the known factors, decoded from each head
 
+
 def test_probe_reads_planted_factors_from_held_out_images():
     """Head 0 writes factor a, head 1 factor b, head 2 only noise. A probe scored on held-out images finds exactly
     that; one scored on its own training images would also 'decode' the noise head (48 dims, 100 images a fold)."""
     import entropy
+
     g = torch.Generator().manual_seed(0)
     N, E = 200, 48
     a = torch.randint(0, 4, (N,), generator=g)
-    b = torch.multinomial(torch.tensor([0.6, 0.2, 0.2]), N, replacement=True, generator=g)  # unbalanced: chance 60%
-    heads = torch.randn(N, 1, 3, E, generator=g)                                         # noise in every head
-    heads[:, 0, 0] += 3 * torch.randn(4, E, generator=g)[a]                              # head 0: a's class mean
-    heads[:, 0, 1] += 3 * torch.randn(3, E, generator=g)[b]                              # head 1: b's class mean
+    b = torch.multinomial(
+        torch.tensor([0.6, 0.2, 0.2]), N, replacement=True, generator=g
+    )  # unbalanced: chance 60%
+    heads = torch.randn(N, 1, 3, E, generator=g)  # noise in every head
+    heads[:, 0, 0] += 3 * torch.randn(4, E, generator=g)[a]  # head 0: a's class mean
+    heads[:, 0, 1] += 3 * torch.randn(3, E, generator=g)[b]  # head 1: b's class mean
     out = entropy.probe_factors(heads, {"a": a.tolist(), "b": b.tolist()})
-    chance_a, chance_b = (float(torch.bincount(y).max()) / N for y in (a, b))     # the commonest class's share
+    chance_a, chance_b = (
+        float(torch.bincount(y).max()) / N for y in (a, b)
+    )  # the commonest class's share
     assert out["chance"] == {"a": round(chance_a, 4), "b": round(chance_b, 4)} and chance_b > 0.5
     acc, skill = out["accuracy"], out["skill"]
-    assert acc["a"][0][0] > 0.95 and acc["b"][0][1] > 0.95                            # the planted factors
-    for head, factor in ((1, "a"), (0, "b"), (2, "a"), (2, "b")):                   # the rest: chance, held out
+    assert acc["a"][0][0] > 0.95 and acc["b"][0][1] > 0.95  # the planted factors
+    for head, factor in ((1, "a"), (0, "b"), (2, "a"), (2, "b")):  # the rest: chance, held out
         assert -0.25 < skill[factor][0][head] < 0.15, (head, factor, skill)
     assert skill["b"][0][1] == pytest.approx((acc["b"][0][1] - chance_b) / (1 - chance_b), abs=1e-3)
     assert roles_report.best_factor({"a": 0.9, "b": 0.3, "c": 0.1}) == ("a", pytest.approx(0.6))
@@ -439,10 +551,13 @@ def test_factor_labels_are_the_factors_the_pixels_show(toy_root, monkeypatch):
     paths = [str(toy_root / "toyworld" / "images" / it["file"]) for it in items]
     labels = T.factor_labels(paths)
     from PIL import Image
+
     for i, (path, item) in enumerate(zip(paths, items)):
         factors = tuple(vocab[labels[name][i]] for name, vocab in T.FACTORS.items())
         # the labelled factors redraw the very pixels on disk, and at full saturation read_factors reads them back
-        assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), T.render_array(*factors, item["seed"]))
+        assert np.array_equal(
+            np.asarray(Image.open(path).convert("RGB")), T.render_array(*factors, item["seed"])
+        )
         with monkeypatch.context() as m:
             m.setattr(T, "SATURATION", 1.0)
             assert read_factors(T.render_array(*factors, item["seed"])) == factors
@@ -452,14 +567,15 @@ def test_factor_labels_are_the_factors_the_pixels_show(toy_root, monkeypatch):
 
 def test_transfer_sets_are_folder_datasets_with_their_classes(tmp_path, monkeypatch):
     data = pytest.importorskip("data")
-    monkeypatch.setattr(T, "SATURATION", 1.0)                    # what read_factors reads; the geometry is the same
+    monkeypatch.setattr(T, "SATURATION", 1.0)  # what read_factors reads; the geometry is the same
     folders = T.ensure_transfer(str(tmp_path))
     assert set(folders) == set(T.TRANSFER)
     textures = data.build_dataset("folder:" + folders["textures"], str(tmp_path))
     assert sorted(textures.classnames) == sorted(f"{c} {t}" for c in T.COLORS for t in T.TEXTURES)
     assert len(textures.test) >= 10 * len(textures.classnames)
     from PIL import Image
-    for path, label, name in textures.test[::25]:                 # the class is what the pixels show
+
+    for path, label, name in textures.test[::25]:  # the class is what the pixels show
         color, _, texture, _ = read_factors(np.asarray(Image.open(path).convert("RGB")))
         assert f"{color} {texture}" == name == textures.classnames[label]
     noisy = data.build_dataset("folder:" + folders["noisy"], str(tmp_path))
@@ -469,20 +585,39 @@ def test_transfer_sets_are_folder_datasets_with_their_classes(tmp_path, monkeypa
 # ---------------------------------------------------------------------------------------------------
 # Controls for Concept Entropy (dear.py --roles-control)
 
+
 def _head(role, attribute=None, skill=None):
-    return {"role": role, "attribute": attribute, "entropy": 1.0, **({"skill": skill} if skill else {})}
+    return {
+        "role": role,
+        "attribute": attribute,
+        "entropy": 1.0,
+        **({"skill": skill} if skill else {}),
+    }
 
 
 def test_random_roles_shuffle_heads_within_each_block_and_keep_the_counts():
     import entropy
-    roles = {3: [_head("attribute", "color"), _head("generalization"), _head("mixed"), _head("attribute", "shape")],
-             4: [_head("generalization"), _head("mixed"), _head("attribute", "location"), _head("generalization")]}
+
+    roles = {
+        3: [
+            _head("attribute", "color"),
+            _head("generalization"),
+            _head("mixed"),
+            _head("attribute", "shape"),
+        ],
+        4: [
+            _head("generalization"),
+            _head("mixed"),
+            _head("attribute", "location"),
+            _head("generalization"),
+        ],
+    }
     key = lambda h: (h["role"], h["attribute"])
     shuffled = {seed: entropy.control_roles(roles, "random", seed) for seed in range(1, 6)}
     for out in shuffled.values():
-        for block in roles:                                        # same multiset of roles in every block
+        for block in roles:  # same multiset of roles in every block
             assert sorted(map(key, out[block])) == sorted(map(key, roles[block]))
-    assert entropy.control_roles(roles, "random", 1) == shuffled[1]   # seeded
+    assert entropy.control_roles(roles, "random", 1) == shuffled[1]  # seeded
     assert len({str([key(h) for b in (3, 4) for h in out[b]]) for out in shuffled.values()}) > 1
     assert any(out != roles for out in shuffled.values())
     assert entropy.control_roles(roles, "none", 1) is roles
@@ -490,14 +625,25 @@ def test_random_roles_shuffle_heads_within_each_block_and_keep_the_counts():
 
 def test_oracle_roles_follow_the_ground_truth_in_the_same_numbers():
     import entropy
+
     s = lambda c, sh, t, l: {"color": c, "shape": sh, "texture": t, "location": l}
     # Concept Entropy's roles (1 attribute, 2 generalization, 1 mixed) and each head's decoding skill; by hand:
     # leads over the runner-up: head 0: 0.1 (color), head 1: 0.6 (location), head 2: 0.3 (shape), head 3: 0.0
-    roles = {4: [_head("attribute", "color", s(0.9, 0.8, 0.1, 0.2)), _head("generalization", None, s(0.2, 0.1, 0.1, 0.8)),
-                 _head("mixed", None, s(0.1, 0.5, 0.2, 0.0)), _head("generalization", None, s(0.5, 0.5, 0.5, 0.5))]}
+    roles = {
+        4: [
+            _head("attribute", "color", s(0.9, 0.8, 0.1, 0.2)),
+            _head("generalization", None, s(0.2, 0.1, 0.1, 0.8)),
+            _head("mixed", None, s(0.1, 0.5, 0.2, 0.0)),
+            _head("generalization", None, s(0.5, 0.5, 0.5, 0.5)),
+        ]
+    }
     out = entropy.control_roles(roles, "oracle", 1)[4]
-    assert [(h["role"], h["attribute"]) for h in out] == [("generalization", None), ("attribute", "location"),
-                                                          ("mixed", None), ("generalization", None)]
+    assert [(h["role"], h["attribute"]) for h in out] == [
+        ("generalization", None),
+        ("attribute", "location"),
+        ("mixed", None),
+        ("generalization", None),
+    ]
     with pytest.raises(ValueError, match="ground-truth"):
         entropy.control_roles({4: [_head("mixed")] * 4}, "oracle", 1)
 
@@ -514,11 +660,14 @@ FAR = 0.5
 def toy_roles(toy_cache, tmp_path_factory):
     """Concept Entropy with ground truth for the blocks DeAR uses (J = 3: blocks 3-4) of the default toy CLIP."""
     import entropy
+
     old = os.environ.get("CLIP_CACHE")
     os.environ["CLIP_CACHE"] = toy_cache
     try:
         out = tmp_path_factory.mktemp("roles")
-        path = entropy.run("toy", "toyworld", str(out / "data"), layers="3-4", out_dir=str(out / "roles"))
+        path = entropy.run(
+            "toy", "toyworld", str(out / "data"), layers="3-4", out_dir=str(out / "roles")
+        )
     finally:
         os.environ.pop("CLIP_CACHE") if old is None else os.environ.__setitem__("CLIP_CACHE", old)
     return json.loads(pathlib.Path(path).read_text()), out / "roles"
@@ -534,11 +683,16 @@ def test_attribute_heads_decode_their_attribute_best(toy_roles):
     assert len(agree) >= 0.75 * len(attribute), [(h["attribute"], h["skill"]) for h in attribute]
     md = (folder / "roles.md").read_text()
     h = doc["heads"][0]
-    row = f"| {h['layer']} | {h['head']} | {roles_report.short_role(h)} | " + \
-        " | ".join(f"{100 * h['decoding'][f]:.0f}" for f in T.FACTORS)
+    row = f"| {h['layer']} | {h['head']} | {roles_report.short_role(h)} | " + " | ".join(
+        f"{100 * h['decoding'][f]:.0f}" for f in T.FACTORS
+    )
     assert "## Ground truth" in md and row in md
-    assert doc["decoding"]["chance"] == {"color": round(1 / 6, 4), "shape": 0.25, "texture": round(1 / 3, 4),
-                                         "location": 0.25}   # the test split is balanced in every factor
+    assert doc["decoding"]["chance"] == {
+        "color": round(1 / 6, 4),
+        "shape": 0.25,
+        "texture": round(1 / 3, 4),
+        "location": 0.25,
+    }  # the test split is balanced in every factor
 
 
 def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
@@ -549,6 +703,8 @@ def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
     heads = doc["heads"]
     general = [h for h in heads if h["role"] == "generalization"]
     assert len(general) >= 2
-    assert len({h["attribute"] for h in heads if h["role"] == "attribute"}) >= 2, [roles_report.short_role(h) for h in heads]
+    assert len({h["attribute"] for h in heads if h["role"] == "attribute"}) >= 2, [
+        roles_report.short_role(h) for h in heads
+    ]
     for h in general:
         assert roles_report.best_factor(h["skill"])[1] < FAR, h["skill"]

@@ -1,5 +1,6 @@
 """train.py on a tiny CLIP: a run interrupted inside an epoch resumes bit-identically, every epoch has its own
 order of all the images, and evaluate scores the logits it is asked for."""
+
 import dataclasses
 
 import numpy as np
@@ -26,10 +27,19 @@ def squares(tmp_path_factory):
     for c, color in enumerate(COLORS):
         for i in range(PER_CLASS):
             path = root / f"{c}_{i}.png"
-            Image.fromarray(np.clip(np.array(color) + rng.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)).save(path)
+            Image.fromarray(
+                np.clip(np.array(color) + rng.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
+            ).save(path)
             items.append((str(path), c, f"class {c}"))
     names = [f"class {c}" for c in range(len(COLORS))]
-    return data.Dataset(name="squares", train=items, val=[], test=items, classnames=names, template="a photo of a {}.")
+    return data.Dataset(
+        name="squares",
+        train=items,
+        val=[],
+        test=items,
+        classnames=names,
+        template="a photo of a {}.",
+    )
 
 
 def fresh_model(seed=0):
@@ -38,22 +48,32 @@ def fresh_model(seed=0):
 
 
 # crop_scale 0.5: random crops, so a resumed epoch must also replay the augmentation
-CFG = dear.resolve(dear.Config(epochs=EPOCHS, batch_size=BATCH, warmup_epochs=0, lr=1e-2, crop_scale=0.5, workers=0))
+CFG = dear.resolve(
+    dear.Config(
+        epochs=EPOCHS, batch_size=BATCH, warmup_epochs=0, lr=1e-2, crop_scale=0.5, workers=0
+    )
+)
 
 
 def recording_loss(calls, stop_at=None):
     """The DeAR loss, recording each step's labels; raises KeyboardInterrupt at call number stop_at (0-based)."""
+
     def loss_fn(model, out, labels):
         if len(calls) == stop_at:
             raise KeyboardInterrupt
         calls.append(labels.tolist())
-        return dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg=1.0, lambda_fusion=1.0)
+        return dear.dear_loss(
+            out, labels, model.t0, model.alpha(), lambda_reg=1.0, lambda_fusion=1.0
+        )
+
     return loss_fn
 
 
 def run(ds, rdir, loss_fn):
     model = fresh_model()
-    train.train(model, ds, CFG, torch.device("cpu"), str(rdir), lambda msg: None, loss_fn, ckpt_every_s=0)
+    train.train(
+        model, ds, CFG, torch.device("cpu"), str(rdir), lambda msg: None, loss_fn, ckpt_every_s=0
+    )
     return model.trainable_state()
 
 
@@ -77,12 +97,16 @@ def test_resume_inside_an_epoch_is_bit_identical(squares, full_run, tmp_path):
     resumed = run(squares, tmp_path / "cut", recording_loss(resumed_calls))
     assert resumed_calls == full_calls[done:]  # no step repeated, none skipped, the same batches
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
-    assert not torch.equal(full["tokens.R"], fresh_model().trainable_state()["tokens.R"])  # it did train
+    assert not torch.equal(
+        full["tokens.R"], fresh_model().trainable_state()["tokens.R"]
+    )  # it did train
 
 
 def test_every_epoch_has_a_new_order_of_all_images(squares, full_run):
     calls = full_run[1]
-    epochs = [sum(calls[e * STEPS:(e + 1) * STEPS], []) for e in range(EPOCHS)]  # labels in the order seen
+    epochs = [
+        sum(calls[e * STEPS : (e + 1) * STEPS], []) for e in range(EPOCHS)
+    ]  # labels in the order seen
     labels = sorted(y for _, y, _ in squares.train)
     assert all(sorted(order) == labels for order in epochs)  # every image once per epoch
     assert epochs[0] != epochs[1]
@@ -92,7 +116,9 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
     """Labels set to the class-logit prediction on images where the fused prediction differs: the class-only
     rule scores 100%, the fused rule 0%."""
     model = fresh_model()
-    with torch.no_grad():  # tokens that matter and fusion weights that favour them, so the two rules disagree
+    with (
+        torch.no_grad()
+    ):  # tokens that matter and fusion weights that favour them, so the two rules disagree
         model.tokens.R.normal_()
         model.P_attr.add_(0.5 * torch.randn_like(model.P_attr))
         model.w.copy_(torch.tensor([-3.0, 0, 0, 0, 0, 0]))
@@ -104,25 +130,37 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
     cls, fused = out["logits"][:, 0].argmax(-1), out["fused"].argmax(-1)
     items = [(p, int(cls[i]), "") for i, (p, _, _) in enumerate(squares.test) if cls[i] != fused[i]]
     assert len(items) >= 3
-    cfg = dear.resolve(dear.Config(eval_batch_size=2, workers=0))  # several batches, the last one partial
+    cfg = dear.resolve(
+        dear.Config(eval_batch_size=2, workers=0)
+    )  # several batches, the last one partial
     for rule, expected in (("cls", 100.0), ("fused", 0.0)):
-        r = train.evaluate(model, items, squares.classnames, squares.template, cfg, torch.device("cpu"),
-                           logits=rule, log=lambda msg: None)
+        r = train.evaluate(
+            model,
+            items,
+            squares.classnames,
+            squares.template,
+            cfg,
+            torch.device("cpu"),
+            logits=rule,
+            log=lambda msg: None,
+        )
         assert r["accuracy"] == pytest.approx(expected) and r["n"] == len(items)
         assert sum(c["n"] for c in r["per_class"]) == len(items)
 
 
 # ------------------------------------------------------------------------------------ fp16 vs fp32
 
-SAFE_SCALE = 2.0 ** 8  # no step of the tiny CLIP overflows at this scale (tests/test_precision.py)
+SAFE_SCALE = 2.0**8  # no step of the tiny CLIP overflows at this scale (tests/test_precision.py)
 # A short run (2 epochs, 10 steps, lr 1e-2) in fp16 / bf16 against fp32 from the same state,
 # measured over 10 model seeds on a CPU (short_run with seeds 0-9):
 #   worst step's relative loss difference: fp16 median 5.6e-4, max 1.5e-3; bf16 5.0e-3, 1.1e-2
 #   |R - R fp32| / |R fp32 - R initial|:   fp16 median 3.8e-3, max 1.1e-2; bf16 3.2e-2, 9.2e-2
 #   test accuracy difference (points):     fp16 max 0; bf16 max 5 (one image of 20)
 # Tolerances: about twice the maximum; accuracy one image (fp16) or two (bf16) more than measured.
-SHORT_RUN_TOLERANCE = {"fp16": dict(loss=3e-3, R=2e-2, acc=5.0),
-                       "bf16": dict(loss=2.5e-2, R=0.2, acc=10.0)}
+SHORT_RUN_TOLERANCE = {
+    "fp16": dict(loss=3e-3, R=2e-2, acc=5.0),
+    "bf16": dict(loss=2.5e-2, R=0.2, acc=10.0),
+}
 
 
 def short_run(ds, precision, seed, rdir):
@@ -133,23 +171,33 @@ def short_run(ds, precision, seed, rdir):
     R0 = model.tokens.R.detach().clone()
 
     def loss_fn(model, out, labels):
-        loss, parts = dear.dear_loss(out, labels, model.t0, model.alpha(), lambda_reg=1.0,
-                                     lambda_fusion=1.0)
+        loss, parts = dear.dear_loss(
+            out, labels, model.t0, model.alpha(), lambda_reg=1.0, lambda_fusion=1.0
+        )
         losses.append(loss.detach().clone())
         return loss, parts
+
     real = train.make_scaler
     train.make_scaler = lambda device, amp: torch.amp.GradScaler(
-        device.type, enabled=amp == torch.float16, init_scale=SAFE_SCALE)
+        device.type, enabled=amp == torch.float16, init_scale=SAFE_SCALE
+    )
     try:
         cfg = dataclasses.replace(CFG, precision=precision)
-        result = train.train(model, ds, cfg, torch.device("cpu"), str(rdir), lambda msg: None,
-                             loss_fn)
+        result = train.train(
+            model, ds, cfg, torch.device("cpu"), str(rdir), lambda msg: None, loss_fn
+        )
     finally:
         train.make_scaler = real
-    r = train.evaluate(model, ds.test, ds.classnames, ds.template, CFG, torch.device("cpu"),
-                       log=lambda m: None)
-    return {"losses": torch.stack(losses), "R0": R0, "R": model.tokens.R.detach().clone(),
-            "acc": r["accuracy"], "result": result}
+    r = train.evaluate(
+        model, ds.test, ds.classnames, ds.template, CFG, torch.device("cpu"), log=lambda m: None
+    )
+    return {
+        "losses": torch.stack(losses),
+        "R0": R0,
+        "R": model.tokens.R.detach().clone(),
+        "acc": r["accuracy"],
+        "result": result,
+    }
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -191,12 +239,20 @@ def test_evaluate_counts_per_class_by_the_true_label(squares):
     by_pred = [pred.count(c) for c in range(C)]
     assert len(set(n)) > 1 and by_pred != n  # unequal counts; the wrong rule counts differently
     cfg = dear.resolve(dear.Config(eval_batch_size=3, workers=0))
-    r = train.evaluate(model, items, squares.classnames, squares.template, cfg, torch.device("cpu"),
-                       log=lambda msg: None)
+    r = train.evaluate(
+        model,
+        items,
+        squares.classnames,
+        squares.template,
+        cfg,
+        torch.device("cpu"),
+        log=lambda msg: None,
+    )
     assert [c["n"] for c in r["per_class"]] == n
     assert [c["class"] for c in r["per_class"]] == squares.classnames
     assert [c["accuracy"] for c in r["per_class"]] == pytest.approx(
-        [100.0 * h / max(1, k) for h, k in zip(hits, n)])
+        [100.0 * h / max(1, k) for h, k in zip(hits, n)]
+    )
     assert r["accuracy"] == pytest.approx(100.0 * sum(hits) / len(items)) and r["n"] == len(items)
     assert r["precision"] == "fp32" and r["logits"] == "fused"
 
@@ -207,6 +263,7 @@ def test_lr_at_warmup_then_cosine_per_epoch():
     warm-up of W - 1 or W + 1 epochs, or a linear decay) all give other values."""
     import math
     import types
+
     cfg = types.SimpleNamespace(warmup_epochs=2, warmup_lr=1e-5, lr=2e-3, epochs=6)
     got = [train.lr_at(e, cfg) for e in range(6)]
     cosine = [2e-3 * (1 + math.cos(math.pi * (e - 2) / 6)) / 2 for e in range(2, 6)]
@@ -217,22 +274,28 @@ def test_lr_at_warmup_then_cosine_per_epoch():
 
 # ------------------------------------------------------------------ mutation survivors (mutate.sh)
 
+
 def test_resolve_precision_bf16_needs_a_gpu_that_supports_it(monkeypatch):
     """bf16 on a CUDA device without bfloat16 support stops with advice; with support, or for the
     other precisions, or on a CPU, it resolves; an unknown name lists the choices."""
     import types
+
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    with pytest.raises(train.RunError, match=r"^--precision bf16: this GPU does not support "
-                       r"bfloat16; use --precision fp16 \(or amp\)$"):
+    with pytest.raises(
+        train.RunError,
+        match=r"^--precision bf16: this GPU does not support "
+        r"bfloat16; use --precision fp16 \(or amp\)$",
+    ):
         train.resolve_precision("bf16", cuda)
     assert train.resolve_precision("fp16", cuda) == "fp16"
     assert train.resolve_precision("fp32", cuda) == "fp32"
     assert train.resolve_precision("bf16", torch.device("cpu")) == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert train.resolve_precision("bf16", cuda) == "bf16"
-    with pytest.raises(train.RunError,
-                       match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"):
+    with pytest.raises(
+        train.RunError, match=r"^unknown --precision 'half'; choose amp, fp16, bf16, fp32$"
+    ):
         train.resolve_precision("half", torch.device("cpu"))
     # a config without eval_precision evaluates in fp32, whatever it trains in
     cfg = types.SimpleNamespace(precision="bf16")
@@ -262,8 +325,13 @@ def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_contin
     epoch (1-based) and the step."""
     cpu, lin = torch.device("cpu"), torch.nn.Linear(2, 2)
     opt, scaler = torch.optim.AdamW(lin.parameters()), train.make_scaler(torch.device("cpu"), None)
-    base = {"model": lin.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
-            "epoch": 3, "step": 2}
+    base = {
+        "model": lin.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": 3,
+        "step": 2,
+    }
     old, new = tmp_path / "old.pt", tmp_path / "new.pt"
     torch.save(base, old)
     torch.save({**base, "precision": "fp32", "skipped_steps": 5}, new)
