@@ -28,11 +28,9 @@ Used by dear.py; imports clip, config, data, entropy, toyworld, train and util.
 """
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
-import socket
 import time
 
 import torch
@@ -257,61 +255,27 @@ def check_same(rdir: str, current: dict, what: str, saved=None):
         )
 
 
-_held_locks = set()  # fds of the RunLocks this process holds
-
-
-def _forget_locks_in_child():
-    """In a forked child (a DataLoader worker): close the copies of the lock fds. An flock belongs
-    to the open file, which a fork shares, so a worker orphaned by a SIGKILL of the run would keep
-    the folder locked until it noticed; closing its copy leaves the lock with the run's own process
-    alone."""
-    for fd in list(_held_locks):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_locks.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_locks_in_child)
-
-
 class RunLock:
-    """An exclusive lock on a run folder (an flock on rdir/.lock, released by the OS when the
-    process dies; forked children drop their copy). A second process on the same folder stops with a
-    message naming the first."""
+    """An exclusive lock on a run folder: util.FileLock on rdir/.lock, a POSIX lock of this process
+    (released by the OS when it dies; forked DataLoader workers do not keep it). A second process on
+    the same folder stops with a message naming the first."""
 
     def __init__(self, rdir: str):
         self.path = os.path.join(rdir, ".lock")
-        self.fd = None
+        self.lock = util.FileLock(self.path, rdir)
 
     def __enter__(self):
-        import fcntl  # POSIX; the lock is what keeps two runs from interleaving one folder
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
+            self.lock.acquire()
+        except util.LockHeld as e:
             raise RunError(
-                f"{os.path.dirname(self.path)} is being written by {holder}; wait for it to finish "
+                f"{os.path.dirname(self.path)} is being written by {e.holder}; wait for it to finish "
                 "(a second identical run would only repeat it)"
             ) from None
-        self.fd = fd
-        _held_locks.add(fd)
-        started = time.strftime("%Y-%m-%d %H:%M:%S")
-        stamp = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, stamp.encode(), 0)
         return self
 
     def __exit__(self, *exc):
-        _held_locks.discard(self.fd)
-        os.close(self.fd)  # closing releases the flock
+        self.lock.release()
         return False
 
 
@@ -603,7 +567,7 @@ def check_name_length(rdir: str):
             )
 
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE = util.DiskFull.ERRNOS  # a full disk or quota
 
 
 def disk_error(e: OSError, path: str, size: int, then: str) -> RunError:
