@@ -551,13 +551,7 @@ def check_flags(cfg: Config):
 
 def check_name_length(rdir: str):
     """Stop before any work if a folder name of rdir is longer than the file system allows."""
-    probe = os.path.abspath(rdir)
-    while not os.path.isdir(probe):
-        probe = os.path.dirname(probe)
-    try:
-        limit = os.pathconf(probe, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
+    limit = util.name_max(os.path.abspath(rdir))  # NAME_MAX where the folder will be
     for part in rdir.split(os.sep):
         if len(part.encode()) > limit:
             raise RunError(

@@ -128,7 +128,7 @@ def fmt_bytes(n):
     return f"{n / 10**6:.1f} MB" if n < 10**9 else f"{n / 10**9:.2f} GB"
 
 
-def _name_max(path):
+def name_max(path):
     """The file system's limit on one file or folder name, in bytes (NAME_MAX), read at the deepest
     folder of `path` that exists; 255 (Linux, macOS) where it cannot be read."""
     folder = path
@@ -144,7 +144,7 @@ def check_path_names(path, fix="choose a shorter --out"):
     """Raise PathError unless every file or folder name in `path` fits the file system's limit
     (NAME_MAX, in bytes of the file system encoding, not in characters). `fix`: what to do."""
     path = os.path.abspath(os.path.expanduser(path))
-    limit = _name_max(path)
+    limit = name_max(path)
     for name in path.split(os.sep):
         size = len(os.fsencode(name))
         if size > limit:
