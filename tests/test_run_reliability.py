@@ -222,7 +222,9 @@ def test_a_full_disk_names_the_file_and_the_fix(world, tmp_path, capsys, monkeyp
         train, "atomic_save", enospc_for(name, train.atomic_save)
     )  # the checkpoints
     monkeypatch.setattr(runs, "atomic_save", enospc_for(name, runs.atomic_save))  # config, results
-    runs.build_dataset(world[2], str(world[0]))  # the folder's split, written (and said) once, first
+    runs.build_dataset(
+        world[2], str(world[0])
+    )  # the folder's split, written (and said) once, first
     capsys.readouterr()
     err = stop_message(
         cli(world, tmp_path / "runs", "--protocol", "fewshot", "--roles", roles), capsys
