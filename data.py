@@ -1000,36 +1000,81 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def train_transform(size=224, min_scale=0.5):
-    """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(min_scale, 1), bicubic) + flip."""
-    from torchvision import transforms as T  # imported here: listing folders needs no torch
+# Aspect ratios RandomResizedCrop draws from (torchvision's default, as Dassl's train pipeline).
+CROP_RATIO = (3 / 4, 4 / 3)
 
-    return T.Compose(
-        [
-            T.Lambda(to_rgb),
-            T.RandomResizedCrop(
-                size, scale=(min_scale, 1.0), interpolation=T.InterpolationMode.BICUBIC
-            ),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            T.Normalize(CLIP_MEAN, CLIP_STD),
-        ]
-    )
+
+def random_crop_box(width, height, min_scale, ratio=CROP_RATIO):
+    """(top, left, h, w) of a random crop: torchvision's RandomResizedCrop.get_params, with the same
+    draws from torch's RNG. Up to 10 tries of an area fraction in (min_scale, 1) and a log-uniform
+    aspect ratio; a box that does not fit is drawn again, and after 10 misses the centre crop of the
+    largest box the ratio range allows is taken."""
+    import torch
+
+    area = width * height
+    log_ratio = torch.log(torch.tensor(ratio))  # float32, as torchvision's
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(min_scale, 1.0).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, size=(1,)).item()
+            left = torch.randint(0, width - w + 1, size=(1,)).item()
+            return top, left, h, w
+    if width / height < min(ratio):  # too tall for every ratio: full width
+        w, h = width, int(round(width / min(ratio)))
+    elif width / height > max(ratio):  # too wide: full height
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TrainTransform:
+    """Dassl's train pipeline with MMRL's crop scale: RGB, RandomResizedCrop(size, scale=(min_scale, 1),
+    bicubic), a horizontal flip with probability 1/2 (torch.rand(1) < 0.5), CLIP's mean/std. Written
+    with PIL and torch, not torchvision (see clip.to_tensor); equal to torchvision's pipeline bit for
+    bit from the same RNG state (tests/test_data.py)."""
+
+    def __init__(self, size=224, min_scale=0.5):
+        self.size, self.min_scale = size, min_scale
+
+    def __call__(self, image):  # PIL image -> [3, size, size]
+        import clip  # imported on first use: listing folders needs no torch
+        import torch
+
+        image = to_rgb(image)
+        top, left, h, w = random_crop_box(*image.size, self.min_scale)
+        image = image.crop((left, top, left + w, top + h))
+        if image.size != (self.size, self.size):
+            image = image.resize((self.size, self.size), Image.BICUBIC)
+        if torch.rand(1) < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        return clip.to_tensor(image, CLIP_MEAN, CLIP_STD)
+
+
+class EvalTransform:
+    """CLIP's preprocess after RGB: the shorter side to `size` (bicubic), the central size x size,
+    CLIP's mean/std (clip.resize, clip.center_crop, clip.to_tensor)."""
+
+    def __init__(self, size=224):
+        self.size = size
+
+    def __call__(self, image):  # PIL image -> [3, size, size]
+        import clip
+
+        image = clip.center_crop(clip.resize(to_rgb(image), self.size), self.size)
+        return clip.to_tensor(image, CLIP_MEAN, CLIP_STD)
+
+
+def train_transform(size=224, min_scale=0.5):
+    """The training pipeline (TrainTransform)."""
+    return TrainTransform(size, min_scale)
 
 
 def test_transform(size=224):
-    """CLIP's preprocess: resize the shorter side to `size` (bicubic), center crop, normalise."""
-    from torchvision import transforms as T
-
-    return T.Compose(
-        [
-            T.Lambda(to_rgb),
-            T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop(size),
-            T.ToTensor(),
-            T.Normalize(CLIP_MEAN, CLIP_STD),
-        ]
-    )
+    """The evaluation pipeline: CLIP's preprocess (EvalTransform)."""
+    return EvalTransform(size)
 
 
 class ImageList:

@@ -28,16 +28,9 @@ import urllib.request
 import warnings
 import zipfile
 
+import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import (
-    CenterCrop,
-    Compose,
-    InterpolationMode,
-    Normalize,
-    Resize,
-    ToTensor,
-)
 
 from .model import CLIP, build_model
 from .tokenizer import tokenize
@@ -223,21 +216,50 @@ def read_state_dict(path: str) -> dict:
     return dict(sd)
 
 
-def _convert_to_rgb(image: Image.Image) -> Image.Image:
-    return image.convert("RGB")
+# CLIP's preprocessing. OpenAI's `_transform` is torchvision's Resize(n_px, bicubic), CenterCrop(n_px),
+# RGB, ToTensor and Normalize. On PIL images those are a few lines of PIL and torch, written out here:
+# importing torchvision (it loads torch._dynamo) costs a process about as much CPU time as importing
+# torch. tests/test_clip.py checks them bit for bit against torchvision's own transforms.
+
+
+def resize(image, size):
+    """PIL image -> its shorter side `size` (bicubic), the aspect kept: the longer side is
+    int(size * long / short), truncated (torchvision's Resize(size) on a PIL image)."""
+    w, h = image.size
+    long = int(size * max(w, h) / min(w, h))
+    new = (size, long) if w <= h else (long, size)  # (width, height)
+    return image if new == (w, h) else image.resize(new, Image.BICUBIC)
+
+
+def center_crop(image, size):
+    """The central size x size of a PIL image at least that large; an odd margin rounds half to even
+    (Python's round, as torchvision's CenterCrop)."""
+    w, h = image.size
+    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))
+
+
+def to_tensor(image, mean=MEAN, std=STD):
+    """8-bit RGB PIL image -> float [3, H, W]: pixels / 255, then (x - mean) / std per channel."""
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()  # [3, H, W]
+    x = x.float().div(255)
+    return x.sub_(torch.tensor(mean).view(3, 1, 1)).div_(torch.tensor(std).view(3, 1, 1))
+
+
+class Preprocess:
+    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
+
+    def __init__(self, n_px):
+        self.n_px = n_px
+
+    def __call__(self, image):  # PIL image -> [3, n_px, n_px]
+        image = center_crop(resize(image, self.n_px), self.n_px)
+        return to_tensor(image.convert("RGB"))
 
 
 def transform(n_px: int):
-    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
-    return Compose(
-        [
-            Resize(n_px, interpolation=InterpolationMode.BICUBIC),
-            CenterCrop(n_px),
-            _convert_to_rgb,
-            ToTensor(),
-            Normalize(MEAN, STD),
-        ]
-    )
+    """CLIP's preprocess for n_px x n_px inputs (what `load` returns beside the model)."""
+    return Preprocess(n_px)
 
 
 def load(name_or_path: str, device=None, download_root=None):

@@ -7,6 +7,7 @@ import os
 import threading
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -710,3 +711,27 @@ def test_build_model_copies_never_aliases_the_state_dict(dtype):
     assert all(torch.equal(sd[k], kept[k]) for k in sd)  # the caller's dict is untouched
     sd["visual.proj"].zero_()
     assert model.visual.proj.abs().sum() > 0  # nor does the model see the caller's later changes
+
+
+def test_preprocess_equals_openais_torchvision_pipeline():
+    """clip.load's preprocess is OpenAI's _transform (torchvision's Resize(n, bicubic), CenterCrop(n),
+    RGB, ToTensor, Normalize) written with PIL and torch: bit for bit on noise images whose resized
+    side truncates (44x40 -> 35.2 -> 35, not 36) and whose crop margin is odd (round(1.5) = 2), in
+    RGB, L and RGBA (converted to RGB after the crop, as OpenAI's order)."""
+    from PIL import Image
+    from torchvision import transforms as TV
+
+    openai = TV.Compose(
+        [
+            TV.Resize(32, interpolation=TV.InterpolationMode.BICUBIC),
+            TV.CenterCrop(32),
+            lambda image: image.convert("RGB"),
+            TV.ToTensor(),
+            TV.Normalize(clip.MEAN, clip.STD),
+        ]
+    )
+    for w, h in ((44, 40), (40, 61), (32, 32)):
+        pixels = np.random.default_rng(w + h).integers(0, 256, (h, w, 4), dtype=np.uint8)
+        for mode in ("RGB", "L", "RGBA"):
+            image = Image.fromarray(pixels, "RGBA").convert(mode)
+            assert torch.equal(clip.transform(32)(image), openai(image)), (w, h, mode)

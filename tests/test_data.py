@@ -694,6 +694,39 @@ def test_train_transform_is_a_seeded_random_resized_crop_with_its_scale_and_a_fl
     assert flips == {True, False}  # both branches were seen
 
 
+def test_pipelines_equal_torchvisions_bit_for_bit():
+    """data.py's pipelines are written with PIL and torch; torchvision's own transforms are the
+    statement of what they must do. Bit for bit, from the same RNG state, on noise images of several
+    modes and shapes: 44x40 (the resized side is 35.2 -> 35, a rounding resize gives 36, and the
+    centre crop's odd margin 3 starts at round(1.5) = 2, a floor at 1), 61x40, a square, 200x7 and
+    7x200 (no box fits in 10 tries: the fallback crop, full height or full width)."""
+    from torchvision import transforms as TV
+
+    bicubic = TV.InterpolationMode.BICUBIC
+    norm = [TV.ToTensor(), TV.Normalize(data.CLIP_MEAN, data.CLIP_STD)]
+    rgb = [TV.Lambda(data.to_rgb)]
+    fallbacks = set()
+    for w, h in ((44, 40), (61, 40), (33, 33), (200, 7), (7, 200)):
+        pixels = np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        for mode in ("RGB", "L", "P"):
+            image = Image.fromarray(pixels).convert(mode)
+            want = TV.Compose(rgb + [TV.Resize(32, bicubic), TV.CenterCrop(32)] + norm)(image)
+            assert torch.equal(data.test_transform(32)(image), want), (w, h, mode)
+            for seed in range(4):
+                for min_scale in (0.08, 0.5):
+                    crop = TV.RandomResizedCrop(32, scale=(min_scale, 1.0), interpolation=bicubic)
+                    tv = TV.Compose(rgb + [crop, TV.RandomHorizontalFlip()] + norm)
+                    torch.manual_seed(seed)
+                    want = tv(image)
+                    torch.manual_seed(seed)
+                    ours = data.train_transform(32, min_scale=min_scale)(image)
+                    assert torch.equal(ours, want), (w, h, mode, seed, min_scale)
+                    torch.manual_seed(seed)
+                    if 7 in data.random_crop_box(w, h, min_scale)[2:]:  # (h, w) of the box
+                        fallbacks.add((w, h))
+    assert fallbacks == {(200, 7), (7, 200)}  # the fallback crop was taken, both ways
+
+
 def make_items(tmp_path, n=10):
     items = []
     for i in range(n):
