@@ -1,11 +1,13 @@
 """Speed bench: what a DeAR training step and a DeAR evaluation cost next to the frozen CLIP.
 
-DeAR trains only tokens and two small maps, so a training step should cost little more than a frozen CLIP
-forward pass. Measured in one process, on one device, with random weights of the real shapes (nothing is
-downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike; medians over repeats.
-  a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights; outputs agree
-  b. one DeAR training step (train.train_step, what train.train runs) vs one frozen CLIP forward of the batch
-     and of all class prompts
+DeAR trains only tokens and two small maps, so a training step should cost little more than a frozen
+CLIP forward pass. Measured in one process, on one device, with random weights of the real shapes
+(nothing is downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike;
+medians over repeats.
+  a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights;
+     outputs agree
+  b. one DeAR training step (train.train_step, what train.train runs) vs one frozen CLIP forward of
+     the batch and of all class prompts
   c. the same DeAR step written the naive way vs ours      d. DeAR evaluation vs zero-shot CLIP
   e. peak memory of a training step
 
@@ -13,9 +15,9 @@ downloaded), contenders interleaved (A B A B ...) so that outside load hits both
     python bench.py --device cuda --repeats 10  # ViT-B/16 shapes on a GPU
     python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1   # ViT-B/16 on a small CPU
 
-Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on CUDA and fp32
-on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype while the contenders run
-(train.frozen_weights_in), as in train.train and train.evaluate.
+Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on
+CUDA and fp32 on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype
+while the contenders run (train.frozen_weights_in), as in train.train and train.evaluate.
 """
 
 import argparse
@@ -41,7 +43,8 @@ from clip.model import CLIP
 from dear import ATTRIBUTES, K
 from util import fmt_time, write_atomic
 
-# OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of tests/conftest.py
+# OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of
+# tests/conftest.py
 VIT_B16 = dict(
     embed_dim=512,
     image_resolution=224,
@@ -97,7 +100,8 @@ WORDS = (
 
 
 def classnames(n: int):
-    """n distinct class names; every 7th gets a longer name (the longest prompts set the text length)."""
+    """n distinct class names; every 7th gets a longer name (the longest prompts set the text
+    length)."""
     names = []
     for i in range(n):
         a, b, c = WORDS[0][i % 10], WORDS[1][i // 10 % 10], WORDS[2][i // 100 % 10]
@@ -107,8 +111,9 @@ def classnames(n: int):
 
 
 def bench_roles(J: int, L: int, H: int):
-    """A deterministic made-up role table for blocks J..L (1-based): generalization, attribute, mixed and
-    other-specialist heads in turn, attribute heads cycling through the five attributes."""
+    """A deterministic made-up role table for blocks J..L (1-based): generalization, attribute,
+    mixed and other-specialist heads in turn, attribute heads cycling through the five
+    attributes."""
     kinds = ("generalization", "attribute", "mixed", "specialist")
     roles = {}
     for layer in range(J, L + 1):
@@ -126,8 +131,8 @@ def bench_roles(J: int, L: int, H: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# The reference CLIP: the plainest way, on nn.MultiheadAttention, sequence-first as OpenAI's original.
-# Parameter names equal the vendored model's, so its state dict loads strictly.
+# The reference CLIP: the plainest way, on nn.MultiheadAttention, sequence-first as OpenAI's
+# original. Parameter names equal the vendored model's, so its state dict loads strictly.
 
 
 class RefLayerNorm(nn.LayerNorm):
@@ -282,10 +287,11 @@ def cpu_memory_method() -> str:
 
 
 def peak_memory(fn, device, method):
-    """Run fn once; return (its peak memory above what was resident before, in bytes, and fn's result).
-    CUDA: torch.cuda.max_memory_allocated. CPU/VmHWM: the process high-water mark is reset to the current
-    RSS, with glibc told to hand every block over 64 KiB straight back to the OS during this one call, so
-    that freed tensors show up as freed. CPU/ru_maxrss: growth of the lifetime peak (a lower bound)."""
+    """Run fn once; return (its peak memory above what was resident before, in bytes, and fn's
+    result). CUDA: torch.cuda.max_memory_allocated. CPU/VmHWM: the process high-water mark is reset
+    to the current RSS, with glibc told to hand every block over 64 KiB straight back to the OS
+    during this one call, so that freed tensors show up as freed. CPU/ru_maxrss: growth of the
+    lifetime peak (a lower bound)."""
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -324,8 +330,9 @@ MEM_NOTES = {
 
 
 def count_flops(fn):
-    """Matrix-multiply FLOPs (2 per multiply-add) of one call of fn, read from the shape of every matmul it runs,
-    backward included (torch's FlopCounterMode); attention goes through the math kernel, whose matmuls it sees."""
+    """Matrix-multiply FLOPs (2 per multiply-add) of one call of fn, read from the shape of every
+    matmul it runs, backward included (torch's FlopCounterMode); attention goes through the math
+    kernel, whose matmuls it sees."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -335,11 +342,12 @@ def count_flops(fn):
 
 
 def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method: str):
-    """Time every function of fns (name -> callable), interleaved (A B A B ...). The first call of each measures
-    peak memory, a second counts its FLOPs; then warmup - 1 more warm-up rounds; then `repeats` timed rounds,
-    each timed by the wall clock and by the process's CPU time (which does not grow while other programs
-    hold the cores). Returns name -> {"s": median seconds (CPU time on a CPU, wall time on a GPU),
-    "spread": (max - min) / median, "wall": [...], "cpu": [...], "mem": bytes, "flops": int, "out": last result}."""
+    """Time every function of fns (name -> callable), interleaved (A B A B ...). The first call of
+    each measures peak memory, a second counts its FLOPs; then warmup - 1 more warm-up rounds; then
+    `repeats` timed rounds, each timed by the wall clock and by the process's CPU time (which does
+    not grow while other programs hold the cores). Returns name -> {"s": median seconds (CPU time on
+    a CPU, wall time on a GPU), "spread": (max - min) / median, "wall": [...], "cpu": [...], "mem":
+    bytes, "flops": int, "out": last result}."""
     res = {name: {"wall": [], "cpu": [], "mem": None, "out": None} for name in fns}
     start = time.perf_counter()
     for name, fn in fns.items():
@@ -394,16 +402,18 @@ def dear_loss_fn(model, out, labels, lambda_reg=1.0, lambda_fusion=1.0):
 
 
 def dear_step(model, opt, scaler, images, labels, dtype):
-    """One DeAR training step: train.train_step, the function train.train runs for every batch (autocast in
-    dtype, the loss in fp32, GradScaler, AdamW). Returns the loss and R's gradient (unscaled), on the device."""
+    """One DeAR training step: train.train_step, the function train.train runs for every batch
+    (autocast in dtype, the loss in fp32, GradScaler, AdamW). Returns the loss and R's gradient
+    (unscaled), on the device."""
     loss, _, _ = train.train_step(model, images, labels, dear_loss_fn, opt, scaler, dtype)
     return loss.detach(), model.tokens.R.grad
 
 
 def frozen_logits(model, images, tokens, every_row=False):
-    """Zero-shot logits [B, C] of the frozen CLIP: encode_image and encode_text, whose last blocks compute only the
-    rows read (CLS, EOT); every_row: the same features with the last blocks computing every position, as OpenAI's
-    CLIP does (texts in the same length groups as encode_text)."""
+    """Zero-shot logits [B, C] of the frozen CLIP: encode_image and encode_text, whose last blocks
+    compute only the rows read (CLS, EOT); every_row: the same features with the last blocks
+    computing every position, as OpenAI's CLIP does (texts in the same length groups as
+    encode_text)."""
     if every_row:
         v = model.visual
         f = v.head(v.run_blocks(v.embed(images), 0, v.layers)[:, 0])  # every row, then CLS
@@ -420,9 +430,9 @@ def frozen_logits(model, images, tokens, every_row=False):
 
 
 def naive_forward(model, images, tokens):
-    """The DeAR forward written the naive way, with DeAR's own parameters: every block of both towers runs
-    under autograd (no no_grad prefix, no cached text prefix) and the frozen targets f^0 and t^0 are
-    recomputed from scratch. Same math as DeAR.forward; returns (the same dict, t^0)."""
+    """The DeAR forward written the naive way, with DeAR's own parameters: every block of both
+    towers runs under autograd (no no_grad prefix, no cached text prefix) and the frozen targets f^0
+    and t^0 are recomputed from scratch. Same math as DeAR.forward; returns (the same dict, t^0)."""
     clip_model, visual = model.clip, model.clip.visual
     with torch.no_grad():  # the frozen CLIP targets, recomputed every step
         f0 = F.normalize(clip_model.encode_image(images), dim=-1)
@@ -465,8 +475,9 @@ def naive_forward(model, images, tokens):
 def naive_step(
     model, opt, scaler, images, labels, tokens, dtype, lambda_reg=1.0, lambda_fusion=1.0
 ):
-    """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them out), so
-    autograd records all blocks and computes every weight gradient. Otherwise as train.train_step."""
+    """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them
+    out), so autograd records all blocks and computes every weight gradient. Otherwise as
+    train.train_step."""
     frozen = list(model.clip.parameters())
     for p in frozen:
         p.requires_grad_(True)
@@ -503,8 +514,8 @@ class Bench:
         self.gen = torch.Generator().manual_seed(1)
 
     def go(self, fns, label, short=False):
-        """measure(); short: one forward pass per call (a., d.), timed --short-repeats times, as their
-        targets leave a margin of only a few percent."""
+        """measure(); short: one forward pass per call (a., d.), timed --short-repeats times, as
+        their targets leave a margin of only a few percent."""
         repeats = max(self.args.repeats, self.args.short_repeats) if short else self.args.repeats
         return measure(fns, self.device, self.args.warmup, repeats, label, self.mem_method)
 
@@ -512,8 +523,8 @@ class Bench:
         self.rows.append((rid, what, first, second, ratio, limit, excess, target))
 
     def compare(self, rid, what, a, b, target=""):
-        """A timing row: a and b (measure results), their ratio, the ratio of their FLOPs (the limit) and
-        measured / limit (how far the code runs from what its FLOPs allow)."""
+        """A timing row: a and b (measure results), their ratio, the ratio of their FLOPs (the
+        limit) and measured / limit (how far the code runs from what its FLOPs allow)."""
         limit = a["flops"] / b["flops"] if a["flops"] and b["flops"] else None
         t = a["s"] / b["s"]
         self.row(
@@ -539,7 +550,8 @@ class Bench:
 
 
 def bench_clip(b, model, ref, images, tokens):
-    """a. the vendored CLIP against the nn.MultiheadAttention reference: agreement (fp32), then speed."""
+    """a. the vendored CLIP against the nn.MultiheadAttention reference: agreement (fp32),
+    then speed."""
     with torch.no_grad():
         d_img = F.normalize(model.encode_image(images), dim=-1) - F.normalize(
             ref.encode_image(images), dim=-1
@@ -569,7 +581,8 @@ def bench_clip(b, model, ref, images, tokens):
 
 
 def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
-    """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step; memory; breakdown."""
+    """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step;
+    memory; breakdown."""
     device, model, tag = b.device, net.clip, f"C{C}xB{B}"
     names = classnames(C)
     net.set_classes(names, TEMPLATE)
@@ -687,7 +700,8 @@ def settle_scaler(scaler, step, most=30):
 
 
 def bench_eval(b, net, images, C):
-    """d. evaluation: per-batch cost with the class text features computed once, as train.evaluate does."""
+    """d. evaluation: per-batch cost with the class text features computed once,
+    as train.evaluate does."""
     net.set_classes(classnames(C), TEMPLATE)
     net.eval()
     scale = net.clip.logit_scale.exp()
@@ -724,8 +738,8 @@ def bench_eval(b, net, images, C):
 
 
 def build(b, sizes, J):
-    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the GradScaler as
-    train.train makes them."""
+    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the
+    GradScaler as train.train makes them."""
     torch.manual_seed(0)
     with torch.device(b.device):
         model = CLIP(**sizes).eval()
@@ -734,8 +748,8 @@ def build(b, sizes, J):
     net = dear.DeAR(
         model, bench_roles(J, model.visual.layers, model.visual.heads), J=J, beta=0.9
     ).to(b.device)
-    # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
-    # see the same parameters and the naive and our losses can be compared
+    # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed
+    # steps see the same parameters and the naive and our losses can be compared
     fused = {"fused": True} if b.device.type == "cuda" else {}  # as train.train
     opt = torch.optim.AdamW(
         [p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4, **fused
@@ -854,7 +868,8 @@ def profile_step(b, net, opt, scaler, setting):
 
 
 def ms(r, device) -> str:
-    """The median time and its spread; on a CPU (where the median is CPU time) the median wall time too."""
+    """The median time and its spread; on a CPU (where the median is CPU time) the median wall time
+    too."""
     text = f"{1000 * r['s']:.1f} ms ±{50 * r['spread']:.0f}%"
     return text + (
         f" (wall {1000 * statistics.median(r['wall']):.0f})" if device.type == "cpu" else ""
@@ -866,7 +881,8 @@ def mib(r) -> str:
 
 
 def row_ids(settings, device="cpu"):
-    """The ids of the result rows a run with these settings writes (without --no-naive or --narrow)."""
+    """The ids of the result rows a run with these settings writes (without --no-naive or
+    --narrow)."""
     per = [
         f"{p}.C{C}xB{B}"
         for i, (C, B) in enumerate(settings)

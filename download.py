@@ -1,11 +1,12 @@
-"""Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py download`).
+"""Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py
+download`).
 
 Every archive streams through clip.stream (the one download loop) into a temporary file, is checked
-(byte count against the server's Content-Length, and MD5 where a published value is known), renamed into
-place, then unpacked with every member checked first (no path and no link may point outside the target
-folder, judged by name alone) into a temporary folder beside the archive, which is then moved into
-place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google Drive (links
-in CoOp's DATASETS.md); they are fetched with the standard library.
+(byte count against the server's Content-Length, and MD5 where a published value is known), renamed
+into place, then unpacked with every member checked first (no path and no link may point outside the
+target folder, judged by name alone) into a temporary folder beside the archive, which is then moved
+into place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google
+Drive (links in CoOp's DATASETS.md); they are fetched with the standard library.
 All URLs can be replaced: --mirror for the archives, --gdrive-url (or $DEAR_GDRIVE_URL) for Drive.
 
 Used by data.py (`python data.py download NAME --root DATA`); imports clip (for `clip.stream`) only.
@@ -241,12 +242,14 @@ def fetch_drive(file_id, dest, md5="", gdrive_url=None):
 
 
 # ----------------------------------------------------------------------------- safe extraction
-# Every member is checked by name, before anything is written, against rules that need no file on disk:
-# the archive is unpacked into a new, empty folder, so only the archive itself says where a path leads.
+# Every member is checked by name, before anything is written, against rules that need no file on
+# disk: the archive is unpacked into a new, empty folder, so only the archive itself says where a
+# path leads.
 
 
 def _inside(target, path):
-    """Whether path lies in the folder target (a component-wise test: /data/xy is not inside /data/x)."""
+    """Whether path lies in the folder target (a component-wise test:
+    /data/xy is not inside /data/x)."""
     target = os.path.realpath(target)
     path = os.path.realpath(path)
     return path == target or path.startswith(target + os.sep)
@@ -255,9 +258,10 @@ def _inside(target, path):
 def _resolve(name, base, links):
     """Follow `name` from the folder `base` (components inside the target) by name alone.
 
-    Returns (components it lands on, "") or (None, why it is refused): an absolute name, '..' climbing above
-    the target, or a step through one of the archive's own links (`links`, whose targets are not on disk
-    until extraction, so a path through them could lead anywhere). The last component may be a link."""
+    Returns (components it lands on, "") or (None, why it is refused): an absolute name, '..'
+    climbing above the target, or a step through one of the archive's own links (`links`, whose
+    targets are not on disk until extraction, so a path through them could lead anywhere). The last
+    component may be a link."""
     if name.startswith(("/", "\\")) or os.path.isabs(name):
         return None, "has an absolute path"
     parts, steps = list(base), [c for c in name.split("/") if c not in ("", ".")]
@@ -308,9 +312,9 @@ def _check_members(archive, target, members):
 
 
 def safe_extract(archive, target):
-    """Unpack a zip or tar archive into target after checking every member (`_check_members`): no absolute
-    names, no '..' out of target, no links (zip: none at all; tar: only to members inside, never through
-    another link), no device files. A refused archive writes nothing."""
+    """Unpack a zip or tar archive into target after checking every member (`_check_members`): no
+    absolute names, no '..' out of target, no links (zip: none at all; tar: only to members inside,
+    never through another link), no device files. A refused archive writes nothing."""
     try:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as z:
@@ -367,8 +371,8 @@ def safe_extract(archive, target):
 
 
 def _merge(src, dst):
-    """Move the tree src into dst: a path dst lacks arrives in one rename (so it appears complete or not at
-    all); folders present on both sides are merged, files replaced."""
+    """Move the tree src into dst: a path dst lacks arrives in one rename (so it appears complete or
+    not at all); folders present on both sides are merged, files replaced."""
     if not os.path.lexists(dst):
         os.replace(src, dst)
     elif os.path.isdir(src) and os.path.isdir(dst) and not os.path.islink(dst):
@@ -428,7 +432,8 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
 
 
 def download_dataset(spec, root, mirror=None, gdrive_url=None, sources=None):
-    """Fetch what has a public URL for one dataset (images, split JSON, extra files); say what is manual."""
+    """Fetch what has a public URL for one dataset (images, split JSON, extra files);
+    say what is manual."""
     if spec.reader == "toyworld":
         print(
             "toyworld needs no download: make it with  python toyworld.py dataset --root DATA",

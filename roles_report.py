@@ -1,9 +1,9 @@
-"""The readable forms of a roles file: roles.md (a blocks x heads table, every head's concept shares and texts,
-and the ground-truth table where the probe images have known factors) and roles.png (a map: colour = role,
-letter = attribute, entropy in every cell).
+"""The readable forms of a roles file: roles.md (a blocks x heads table, every head's concept shares
+and texts, and the ground-truth table where the probe images have known factors) and roles.png (a
+map: colour = role, letter = attribute, entropy in every cell).
 
-Used by entropy.py, which writes roles.json and calls these; reads nothing but the roles document (a dict in
-the roles.json format) and imports only util.py.
+Used by entropy.py, which writes roles.json and calls these; reads nothing but the roles document (a
+dict in the roles.json format) and imports only util.py.
 """
 
 import io
@@ -12,7 +12,8 @@ from util import write_atomic
 
 
 def best_factor(skills):
-    """The factor with the highest skill and its margin over the runner-up: (name, margin); skills {name: s}."""
+    """The factor with the highest skill and its margin over the runner-up: (name, margin);
+    skills {name: s}."""
     ranked = sorted(skills.items(), key=lambda kv: -kv[1])
     return ranked[0][0], ranked[0][1] - (ranked[1][1] if len(ranked) > 1 else 0.0)
 
@@ -73,7 +74,8 @@ def render_markdown(doc):
 
 
 def decoding_markdown(doc):
-    """The ground-truth table of roles.md: per head, the held-out probe accuracy of every known factor."""
+    """The ground-truth table of roles.md: per head,
+    the held-out probe accuracy of every known factor."""
     H, chance = doc["num_heads"], doc["decoding"]["chance"]
     by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
     lines = [
@@ -117,8 +119,9 @@ def cell_origin(row, col):
 
 def render_png(doc, path):
     """roles.png: analysed blocks (rows) x heads (columns); colour = role, letter = attribute,
-    the entropy in bits in every cell, a legend below (Pillow's default font). Where the file has ground truth
-    (toy world), each cell also shows its two best-decoded factors with their held-out accuracy, e.g. "C97%"."""
+    the entropy in bits in every cell, a legend below (Pillow's default font). Where the file has
+    ground truth (toy world), each cell also shows its two best-decoded factors with their held-out
+    accuracy, e.g. "C97%"."""
     from PIL import Image, ImageDraw, ImageFont
 
     H, layers = doc["num_heads"], doc["layers"]
@@ -144,7 +147,8 @@ def render_png(doc, path):
             if "skill" not in head:
                 draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
                 continue
-            # ground truth: the best-decoded factor's initial and its held-out accuracy, and the runner-up's
+            # ground truth: the best-decoded factor's initial and its held-out accuracy,
+            # and the runner-up's
             ranked = sorted(head["skill"], key=lambda f: -head["skill"][f])
             draw.text((x0 + 5, y0 + 16), f"{head['entropy']:.2f}", fill="black", font=font)
             for k, f in enumerate(ranked[:2]):

@@ -1,28 +1,30 @@
 """Runs: one run of a method from its Config to results.json, in a folder that is its identity.
 
-`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder, stop
-or reuse if it is taken, load the backbone, the head roles and the datasets, build the model, train it
-(train.train, with the method's loss), evaluate every split of the protocol and write results.json.
-The method itself is handed in from above (dear.py: `make_model` builds the DeAR model of a config,
-`make_loss` gives its loss in train.train's form), so this file knows nothing of tokens or masks.
+`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder,
+stop or reuse if it is taken, load the backbone, the head roles and the datasets, build the model,
+train it (train.train, with the method's loss), evaluate every split of the protocol and write
+results.json. The method itself is handed in from above (dear.py: `make_model` builds the DeAR model
+of a config, `make_loss` gives its loss in train.train's form), so this file knows nothing of tokens
+or masks.
 
-A run folder is a run's identity. Everything that changes a result must either change the folder's name
-or stop the run before it reuses, resumes or mixes someone else's work:
+A run folder is a run's identity. Everything that changes a result must either change the folder's
+name or stop the run before it reuses, resumes or mixes someone else's work:
 
-  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the defaults
-    and the short hashes of the inputs that flags do not spell out.
-  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the content
-    hash of a --roles file; all of them are recorded in config.json.
-  - `check_same`: a finished or interrupted run is reused only if its config.json matches the current
-    one field by field (the precisions used included: amp is fp16 on CUDA, fp32 on a CPU);
+  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the
+    defaults and the short hashes of the inputs that flags do not spell out.
+  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the
+    content hash of a --roles file; all of them are recorded in config.json.
+  - `check_same`: a finished or interrupted run is reused only if its config.json matches the
+    current one field by field (the precisions used included: amp is fp16 on CUDA, fp32 on a CPU);
     otherwise the run stops and names the differences.
   - `RunLock`: one process writes a run folder at a time; a second one stops and names the first.
-  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256 and
-    probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds later.
+  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256
+    and probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds
+    later.
 
-It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the head
-roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and the datasets
-of its protocol (`build_eval_sets`, every one checked before anything is written).
+It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the
+head roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and
+the datasets of its protocol (`build_eval_sets`, every one checked before anything is written).
 
 Used by dear.py; imports clip, config, data, entropy, toyworld, train and util.
 """
@@ -98,13 +100,15 @@ def short(digest: str) -> str:
 
 
 def dataset_folder(name: str, root: str) -> str:
-    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too): its identity."""
+    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too):
+    its identity."""
     return os.path.realpath(data.dataset_folder(name, root))
 
 
 def backbone_sha256(backbone: str) -> str:
-    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from the
-    recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a file."""
+    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from
+    the recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a
+    file."""
     if backbone in clip.MODELS:
         return clip.MODELS[backbone].split("/")[-2]
     if backbone == toyworld.BACKBONE:
@@ -127,7 +131,8 @@ def roles_sha256(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Naming: one folder per distinct run
 
-# The Config fields that name a variant when they differ from the defaults of the dataset and protocol.
+# The Config fields that name a variant when they differ from the defaults of the dataset and
+# protocol.
 VARIANT_FIELDS = (
     "backbone",
     "J",
@@ -158,8 +163,9 @@ ZEROSHOT_IGNORES = tuple(f for f in VARIANT_FIELDS if f not in ZEROSHOT_FIELDS) 
 
 
 def variant_name(c: Config) -> str:
-    """A short name for the non-default method flags, so each ablation gets its own run folder. Files are
-    named by content: a checkpoint or a roles file gets the first 8 hex digits of its SHA256 in the name."""
+    """A short name for the non-default method flags, so each ablation gets its own run folder.
+    Files are named by content: a checkpoint or a roles file gets the first 8 hex digits of its
+    SHA256 in the name."""
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     fields = ZEROSHOT_FIELDS if c.method == "zeroshot" else VARIANT_FIELDS
     parts = [f"{f}-{getattr(c, f)}" for f in fields if getattr(c, f) != getattr(base, f)]
@@ -189,8 +195,8 @@ def run_dir(c: Config) -> str:
 
 
 def dataset_tag(name: str) -> str:
-    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short hash
-    of its resolved path, so two folders with the same last name never share runs."""
+    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short
+    hash of its resolved path, so two folders with the same last name never share runs."""
     if name.startswith("folder:"):
         path = dataset_folder(name, None)
         return f"folder-{os.path.basename(path)}-{short(hashlib.sha256(path.encode()).hexdigest())}"
@@ -198,7 +204,8 @@ def dataset_tag(name: str) -> str:
 
 
 def inputs(cfg, targets=()) -> dict:
-    """What the run reads that its flags do not spell out. `targets`: the xd target dataset names."""
+    """What the run reads that its flags do not spell out. `targets`:
+    the xd target dataset names."""
     found = {
         "dataset_folder": dataset_folder(cfg.dataset, cfg.root),
         "backbone_sha256": backbone_sha256(cfg.backbone),
@@ -331,9 +338,10 @@ def load_clip(backbone, device, log=None):
 
 
 def load_roles(cfg, model, device, log):
-    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
-    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
-    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
+    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache,
+    where entropy.py computes them once (probe images: ImageNet's test split if present under
+    --root, as TextSpan does, else all training images of the run's dataset: never the test images a
+    run is evaluated on)."""
     L = model.visual.transformer.layers
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
@@ -415,8 +423,9 @@ def read_roles(path, model, layers):
 
 
 def build_dataset(name, root, *args):
-    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
-    not there at all gets the command that downloads it and the offline quick start."""
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A
+    dataset that is not there at all gets the command that downloads it and the offline quick
+    start."""
     if name == "toyworld":
         toyworld.ensure_dataset(root)
     try:
@@ -451,8 +460,8 @@ def split_targets(values) -> list:
 
 
 def build_eval_sets(cfg):
-    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
-    dataset stops the run before any long work."""
+    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up
+    front so a missing dataset stops the run before any long work."""
     if cfg.protocol == "b2n":
         base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
         novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
@@ -600,7 +609,8 @@ RUN_FILES = (
 
 
 def retire(rdir: str):
-    """--force: delete what the folder's run wrote, results first, before anything new is written."""
+    """--force: delete what the folder's run wrote, results first,
+    before anything new is written."""
     for name in RUN_FILES:
         if os.path.exists(os.path.join(rdir, name)):
             os.remove(os.path.join(rdir, name))
@@ -652,8 +662,8 @@ def load_trained(model, load: str, device):
 
 
 def export_roles(cfg: Config) -> str:
-    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png to
-    <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
+    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png
+    to <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
     try:
         cfg = resolve(cfg)
     except ValueError as e:
@@ -926,7 +936,8 @@ def train_checked(model, train_ds, cfg, device, rdir, log, loss_fn, ckpt):
 
 
 def control_roles(roles, cfg, log):
-    """--roles-control random | oracle: the roles a control run uses instead (entropy.control_roles)."""
+    """--roles-control random | oracle: the roles a control run uses instead
+    (entropy.control_roles)."""
     try:
         roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
     except ValueError as e:

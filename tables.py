@@ -132,7 +132,8 @@ SOURCES = {
 
 
 class Ref(NamedTuple):
-    """One reference number: where it sits in the tables, its text as its source prints it, its source."""
+    """One reference number: where it sits in the tables, its text as its source prints it,
+    its source."""
 
     row: str  # row label (CLIP_PUB, MMRL_PUB, PAPER_DEAR)
     protocol: str  # "b2n" (metric base/novel/hm) or "dg"/"xd" (metric "acc")
@@ -155,8 +156,9 @@ class Ref(NamedTuple):
 
 CLIP_PUB, MMRL_PUB = "CLIP (published)", "MMRL (published)"
 PUBLISHED = [
-    # DeAR, base-to-novel: average base and two per-dataset bases (the paper's table on wizwand.com),
-    # average HM (summaries); average novel derived from the summaries' "+1.83 novel over MMRL".
+    # DeAR, base-to-novel: average base and two per-dataset bases (the paper's table on
+    # wizwand.com), average HM (summaries); average novel derived from the summaries' "+1.83 novel
+    # over MMRL".
     Ref(PAPER_DEAR, "b2n", AVG, "base", "85.94", "paper_table"),
     Ref(
         PAPER_DEAR,
@@ -187,8 +189,9 @@ PUBLISHED = [
         "the VaMP paper gives them.",
     ),
 ]
-# CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm"; each is
-# recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in an issue).
+# CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm";
+# each is recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in
+# an issue).
 _B2N_REFERENCE = {
     CLIP_PUB: {
         "imagenet": "72.43 / 68.14 / 70.22",
@@ -246,8 +249,8 @@ for _row, _table in _B2N_REFERENCE.items():
                     _REMARKS.get((_row, _ds, _metric), ""),
                 )
             )
-# Domain generalisation, all classes: CLIP (CoCoOp / MaPLe tables; ImageNet-A confirmed by a benchmark
-# listing), MMRL (the MMRL paper).
+# Domain generalisation, all classes: CLIP (CoCoOp / MaPLe tables; ImageNet-A confirmed by a
+# benchmark listing), MMRL (the MMRL paper).
 for _ds, _clip, _mmrl in zip(
     ("imagenet",) + DG_TARGETS,
     ("66.73", "60.83", "46.15", "47.77", "73.96"),
@@ -277,7 +280,8 @@ def published_rows(protocol):
 
 
 def reference_notes(rows):
-    """Notes for the reference cells in `rows`: what each source letter used means, then the remarks."""
+    """Notes for the reference cells in `rows`: what each source letter used means,
+    then the remarks."""
     refs = [c.ref for row in rows for c in row if isinstance(c, Cell) and c.ref is not None]
     used = {r.source for r in refs}
     notes = [f"[{letter}] {long}" for key, (letter, _, long) in SOURCES.items() if key in used]
@@ -291,8 +295,8 @@ def reference_notes(rows):
 
 
 class Cell:
-    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a reference number
-    (ref: its Ref), printed as its source prints it, with the source's letter."""
+    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a reference
+    number (ref: its Ref), printed as its source prints it, with the source's letter."""
 
     def __init__(self, mean, std=None, n=None, ref=None):
         self.mean, self.std, self.n, self.ref = mean, std, n, ref
@@ -334,7 +338,8 @@ def hm_cell(base, novel):
 
 def average_by_seed(tables):
     """[{seed: acc} per dataset] -> {seed: mean over datasets} for the seeds every dataset has.
-    Returns None when a dataset has no value at all (an average over fewer datasets is not shown)."""
+    Returns None when a dataset has no value at all (an average over fewer datasets is not
+    shown)."""
     if not tables or any(not t for t in tables):
         return None
     seeds = set.intersection(*(set(t) for t in tables))
@@ -662,7 +667,8 @@ def table_b2n(runs, backbone):
 
 
 def _transfer_table(runs, backbone, protocol, targets, title, source_col):
-    """Shared by DG and XD: columns = (source,) + targets + average of the targets; all from xd runs."""
+    """Shared by DG and XD: columns = (source,) + targets + average of the targets;
+    all from xd runs."""
     zs = accuracies(runs, "xd", "zeroshot", backbone=backbone)
     de = accuracies(runs, "xd", "dear", shots=TABLE_SHOTS, backbone=backbone)
     sources = sorted(
@@ -734,7 +740,8 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
 
 
 def _published_row(label, protocol, sources, cols):
-    """Published cells for a DG/XD row; the target average is computed when all targets are known."""
+    """Published cells for a DG/XD row; the target average is computed when all targets are
+    known."""
     cells = [_published_cell(label, protocol, s, "acc") for s in sources]
     tgt = [_published_cell(label, protocol, d, "acc") for d in cols]
     avg = _published_cell(label, protocol, AVG, "acc")
@@ -835,7 +842,8 @@ ABLATION_NAMES = {
 
 
 def variant_label(key):
-    """A readable name for an ablation key (see method_key); the key itself when not in ABLATION_NAMES."""
+    """A readable name for an ablation key (see method_key);
+    the key itself when not in ABLATION_NAMES."""
     return ABLATION_NAMES.get(
         key, key.replace("_", ", ").replace("-", " = ", 1) if key.count("-") == 1 else key
     )
@@ -950,7 +958,8 @@ def csv_text(title, header, rows, backbone):
 
 
 def roles_section(out, tables_dir):
-    """Table 6: the roles.md files that entropy.py wrote under <out>/roles, with a link to roles.png."""
+    """Table 6: the roles.md files that entropy.py wrote under <out>/roles,
+    with a link to roles.png."""
     found = []
     for folder, dirs, files in os.walk(os.path.join(out, "roles")):
         dirs.sort()

@@ -10,9 +10,9 @@ or $CLIP_CACHE) and checked against the SHA256 that is part of their URL. Both t
 archives that OpenAI publishes (only their state dict is read) and plain state dicts load.
 OpenAI CLIP (model architecture, vocabulary, checkpoints) is released under the MIT licence.
 
-Like OpenAI's package, clip/ imports nothing of the project around it. Its users: toyworld.py, entropy.py,
-dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives through `stream`,
-the project's one download loop.
+Like OpenAI's package, clip/ imports nothing of the project around it. Its users: toyworld.py,
+entropy.py, dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives
+through `stream`, the project's one download loop.
 """
 
 import errno
@@ -44,7 +44,8 @@ from .tokenizer import tokenize
 
 __all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP"]
 
-# name -> URL; the second-to-last path component is the file's SHA256. Tests point this at 127.0.0.1.
+# name -> URL; the second-to-last path component is the file's SHA256. Tests point this at
+# 127.0.0.1.
 MODELS = {
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
     "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
@@ -96,9 +97,10 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
 
 
 def stream(response, out, hasher, name: str):
-    """Copy an HTTP response into the open file `out` in 1 MiB chunks, feeding `hasher`, with one progress
-    line on stderr. Returns (bytes copied, hasher). A broken connection raises OSError saying how far it got.
-    The one download loop of the project: download.py fetches the dataset archives through it too."""
+    """Copy an HTTP response into the open file `out` in 1 MiB chunks, feeding `hasher`, with one
+    progress line on stderr. Returns (bytes copied, hasher). A broken connection raises OSError
+    saying how far it got. The one download loop of the project: download.py fetches the dataset
+    archives through it too."""
     total = int(response.headers.get("Content-Length") or 0)
     done, start, last = 0, time.time(), 0.0
     while True:
@@ -228,7 +230,8 @@ def _convert_to_rgb(image: Image.Image) -> Image.Image:
 
 
 def transform(n_px: int):
-    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
+    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop,
+    RGB, mean/std."""
     return Compose(
         [
             Resize(n_px, interpolation=InterpolationMode.BICUBIC),

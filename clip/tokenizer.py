@@ -53,7 +53,8 @@ def get_pairs(word: tuple) -> set:
 
 def clean_text(text: str) -> str:
     """ftfy repair (which also unescapes HTML, unless the text contains "<"), HTML unescape twice
-    (web text is often escaped more than once), whitespace collapsed to single spaces, lower-case."""
+    (web text is often escaped more than once), whitespace collapsed to single spaces,
+    lower-case."""
     text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text))
     text = regex.sub(r"\s+", " ", text).strip()

@@ -362,8 +362,8 @@ def test_vit_b16_sized_state_dict_loads_strictly_and_runs():
 
 
 def test_tokenizer_known_ids_padding_and_dtype():
-    # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c at</w>" -> 2368;
-    # byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
+    # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c
+    # at</w>" -> 2368; byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
     t = clip.tokenize(["a photo of a cat.", "Hello   World!"])
     assert t.shape == (2, 77) and t.dtype == torch.int32
     assert t[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407]
@@ -409,7 +409,8 @@ def test_tokenize_too_long_raises_or_truncates():
 
 
 class _Archive(nn.Module):
-    """Holds a CLIP's weights under the same names plus the JIT extras, the way OpenAI's archives do."""
+    """Holds a CLIP's weights under the same names plus the JIT extras,
+    the way OpenAI's archives do."""
 
     def __init__(self, model):
         super().__init__()
@@ -581,7 +582,7 @@ def test_cache_dir_and_available_models(tmp_path, monkeypatch):
     ]  # OpenAI's, no "toy"
 
 
-# ---------------------------------------------------------------- exact savings: rows and shared past
+# -------------------------------------------------------------- exact savings: rows and shared past
 
 
 def _block_and_input(seed=0, B=2, L=9, D=64, H=4):
@@ -592,8 +593,9 @@ def _block_and_input(seed=0, B=2, L=9, D=64, H=4):
 
 
 def test_rows_equal_the_full_block_read_at_those_rows():
-    """rows: the block computes only some output positions; outputs and input gradients equal the full block
-    read at those rows, with a per-head mask whose rows differ (each row must get its own mask row)."""
+    """rows: the block computes only some output positions; outputs and input gradients equal the
+    full block read at those rows, with a per-head mask whose rows differ (each row must get its own
+    mask row)."""
     block, x = _block_and_input()
     H, L = 4, x.shape[1]
     torch.manual_seed(1)
@@ -623,8 +625,9 @@ def test_rows_equal_the_full_block_read_at_those_rows():
 
 
 def test_past_equals_running_the_whole_sequence():
-    """A text block on a suffix that attends to shared past positions equals the block on [past, suffix]
-    under the causal mask, read after the past; gradients reach the past through its keys and values."""
+    """A text block on a suffix that attends to shared past positions equals the block on [past,
+    suffix] under the causal mask, read after the past; gradients reach the past through its keys
+    and values."""
     m = tiny_clip(text_layers=2)
     torch.manual_seed(2)
     past = torch.randn(1, 4, 64, requires_grad=True)  # shared by every text
@@ -650,9 +653,10 @@ def test_past_equals_running_the_whole_sequence():
 
 @pytest.mark.parametrize("group_cost", [0, 10**6])
 def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatch):
-    """Prompts of several lengths come back in their own order and equal the plain reference computed on the
-    padded tokens: one group per length (group cost 0), and one group padded to the longest whose EOTs sit at
-    three positions (a large group cost; each text must be read at its own EOT)."""
+    """Prompts of several lengths come back in their own order and equal the plain reference
+    computed on the padded tokens: one group per length (group cost 0), and one group padded to the
+    longest whose EOTs sit at three positions (a large group cost; each text must be read at its own
+    EOT)."""
     monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     m = tiny_clip()
     sd = m.state_dict()
@@ -673,10 +677,10 @@ def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatc
 
 
 def test_length_buckets_pick_the_cheapest_split():
-    """Ten texts with EOT at 3, one at 4, ten at 20. Cost = texts x (longest EOT + 1) + group cost, by hand:
-    group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329 (cheapest);
-    {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group per length;
-    a huge one: a single group."""
+    """Ten texts with EOT at 3, one at 4, ten at 20. Cost = texts x (longest EOT + 1) + group cost,
+    by hand: group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329
+    (cheapest); {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group
+    per length; a huge one: a single group."""
     eot = torch.tensor([3] * 10 + [4] + [20] * 10)[
         torch.randperm(21, generator=torch.Generator().manual_seed(0))
     ]

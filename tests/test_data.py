@@ -1,6 +1,7 @@
-"""data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot subsets
-equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit images), loaders, bad
-input, downloads from a local HTTP server, and archives built to each path-escape attack."""
+"""data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot
+subsets equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit
+images), loaders, bad input, downloads from a local HTTP server, and archives built to each
+path-escape attack."""
 
 import collections
 import hashlib
@@ -32,7 +33,8 @@ def make_image(path, seed=0, size=(12, 10)):
 
 
 def write_split(path, image_dir, entries):
-    """entries: {split: [(relative path, label, classname)]}; writes the images and the JSON (indent 4, as Dassl)."""
+    """entries: {split: [(relative path, label, classname)]};
+    writes the images and the JSON (indent 4, as Dassl)."""
     for n, (rel, _, _) in enumerate(e for items in entries.values() for e in items):
         make_image(os.path.join(image_dir, rel), seed=n)
     with open(path, "w") as f:
@@ -40,7 +42,8 @@ def write_split(path, image_dir, entries):
 
 
 def interleave(per_class):
-    """Items of several classes in a mixed order (labels not grouped), as in the real split files."""
+    """Items of several classes in a mixed order (labels not grouped),
+    as in the real split files."""
     out, rng = [], random.Random(0)
     for items in per_class:
         out += items
@@ -48,8 +51,9 @@ def interleave(per_class):
     return out
 
 
-# ------------------------------------------------------------------------------------------- layouts
-# One builder per CoOp layout. Each returns (classnames as the model sees them, (n_train, n_val, n_test)).
+# ------------------------------------------------------------------------------------------ layouts
+# One builder per CoOp layout. Each returns (classnames as the model sees them, (n_train, n_val,
+# n_test)).
 
 SIZES = {"train": 5, "val": 3, "test": 2}
 
@@ -211,7 +215,8 @@ def test_reader_gives_classnames_counts_template(tmp_path, name):
 
 
 def test_label_order_follows_split_json_not_folder_names(tmp_path):
-    # EuroSAT labels come from the JSON: class 2 is "Sea or Lake" even though the JSON stores its raw folder name
+    # EuroSAT labels come from the JSON: class 2 is "Sea or Lake" even though the JSON stores its
+    # raw folder name
     build_json_layout(str(tmp_path), "eurosat")
     ds = data.build_dataset("eurosat", str(tmp_path))
     assert [c for _, y, c in ds.test if y == 2][0] == "Sea or Lake"
@@ -240,7 +245,7 @@ def test_imagenet_fewshot_samples_train_only(tmp_path):
     assert len(ds.train) == 6 and ds.val == ds.test and len(ds.test) == 6
 
 
-# ------------------------------------------------------------------------------------------- few-shot
+# ----------------------------------------------------------------------------------------- few-shot
 
 
 def dassl_fewshot(train, val, k, seed):
@@ -386,7 +391,7 @@ def test_fewshot_leaves_global_random_alone(tmp_path):
     assert random.random() == expected
 
 
-# ------------------------------------------------------------------------------------------- base / novel
+# ------------------------------------------------------------------------------------- base / novel
 
 
 def test_base_novel_split_and_relabel(tmp_path):
@@ -414,7 +419,7 @@ def test_base_novel_on_test_only_set(tmp_path):
     assert novel.classnames == ["great white shark"] and len(novel.test) == 3 and novel.train == []
 
 
-# ------------------------------------------------------------------------------------------- custom and toyworld
+# ------------------------------------------------------------------------------ custom and toyworld
 
 
 def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
@@ -594,7 +599,8 @@ def test_shots_above_what_a_class_has_warn_and_real_shots_are_kept(tmp_path):
 
 
 def test_toyworld_is_read_through_the_json_machinery(tmp_path):
-    """data.py only reads the toy world (toyworld.py writes it); until then it names the command that makes it."""
+    """data.py only reads the toy world (toyworld.py writes it);
+    until then it names the command that makes it."""
     root = tmp_path / "new_root"
     with pytest.raises(data.DataError, match="python toyworld.py dataset"):
         data.build_dataset("toyworld", str(root), shots=2, seed=1)
@@ -616,7 +622,7 @@ def test_toyworld_is_read_through_the_json_machinery(tmp_path):
     assert (root / "toyworld" / "split_fewshot" / "shot_2-seed_1.json").exists()
 
 
-# ------------------------------------------------------------------------------------------- transforms, loaders
+# ------------------------------------------------------------------------------ transforms, loaders
 
 
 def test_transforms_shapes_normalisation_and_determinism():
@@ -777,7 +783,7 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
-# ------------------------------------------------------------------------------------------- bad input
+# ---------------------------------------------------------------------------------------- bad input
 
 
 def test_bad_input_each_stops_with_one_clear_error(tmp_path):
@@ -1074,7 +1080,7 @@ def test_cli_refuses_shots_below_one_like_dear_py(tmp_path, capsys):
     assert "train 15 | val 9 | test 6" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------------------------------- downloads
+# ---------------------------------------------------------------------------------------- downloads
 
 
 class Server:
@@ -1307,7 +1313,8 @@ def test_cut_off_download_is_rejected(tmp_path, server):
 
 
 def zip_with_symlink(name, target):
-    """A zip whose member carries the symlink mode bits (as `zip --symlinks` writes), body = the link target."""
+    """A zip whose member carries the symlink mode bits (as `zip --symlinks` writes),
+    body = the link target."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("ok.txt", b"1")
@@ -1318,7 +1325,8 @@ def zip_with_symlink(name, target):
 
 
 def tar_members(entries):
-    """A tar from (name, kind, body or link target) in order; kind: file | dir | sym | hard | fifo."""
+    """A tar from (name, kind, body or link target) in order; kind:
+    file | dir | sym | hard | fifo."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as t:
         for name, kind, arg in entries:
@@ -1338,8 +1346,9 @@ def tar_members(entries):
     return buf.getvalue()
 
 
-# Each attack: (archive bytes given the test folder, the expected refusal). The target folder is T/x, so
-# T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it for inside.
+# Each attack: (archive bytes given the test folder, the expected refusal). The target folder is
+# T/x, so T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it
+# for inside.
 ATTACKS = {
     "zip-dotdot": (
         lambda T: zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
@@ -1374,8 +1383,9 @@ ATTACKS = {
         lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", f"{T}/xy")]),
         r"link link -> /.*/xy has an absolute path",
     ),
-    # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent: x/xy/evil.txt
-    # would be written outside. The check refuses the link that steps through another link.
+    # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent:
+    # x/xy/evil.txt would be written outside. The check refuses the link that steps through another
+    # link.
     "tar-symlink-chain": (
         lambda T: tar_members(
             [
@@ -1417,7 +1427,8 @@ ATTACKS = {
 
 @pytest.mark.parametrize("kind", sorted(ATTACKS))
 def test_escaping_archive_is_refused_by_its_own_check(tmp_path, monkeypatch, kind):
-    """Refused by name, before anything is unpacked: the stdlib's extraction (and its own filter) never runs."""
+    """Refused by name, before anything is unpacked:
+    the stdlib's extraction (and its own filter) never runs."""
     make, refusal = ATTACKS[kind]
     (tmp_path / "xy").mkdir()
     (tmp_path / "xy" / "secret.txt").write_bytes(b"secret")

@@ -24,7 +24,8 @@ def roles_all(role, attribute=None, layers=range(1, 5)):
 
 
 def mixed_roles():
-    """Block roles with one head of each kind: generalization, color attribute, mixed, other specialist."""
+    """Block roles with one head of each kind: generalization, color attribute, mixed,
+    other specialist."""
     block = [
         {"role": "generalization", "attribute": None},
         {"role": "attribute", "attribute": "color"},
@@ -92,7 +93,8 @@ def test_block_masks_one_per_block_with_the_variant():
 
 
 def test_mask_none_equals_plain_insertion():
-    """--mask none and an all-mixed role table give the same features as inserting tokens with no mask."""
+    """--mask none and an all-mixed role table give the same features as inserting tokens with no
+    mask."""
     clip_model = tiny_clip(text_layers=3)
     torch.manual_seed(0)
     a = DeAR(clip_model, roles_all("mixed"), J=2, mask="role")
@@ -105,7 +107,8 @@ def test_mask_none_equals_plain_insertion():
 
 
 def test_generalization_heads_isolate_cls_from_tokens():
-    """Every head a generalization head: the CLS output equals frozen CLIP's and gets no gradient from R."""
+    """Every head a generalization head: the CLS output equals frozen CLIP's and gets no gradient
+    from R."""
     clip_model = tiny_clip(text_layers=3)
     model = DeAR(clip_model, roles_all("generalization"), J=2)
     images = torch.randn(3, 3, 32, 32)
@@ -146,8 +149,8 @@ def test_without_tokens_equals_frozen_clip():
 
 
 def test_text_tokens_after_sot_and_eot_shift():
-    """encode_classes equals a by-hand run: K tokens inserted after SOT at block J, beta mixing after it,
-    a causal mask of length T + K, features read at EOT + K."""
+    """encode_classes equals a by-hand run: K tokens inserted after SOT at block J, beta mixing
+    after it, a causal mask of length T + K, features read at EOT + K."""
     clip_model = tiny_clip(text_layers=4)  # both towers 4 blocks; J = 3: tokens in blocks 3 and 4
     model = DeAR(clip_model, roles_all("mixed"), J=3, beta=0.25)
     model.set_classes(["cat"], "a photo of a {}.")
@@ -170,10 +173,11 @@ def test_text_tokens_after_sot_and_eot_shift():
     assert not torch.allclose(model.encode_classes(), model.t0, atol=1e-3)  # the tokens do change t
 
 
-# ---------------------------------------------------------------------------------------------- the vision side by hand
+# -------------------------------------------------------------------------- the vision side by hand
 
-# A different role layout in each of blocks J..L (J = 2 of the tiny CLIP's 4): giving a block another block's
-# roles changes the output. Every head kind appears, and every attribute in some block.
+# A different role layout in each of blocks J..L (J = 2 of the tiny CLIP's 4): giving a block
+# another block's roles changes the output. Every head kind appears, and every attribute in some
+# block.
 LAYOUTS = {
     2: [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)],
     3: [
@@ -234,9 +238,10 @@ def hand_block(block, x, allowed=None):
 
 
 def hand_vision(clip_model, model, images, J, beta, layouts):
-    """f_cls, f_attr by hand: blocks 1..J-1 untouched; F^J(R) inserted after CLS at the input of block J; before
-    every later block l the token slots become beta * F^l(R) + (1 - beta) * (their output of block l-1); block l
-    masked by its own layout (None: no mask); f_cls through the frozen proj, f_attr through P_attr."""
+    """f_cls, f_attr by hand: blocks 1..J-1 untouched; F^J(R) inserted after CLS at the input of
+    block J; before every later block l the token slots become beta * F^l(R) + (1 - beta) * (their
+    output of block l-1); block l masked by its own layout (None: no mask); f_cls through the frozen
+    proj, f_attr through P_attr."""
     v = clip_model.visual
     blocks, L, B = v.transformer.resblocks, v.transformer.layers, images.shape[0]
     x = v.conv1(images).flatten(2).transpose(1, 2)  # [B, P, D]
@@ -267,8 +272,9 @@ def hand_vision(clip_model, model, images, J, beta, layouts):
 
 
 def vision_model(roles, mask):
-    """The tiny CLIP (vision 4 blocks, text 3) with J = 2, beta 0.3, and tokens and P_attr moved off their
-    initial values so that every path matters: tokens as large as the residual stream, P_attr != proj."""
+    """The tiny CLIP (vision 4 blocks, text 3) with J = 2, beta 0.3, and tokens and P_attr moved off
+    their initial values so that every path matters: tokens as large as the residual stream, P_attr
+    != proj."""
     clip_model = tiny_clip(text_layers=3)
     torch.manual_seed(1)
     model = DeAR(clip_model, roles, J=2, beta=0.3, mask=mask)
@@ -279,7 +285,8 @@ def vision_model(roles, mask):
 
 
 def test_vision_forward_by_hand_with_a_role_layout_per_block():
-    """encode_images equals the by-hand forward: tokens at block J, beta mixing from J+1, each block its own roles."""
+    """encode_images equals the by-hand forward: tokens at block J, beta mixing from J+1,
+    each block its own roles."""
     clip_model, model, images = vision_model(layout_roles(), "role")
     f_cls, f_attr, f0 = model.encode_images(images, with_frozen=True)
     with torch.no_grad():
@@ -300,8 +307,8 @@ def test_mask_none_by_hand():
 
 
 def test_every_trainable_part_gets_a_gradient():
-    """The classification loss alone (lambda_reg = lambda_fusion = 0) reaches P_attr, R, every aligner F_v^l and
-    F_t^l, and the fusion weights w; the frozen CLIP gets no gradient."""
+    """The classification loss alone (lambda_reg = lambda_fusion = 0) reaches P_attr, R, every
+    aligner F_v^l and F_t^l, and the fusion weights w; the frozen CLIP gets no gradient."""
     _, model, images = vision_model(layout_roles(), "role")
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     out = model(images, with_frozen=True)
@@ -322,7 +329,8 @@ def test_every_trainable_part_gets_a_gradient():
 
 
 def test_text_tower_shallower_than_vision():
-    """Text 3 blocks, vision 4, J = 3: the tokens live in the last two blocks of each tower (text blocks 2 and 3)."""
+    """Text 3 blocks, vision 4, J = 3: the tokens live in the last two blocks of each tower (text
+    blocks 2 and 3)."""
     clip_model = tiny_clip(text_layers=3)
     model = DeAR(clip_model, roles_all("mixed", layers=(3, 4)), J=3, beta=0.25)
     with torch.no_grad():
@@ -345,7 +353,8 @@ def test_text_tower_shallower_than_vision():
 
 
 def test_loss_terms_on_hand_set_features():
-    """Features at known angles: 1 - cos is known, so every term and the total are numbers computed here."""
+    """Features at known angles: 1 - cos is known, so every term and the total are numbers computed
+    here."""
     e = torch.eye(4)
     c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
     out = {
@@ -444,9 +453,10 @@ def test_fusion_weights_and_loss_terms():
 
 
 def test_head_is_fp32_under_bf16_autocast(monkeypatch):
-    """DeAR.forward under CPU bf16 autocast, fed bf16 features (as the towers give them): the logits and the
-    fused logits equal an fp64 computation by hand from the same features, and every top-1 matches it, on 100
-    close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64) tie or swap about 13% of them."""
+    """DeAR.forward under CPU bf16 autocast, fed bf16 features (as the towers give them): the logits
+    and the fused logits equal an fp64 computation by hand from the same features, and every top-1
+    matches it, on 100 close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64)
+    tie or swap about 13% of them."""
     g = torch.Generator().manual_seed(0)
     B, C, E = 128, 100, 64
     t = F.normalize(
@@ -485,7 +495,8 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
 
 
 def test_aligners_start_identical_and_R_init_unchanged():
-    """As MMRL: one aligner of each kind initialised and copied to every block; R is still N(0, 0.02), drawn first."""
+    """As MMRL: one aligner of each kind initialised and copied to every block; R is still N(0,
+    0.02), drawn first."""
     torch.manual_seed(7)
     tokens = dear.AttributeTokens(4, 16, 24, 20)
     torch.manual_seed(7)
@@ -615,7 +626,8 @@ def test_schedule_values():
     )  # --lr wins
     assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
-    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3; the toy world keeps its tables' recipe
+    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3;
+    # the toy world keeps its tables' recipe
     for c in (
         dict(dataset="dtd"),
         dict(dataset="imagenet"),
@@ -628,8 +640,8 @@ def test_schedule_values():
 
 
 def test_resolve_fills_only_what_is_missing(monkeypatch):
-    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in the
-    table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
+    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in
+    the table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
     where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0); data
     loader workers min(4, CPUs) unless given."""
     assert dear.resolve(dear.Config(dataset="dtd")).backbone == "ViT-B/16"
@@ -649,16 +661,16 @@ def test_resolve_fills_only_what_is_missing(monkeypatch):
 
 
 def test_refusals_name_the_flag_and_its_choices():
-    """A bad name of a field with an underscore: the message names its flag (dashes) and the choices,
-    exactly."""
+    """A bad name of a field with an underscore: the message names its flag (dashes) and the
+    choices, exactly."""
     with pytest.raises(ValueError) as err:
         dear.resolve(dear.Config(novel_logits="attr"))
     assert str(err.value) == "unknown --novel-logits 'attr'; choose fused, cls"
 
 
 def test_default_J_and_eval_beta_off_the_common_cases():
-    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n run
-    on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
+    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n
+    run on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
     assert config.default_J(6) == 5 and isinstance(config.default_J(6), int)
     b2n = dear.resolve(dear.Config(dataset="imagenet", beta=0.35))
     assert config.eval_beta(b2n, "dtd") == 0.35
@@ -696,7 +708,7 @@ def test_epoch_batches_are_seeded_and_drop_last():
     assert train.epoch_batches(10, 4, 4) != a
 
 
-# ---------------------------------------------------------------------------------------------- the real CLI
+# ------------------------------------------------------------------------------------- the real CLI
 
 COLORS = [
     (220, 40, 40),
@@ -756,7 +768,8 @@ def cli(world, out, *extra):
 
 
 def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
-    """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs, base/novel/HM written."""
+    """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs,
+    base/novel/HM written."""
     import json
 
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
@@ -927,9 +940,10 @@ def test_bad_roles_file_and_device_stop_with_a_message(world, tmp_path, capsys):
 
 
 def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatch, capsys):
-    """xd: the source is evaluated with its own beta and a target with MMRL++'s test-time beta (here a folder
-    target given a table entry); results.json says which; --target-beta source evaluates it with the source's.
-    config.json records the precision used (fp32 on a CPU by default, bf16 when asked; fp16 is refused)."""
+    """xd: the source is evaluated with its own beta and a target with MMRL++'s test-time beta (here
+    a folder target given a table entry); results.json says which; --target-beta source evaluates it
+    with the source's. config.json records the precision used (fp32 on a CPU by default, bf16 when
+    asked; fp16 is refused)."""
     import json
     import shutil
 
@@ -992,10 +1006,10 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
-    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast standing
-    in for CUDA's) with the frozen weights in half precision, the stream entering blocks J..L with the
-    tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix and the f^0 path keep
-    the half-precision stream they had."""
+    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast
+    standing in for CUDA's) with the frozen weights in half precision, the stream entering blocks
+    J..L with the tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix
+    and the f^0 path keep the half-precision stream they had."""
     torch.manual_seed(0)
     model = DeAR(tiny_clip(text_layers=3), mixed_roles(), J=3)  # tokens in blocks 3 and 4 of 4
     seen = []
@@ -1045,7 +1059,8 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 # - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
 #   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
 # - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
-# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats every
-#   variant other than "none" and "generalization-only" as "role" (resolve refuses other names).
+# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats
+#   every variant other than "none" and "generalization-only" as "role" (resolve refuses other
+#   names).
 # - dear.py role_mask 85: torch.zeros(L, L) broadcasts to [H, L, L] in masked_fill; 95: "-INF" is
 #   float("-inf").

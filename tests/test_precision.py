@@ -1,7 +1,9 @@
-"""train.py: precision modes against fp32, the frozen weights kept in the autocast dtype, the training loop's
-bookkeeping (non-finite loss, persistent workers, exact resume), on a tiny random CLIP.
+"""train.py: precision modes against fp32, the frozen weights kept in the autocast dtype, the
+training loop's bookkeeping (non-finite loss, persistent workers, exact resume), on a tiny random
+CLIP.
 
-Tests marked `cuda` run only where CUDA is present (skipped elsewhere; `pytest -m cuda` selects them)."""
+Tests marked `cuda` run only where CUDA is present (skipped elsewhere;
+`pytest -m cuda` selects them)."""
 
 import dataclasses
 import math
@@ -89,7 +91,7 @@ def images(tmp_path_factory):
     return items
 
 
-# ---------------------------------------------------------------------------------------------- precision
+# ---------------------------------------------------------------------------------------- precision
 
 
 def test_precision_names_and_devices():
@@ -114,8 +116,9 @@ def test_precision_names_and_devices():
 
 
 def test_frozen_weights_in_gives_autocast_exactly():
-    """Casting the frozen matmul weights once gives the very numbers autocast gives with fp32 weights; LayerNorm,
-    embeddings, logit_scale and every trainable parameter stay fp32; the fp32 originals come back after."""
+    """Casting the frozen matmul weights once gives the very numbers autocast gives with fp32
+    weights; LayerNorm, embeddings, logit_scale and every trainable parameter stay fp32; the fp32
+    originals come back after."""
     model = make_model()
     model.set_classes(CLASSES, "a photo of a {}.")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -228,8 +231,8 @@ def step_and_eval(precision, device, items):
 
 
 def labelled_by_fp32(images, device):
-    """The test items labelled by fp32's top-1 (a forward written out here, not train.evaluate), and the subset
-    where that top-1 leads the runner-up by more than MARGIN."""
+    """The test items labelled by fp32's top-1 (a forward written out here, not train.evaluate), and
+    the subset where that top-1 leads the runner-up by more than MARGIN."""
     model = make_model().to(device).eval()
     model.set_classes(CLASSES, "a photo of a {}.")
     x = torch.stack(
@@ -298,11 +301,12 @@ def test_fp16_fresh_scaler_skips_then_recovers():
     assert torch.isfinite(model.tokens.R).all() and torch.isfinite(model.tokens.R.grad).all()
 
 
-# ---------------------------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------------- the loop
 
 
 class Data:
-    """A training set of the noise images with real labels (the loop only needs .train, .classnames, .template)."""
+    """A training set of the noise images with real labels (the loop only needs .train,
+    .classnames, .template)."""
 
     def __init__(self, images, n=24):
         self.train = [(p, i % 3, CLASSES[i % 3]) for i, (p, _, _) in enumerate(images[:n])]
@@ -310,8 +314,9 @@ class Data:
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_path):
-    """A nan loss at epoch 2, step 3 (no check inside train_step): the run stops at the next check with the
-    exact step in the message, and checkpoint.pt still holds the end of epoch 1, all finite."""
+    """A nan loss at epoch 2, step 3 (no check inside train_step): the run stops at the next check
+    with the exact step in the message, and checkpoint.pt still holds the end of epoch 1, all
+    finite."""
     calls = []
 
     def poisoned(model, out, labels):
@@ -342,8 +347,9 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_pat
 
 
 def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypatch):
-    """Random crops and flips seeded per (epoch, item): two worker processes kept alive across epochs give the
-    same model as loading in the main process, and so does a run interrupted at epoch 2 and resumed."""
+    """Random crops and flips seeded per (epoch, item): two worker processes kept alive across
+    epochs give the same model as loading in the main process, and so does a run interrupted at
+    epoch 2 and resumed."""
     ds, c0, c2 = (
         Data(images),
         cfg(epochs=3, crop_scale=0.3, lr=5e-3),

@@ -1,8 +1,10 @@
-"""run_all.sh and tables.py: the tables from hand-made results.json files, the job list, skipping and resuming
-runs, the up-front dataset check, and (once every module is in place) the whole --smoke pipeline.
+"""run_all.sh and tables.py: the tables from hand-made results.json files, the job list, skipping
+and resuming runs, the up-front dataset check, and (once every module is in place) the whole --smoke
+pipeline.
 
-run_all.sh is exercised with a stand-in for dear.py (env DEAR_PY): a small script with the same command line
-that writes a results.json with made-up accuracies and records every call, so these tests run in seconds.
+run_all.sh is exercised with a stand-in for dear.py (env DEAR_PY): a small script with the same
+command line that writes a results.json with made-up accuracies and records every call, so these
+tests run in seconds.
 """
 
 import json
@@ -60,7 +62,8 @@ def b2n_run(out, dataset, base, novel, **kw):
 
 
 def rows_by_label(table):
-    """{(dataset group, method label): row cells} of a B2N table; {label: cells} for the other tables."""
+    """{(dataset group, method label): row cells} of a B2N table; {label:
+    cells} for the other tables."""
     _, header, rows, _ = table
     out, group = {}, None
     for row in rows:
@@ -142,10 +145,10 @@ def test_missing_cells_stay_missing(tmp_path):
     )  # both inconsistent numbers, as given, one marked derived
 
 
-# The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com extracts it and
-# public summaries; the CoCoOp, MaPLe and MMRL papers; the MaPLe and PromptSRC READMEs; yunncheng/MMRL issue #14):
-# "row protocol dataset metric number source", the number as its source prints it. Base-to-novel rows of
-# CLIP and MMRL as "base / novel / HM" lines.
+# The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com
+# extracts it and public summaries; the CoCoOp, MaPLe and MMRL papers; the MaPLe and PromptSRC
+# READMEs; yunncheng/MMRL issue #14): "row protocol dataset metric number source", the number as its
+# source prints it. Base-to-novel rows of CLIP and MMRL as "base / novel / HM" lines.
 REFERENCE = """
     DeAR|b2n|average|base|85.94|paper_table
     DeAR|b2n|average|novel|78.99|derived
@@ -182,8 +185,9 @@ B2N_REFERENCE = """
     ucf101         | 70.53 / 77.50 / 73.85 | 88.10 / 80.07 / 83.89
     average        | 69.34 / 74.22 / 71.70 | 85.68 / 77.16 / 81.20
 """
-# The per-dataset rows are recalled from the papers; CLIP's average is printed in the MaPLe/PromptSRC READMEs;
-# MMRL's EuroSAT row is quoted in MMRL issue #14; MMRL's average is recalled and checked against public summaries.
+# The per-dataset rows are recalled from the papers; CLIP's average is printed in the
+# MaPLe/PromptSRC READMEs; MMRL's EuroSAT row is quoted in MMRL issue #14; MMRL's average is
+# recalled and checked against public summaries.
 B2N_SOURCE = {
     ("CLIP", "average"): "readme",
     ("MMRL", "eurosat"): "issue",
@@ -192,7 +196,8 @@ B2N_SOURCE = {
 
 
 def expected_references():
-    """{(row label, protocol, dataset, metric): (number text, source key)} from the restatement above."""
+    """{(row label, protocol, dataset, metric): (number text,
+    source key)} from the restatement above."""
     label = {"DeAR": tables.PAPER_DEAR, "CLIP": "CLIP (published)", "MMRL": "MMRL (published)"}
     out = {}
     for line in REFERENCE.split():
@@ -208,7 +213,8 @@ def expected_references():
 
 
 def reference_cells():
-    """Every reference cell the ViT-B/16 tables print with no run at all: {(row, protocol, column): (Cell, notes)}."""
+    """Every reference cell the ViT-B/16 tables print with no run at all: {(row, protocol,
+    column): (Cell, notes)}."""
     found = {}
     for protocol, make in (
         ("b2n", tables.table_b2n),
@@ -247,7 +253,8 @@ def test_every_reference_number_has_its_source_and_precision():
     assert len(stored) == len(tables.PUBLISHED) == len(expected)
     for key, (text, source) in expected.items():
         assert stored.get(key) == (text, source), key
-    # the printout: each reference cell shows that text and its source's letter, and its table explains the letter
+    # the printout: each reference cell shows that text and its source's letter,
+    # and its table explains the letter
     cells = reference_cells()
     pretty = {v: k for k, v in tables.PRETTY.items()}
     n_printed = 0
@@ -270,7 +277,8 @@ def test_every_reference_number_has_its_source_and_precision():
         assert any(note.startswith(f"[{letter}] ") for note in notes), (key, letter)
         n_printed += 1
     assert n_printed == len(expected)  # every reference number is printed somewhere
-    # the two averages of published DG rows, by hand: (60.83 + 46.15 + 47.77 + 73.96) / 4 = 57.1775, MMRL 60.5925
+    # the two averages of published DG rows, by hand:
+    # (60.83 + 46.15 + 47.77 + 73.96) / 4 = 57.1775, MMRL 60.5925
     assert cells[("CLIP (published)", "dg", "Average")][0].text() == "57.18 [d]"
     assert cells[("MMRL (published)", "dg", "Average")][0].text() == "60.59 [d]"
 
@@ -517,8 +525,8 @@ def test_job_list_covers_every_table(fake, tmp_path):
 
 
 def test_toy_job_list_has_every_table_in_miniature(tmp_path):
-    """--toy: 5 seeds, 1-16 shots, the transfer sets as xd targets, every ablation plus random and oracle roles,
-    each run in its own folder (the real dear.py names them)."""
+    """--toy: 5 seeds, 1-16 shots, the transfer sets as xd targets, every ablation plus random and
+    oracle roles, each run in its own folder (the real dear.py names them)."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("DEAR_PY", None)
     p = run_all(["--toy", "--list", "--out", "OUT"], env, tmp_path)
@@ -559,7 +567,8 @@ def test_toy_job_list_has_every_table_in_miniature(tmp_path):
     not os.path.exists(os.path.join(ROOT, "dear.py")), reason="dear.py is not written yet"
 )
 def test_job_list_uses_dear_run_folders(tmp_path):
-    """With the real dear.py: a flag that resolves to a default (DTD's beta is 0.9) is not run twice."""
+    """With the real dear.py: a flag that resolves to a default (DTD's beta is 0.9) is not run
+    twice."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("DEAR_PY", None)
     p = run_all(
@@ -628,7 +637,8 @@ def test_bad_options_stop_with_one_clear_message(fake, tmp_path):
 
 
 def assert_points_onwards(err, check=True):
-    """The next steps every failed check ends with: the full list, the download command, the offline demo."""
+    """The next steps every failed check ends with: the full list, the download command,
+    the offline demo."""
     assert (
         "run_all.sh --check --root " in err
     ) == check  # --check itself does not point at --check
@@ -637,7 +647,8 @@ def assert_points_onwards(err, check=True):
 
 
 def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
-    """No data at all (the default ./data does not exist): say so once, and where to go next; start nothing."""
+    """No data at all (the default ./data does not exist): say so once, and where to go next;
+    start nothing."""
     env, calls_file = fake
     p = run_all(["--out", str(tmp_path / "out")], env, tmp_path)
     out = p.stdout + p.stderr

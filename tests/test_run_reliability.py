@@ -729,7 +729,8 @@ def test_a_file_rewritten_in_place_gets_its_new_hash(tmp_path, monkeypatch):
 
 
 def test_a_fresh_file_is_never_remembered(tmp_path):
-    """Within FRESH_S of its last change a file may change again unseen, even its ctime: not cached."""
+    """Within FRESH_S of its last change a file may change again unseen, even its ctime:
+    not cached."""
     path = tmp_path / "roles.json"
     path.write_text("{}")
     runs.file_sha256(str(path))

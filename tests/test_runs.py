@@ -1,5 +1,6 @@
-"""A run folder is a run's identity (runs.py, runs.run): no run silently returns, mixes or reuses another's work,
-and every fault a user can make ends in one clear line (exit 2), never a traceback."""
+"""A run folder is a run's identity (runs.py, runs.run): no run silently returns, mixes or reuses
+another's work, and every fault a user can make ends in one clear line (exit 2), never a
+traceback."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def write_roles(path, model_name, flip=False):
     return str(path)
 
 
-# ------------------------------------------------------------------------------------------- A1: names
+# ---------------------------------------------------------------------------------------- A1: names
 
 
 def test_folder_datasets_with_the_same_name_get_different_run_folders(tmp_path):
@@ -96,7 +97,7 @@ def test_a_finished_run_is_reused_only_when_its_config_matches(world, tmp_path, 
     assert "different configuration" in err and "inputs" in err and "--force" in err
 
 
-# ------------------------------------------------------------------------------------------- A2: roles pinned
+# --------------------------------------------------------------------------------- A2: roles pinned
 
 
 def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, capsys):
@@ -119,7 +120,8 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
     (results,) = (tmp_path / "runs").rglob("results.json")
     rdir = results.parent
     done = json.loads(results.read_text())
-    # 20 images a class, split 50/20/30: 10 training images, fewer than the 16 shots asked for, and it says so
+    # 20 images a class, split 50/20/30: 10 training images, fewer than the 16 shots asked for,
+    # and it says so
     assert {k: done["train_shots"][k] for k in ("asked", "min", "max")} == {
         "asked": 16,
         "min": 10,
@@ -139,7 +141,7 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
     )  # the run's own roles
 
 
-# ------------------------------------------------------------------------------------------- A5: one writer
+# ----------------------------------------------------------------------------------- A5: one writer
 
 
 def test_a_second_identical_run_stops_while_the_first_holds_the_folder(world, tmp_path, capsys):
@@ -153,7 +155,7 @@ def test_a_second_identical_run_stops_while_the_first_holds_the_folder(world, tm
     assert os.path.exists(os.path.join(rdir, "results.json"))
 
 
-# ------------------------------------------------------------------------------------------- B: one clear line
+# -------------------------------------------------------------------------------- B: one clear line
 
 
 def test_faults_stop_with_one_line(world, tmp_path, capsys):
@@ -205,7 +207,7 @@ def test_ctrl_c_before_any_checkpoint_promises_nothing(world, tmp_path, capsys, 
     assert "nothing was kept" in err and "--resume" not in err
 
 
-# ------------------------------------------------------------------------------------------- D: first contact
+# --------------------------------------------------------------------------------- D: first contact
 
 
 def test_a_missing_dataset_names_the_download_and_the_offline_demo(tmp_path, capsys):
@@ -244,13 +246,13 @@ def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path
     assert used == path
 
 
-# ------------------------------------------------------------------------------------------- E: precision
+# ------------------------------------------------------------------------------------- E: precision
 
 
 def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, monkeypatch):
-    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds the
-    run folder taken by a run of another precision, and stops instead of reusing or resuming it. Both
-    precisions are recorded; asking for a half-precision evaluation gets its own folder."""
+    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds
+    the run folder taken by a run of another precision, and stops instead of reusing or resuming it.
+    Both precisions are recorded; asking for a half-precision evaluation gets its own folder."""
     root, ckpt, dataset = world
     args = cli(
         world,
