@@ -1016,8 +1016,8 @@ def to_rgb(image):
 
 
 def train_transform(size=224, min_scale=0.5):
-    """Dassl's train pipeline with MMRL's crop scale: RandomResizedCrop(scale=(min_scale,
-    1), bicubic) + flip."""
+    """Dassl's train pipeline with MMRL's crop scale:
+    RandomResizedCrop(scale=(min_scale, 1), bicubic) + flip."""
     from torchvision import transforms as T  # imported here: listing folders needs no torch
 
     return T.Compose(

@@ -404,15 +404,15 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
     2. The contributions are centred: their covariance is K = scatter / count.
     3. n times: pick the text t whose projection C t has the largest std across images (the largest
        t K t; the std's N or N - 1 does not change which), and remove that direction u = t / |t|
-       from the images and from every text: C -> C (I - u u^T) turns K into (I - u u^T) K (I - u
-       u^T) exactly.
+       from the images and from every text: C -> C (I - u u^T) turns K into (I - u u^T) K
+       (I - u u^T) exactly.
     """
     mean, scatter = mean.double(), scatter.double()
     texts = text_embeddings.to(scatter)
     E = scatter.shape[-1]
     check_textspan(n, rank, texts.shape[0], count, E, caller)
-    # 1. the span: eigenvectors of C^T C (ascending eigenvalues); an SVD of C [N, E] has min(N,
-    #    E) of them
+    # 1. the span: eigenvectors of C^T C (ascending eigenvalues); an SVD of C [N, E] has
+    #    min(N, E) of them
     _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))
     basis = vectors[:, -min(rank, count, E) :]  # [E, r]
     texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
@@ -542,8 +542,8 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
 
 
 def control_roles(roles, control: str, seed: int):
-    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles {block:
-    [head dicts]}.
+    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles
+    {block: [head dicts]}.
 
     "none": the roles as given. "random": in every block, the heads' roles shuffled by a permutation
     seeded with `seed` and the block number; each block keeps its number of heads of each role (and
@@ -960,8 +960,8 @@ def compute_roles(
     factors=None,
     caller=None,
 ):
-    """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md,
-    .png) in out_dir; its path.
+    """Concept Entropy for the heads of `layers` (1-based) -> roles.json
+    (+ .md, .png) in out_dir; its path.
 
     items: probe images as data.py lists them, (path, label, classname): all of them (max_images
     None, the default, as TextSpan reads all of ImageNet val), or, if there are more than

@@ -166,8 +166,8 @@ class Augmented(torch.utils.data.Dataset):
 
 
 class EpochSampler:
-    """The batch sampler of the one training DataLoader: train() sets `batches` (lists of (epoch
-    seed, index)) before every epoch, and the loader's persistent workers load them."""
+    """The batch sampler of the one training DataLoader: train() sets `batches` (lists of
+    (epoch seed, index)) before every epoch, and the loader's persistent workers load them."""
 
     def __init__(self):
         self.batches = []

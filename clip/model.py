@@ -81,8 +81,8 @@ class MultiheadAttention(nn.Module):
         """x [B, L, D] -> [B, R, D]. rows: None (every position, R = L) or the positions whose
         output is wanted (a slice or 1-D index): keys and values still come from all of x, queries
         only from those rows. past [1 or B, P, D]: positions that precede x (already layer-normed);
-        they give keys and values only, and mask columns count them first (the mask is [.., R, P +
-        L])."""
+        they give keys and values only, and mask columns count them first (the mask is
+        [.., R, P + L])."""
         B, L, D = x.shape
         H = self.n_head
         hs = D // H
@@ -190,8 +190,8 @@ class Transformer(nn.Module):
 
         attn_mask: None, one tensor used by every block, or a list with one entry (tensor or None)
         per block that runs. rows: the positions of the output that will be read (None: all); the
-        last block computes only those (its keys and values still need every position), giving [B,
-        R, D].
+        last block computes only those (its keys and values still need every position), giving
+        [B, R, D].
         """
         end = self.layers if end is None else end
         if not 0 <= start <= end <= self.layers:

@@ -116,8 +116,8 @@ def block_flops(n, r, D):
 
 def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
     """bench.count_flops reads every matmul the code runs; on encode_image and on DeAR's image side
-    it equals the FLOPs counted by hand with the last block computing only the rows read (CLS; CLS +
-    K tokens)."""
+    it equals the FLOPs counted by hand with the last block computing only the rows read
+    (CLS; CLS + K tokens)."""
     import torch
     from conftest import tiny_clip
     from dear import K, DeAR

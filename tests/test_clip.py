@@ -625,9 +625,9 @@ def test_rows_equal_the_full_block_read_at_those_rows():
 
 
 def test_past_equals_running_the_whole_sequence():
-    """A text block on a suffix that attends to shared past positions equals the block on [past,
-    suffix] under the causal mask, read after the past; gradients reach the past through its keys
-    and values."""
+    """A text block on a suffix that attends to shared past positions equals the block on
+    [past, suffix] under the causal mask, read after the past; gradients reach the past through its
+    keys and values."""
     m = tiny_clip(text_layers=2)
     torch.manual_seed(2)
     past = torch.randn(1, 4, 64, requires_grad=True)  # shared by every text

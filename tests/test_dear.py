@@ -495,8 +495,8 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
 
 
 def test_aligners_start_identical_and_R_init_unchanged():
-    """As MMRL: one aligner of each kind initialised and copied to every block; R is still N(0,
-    0.02), drawn first."""
+    """As MMRL: one aligner of each kind initialised and copied to every block; R is still
+    N(0, 0.02), drawn first."""
     torch.manual_seed(7)
     tokens = dear.AttributeTokens(4, 16, 24, 20)
     torch.manual_seed(7)

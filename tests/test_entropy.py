@@ -115,8 +115,8 @@ def plant_heads(model, layers=(3, 4), seed=0):
     """Make every head of `layers` (1-based) write along two known directions of the embedding space
     and nothing else write anything: the MLPs and the other blocks' attention outputs are zeroed,
     biases are zero, ln_post is the identity and proj's columns have mean 0 (so the heads' writes
-    have mean 0 and r's mean stays 0). Returns the 2 * H * len(layers) orthonormal directions [K,
-    E]: head (layers[i], h) writes along rows 2 (i H + h) and 2 (i H + h) + 1."""
+    have mean 0 and r's mean stays 0). Returns the 2 * H * len(layers) orthonormal directions
+    [K, E]: head (layers[i], h) writes along rows 2 (i H + h) and 2 (i H + h) + 1."""
     g = torch.Generator().manual_seed(seed)
     visual = model.visual
     D, H, E = visual.width, visual.heads, visual.output_dim
@@ -778,10 +778,10 @@ def test_default_thresholds_are_the_tertiles_of_the_heads_entropies():
 
 def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
     """8 heads (as 2 blocks x 4), unsorted, unevenly spaced: the 1/3 and 2/3 quantiles sit at sorted
-    positions 7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented): 1 + (3 -
-    1) / 3 = 5/3 and 4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher" (3, 4.5),
-    "nearest" (1, 4.5), "midpoint" (2, 4.25) and quantiles of the entropies in the order given (not
-    sorted)."""
+    positions 7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented):
+    1 + (3 - 1) / 3 = 5/3 and 4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher"
+    (3, 4.5), "nearest" (1, 4.5), "midpoint" (2, 4.25) and quantiles of the entropies in the order
+    given (not sorted)."""
     entropies = [4.5, 0.0, 7.0, 1.0, 8.0, 3.0, 0.5, 4.0]
     low, high = entropy.default_thresholds(entropies)
     assert (low, high) == pytest.approx((5 / 3, 13 / 3), abs=1e-12)

@@ -1,5 +1,5 @@
-"""DeAR's shortcuts give DeAR's plain computation: the last block computes only the rows read (CLS
-and the K tokens; CLS for f^0), the text start shared by every prompt runs once, prompts run in
+"""DeAR's shortcuts give DeAR's plain computation: the last block computes only the rows read
+(CLS and the K tokens; CLS for f^0), the text start shared by every prompt runs once, prompts run in
 groups of similar length, and blocks 1..J-1 run once. The reference is dear.reference_forward: every
 position, every block, prompts padded to 77 tokens, features read afterwards."""
 

@@ -62,8 +62,8 @@ def b2n_run(out, dataset, base, novel, **kw):
 
 
 def rows_by_label(table):
-    """{(dataset group, method label): row cells} of a B2N table; {label:
-    cells} for the other tables."""
+    """{(dataset group, method label): row cells} of a B2N table;
+    {label: cells} for the other tables."""
     _, header, rows, _ = table
     out, group = {}, None
     for row in rows:
@@ -196,8 +196,8 @@ B2N_SOURCE = {
 
 
 def expected_references():
-    """{(row label, protocol, dataset, metric): (number text,
-    source key)} from the restatement above."""
+    """{(row label, protocol, dataset, metric): (number text, source key)}
+    from the restatement above."""
     label = {"DeAR": tables.PAPER_DEAR, "CLIP": "CLIP (published)", "MMRL": "MMRL (published)"}
     out = {}
     for line in REFERENCE.split():
