@@ -831,7 +831,8 @@ def step_breakdown(b, net, imgs, labels, step_s, tag):
     J, L = net.J, net.L
     return [
         (
-            f"text side: blocks {net.first_text + 1}..{net.Lt} of all prompts, with tokens (forward)",
+            f"text side: blocks {net.first_text + 1}..{net.Lt} "
+            "of all prompts, with tokens (forward)",
             s["text"],
         ),
         (f"image prefix: embed + blocks 1..{J - 1}, no autograd", s["prefix"]),
@@ -900,7 +901,8 @@ def markdown(res, args) -> str:
     s = res["sizes"]
     prec = {
         None: "fp32 (no autocast)",
-        torch.bfloat16: "autocast bf16, frozen matmul weights stored in bf16 (train.frozen_weights_in)",
+        torch.bfloat16: "autocast bf16, frozen matmul "
+        "weights stored in bf16 (train.frozen_weights_in)",
         torch.float16: "autocast fp16 + GradScaler, frozen matmul weights stored in fp16 "
         "(train.frozen_weights_in)",
     }[train.autocast_dtype(device, args.precision)]
@@ -909,7 +911,8 @@ def markdown(res, args) -> str:
         "# DeAR speed bench",
         "",
         "Written by `bench.py`; every ratio compares two measurements made in the same process, "
-        "interleaved, with the same inputs. Random weights with the real shapes (nothing downloaded).",
+        "interleaved, with the same inputs. Random weights with the real shapes (nothing "
+        "downloaded).",
         "",
         "| | |",
         "|---|---|",
@@ -919,25 +922,27 @@ def markdown(res, args) -> str:
         f"({platform.machine()}, {os.cpu_count()} cores) |",
         f"| torch | {torch.__version__} (intra-op threads: {torch.get_num_threads()}) |",
         f"| precision | {prec} |",
-        f"| model | {'tiny test CLIP' if args.tiny else 'CLIP ViT-B/16 shapes'}: vision {s['vision_layers']} blocks "
-        f"x {s.get('vision_heads') or s['vision_width'] // 64} heads, width {s['vision_width']}, "
-        f"{s['image_resolution']}px / patch {s['vision_patch_size']}; text {s['transformer_layers']} blocks, "
-        f"width {s['transformer_width']}; J = {res['J']} |",
-        f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; evaluation "
-        f"batch {args.eval_batch}; prompts of up to {res['text_len']} tokens |",
+        f"| model | {'tiny test CLIP' if args.tiny else 'CLIP ViT-B/16 shapes'}: vision "
+        f"{s['vision_layers']} blocks x {s.get('vision_heads') or s['vision_width'] // 64} heads, "
+        f"width {s['vision_width']}, {s['image_resolution']}px / patch {s['vision_patch_size']}; "
+        f"text {s['transformer_layers']} blocks, width {s['transformer_width']}; J = {res['J']} |",
+        f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; "
+        f"evaluation batch {args.eval_batch}; prompts of up to {res['text_len']} tokens |",
         "| narrow model | "
         + (
             f"{', '.join(f'{C} x {B}' for C, B in args.narrow)}: vision width "
-            f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width {NARROW['transformer_width']} "
-            f"({NARROW['transformer_heads']} heads), depth and token counts as above |"
+            f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width "
+            f"{NARROW['transformer_width']} ({NARROW['transformer_heads']} heads), depth and token "
+            "counts as above |"
             if args.narrow
             else "none |"
         ),
-        f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more counts FLOPs), "
-        f"contenders interleaved, median of {args.repeats} (rows a. and d.: "
+        f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more "
+        f"counts FLOPs), contenders interleaved, median of {args.repeats} (rows a. and d.: "
         f"{max(args.repeats, args.short_repeats)}) "
         + (
-            "**process CPU times** (wall times in brackets); ± is half the range (max - min) / median |"
+            "**process CPU times** (wall times in brackets); "
+            "± is half the range (max - min) / median |"
             if device.type == "cpu"
             else "wall times around `torch.cuda.synchronize`; ± is half the range |"
         ),
@@ -946,10 +951,10 @@ def markdown(res, args) -> str:
         "",
         "## Results",
         "",
-        "Ratio = first column / second column (time); a ratio below 1 means the first is faster. FLOP limit = "
-        "the same ratio of matrix-multiply FLOPs (forward and backward), counted from the shape of every matmul "
-        "each contender runs (torch's FlopCounterMode); ratio / limit is how far the measured ratio is from "
-        "what the FLOPs allow (target <= 1.10).",
+        "Ratio = first column / second column (time); a ratio below 1 means the first is faster. "
+        "FLOP limit = the same ratio of matrix-multiply FLOPs (forward and backward), counted from "
+        "the shape of every matmul each contender runs (torch's FlopCounterMode); ratio / limit is "
+        "how far the measured ratio is from what the FLOPs allow (target <= 1.10).",
         "",
         "| id | measurement | first | second | ratio | FLOP limit | ratio / limit | target |",
         "|---|---|---|---|---|---|---|---|",
@@ -960,8 +965,8 @@ def markdown(res, args) -> str:
             "",
             "## Where a DeAR training step spends its time",
             "",
-            "Simple timers on the parts of the forward pass (medians); the token blocks are the forward "
-            "minus the other parts, backward + AdamW is the step minus the forward.",
+            "Simple timers on the parts of the forward pass (medians); the token blocks are the "
+            "forward minus the other parts, backward + AdamW is the step minus the forward.",
             "",
         ]
         for C, B, parts in res["breakdown"]:
@@ -977,24 +982,25 @@ def markdown(res, args) -> str:
         "",
         "- a: `clip/model.py` (batch-first, hand-written attention through "
         "`scaled_dot_product_attention`) against a reference written in bench.py the plainest way: "
-        "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight tensors.",
+        "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight "
+        "tensors.",
         "- b: the DeAR step is `train.train_step`, the function `train.train` runs for every batch "
-        "(`model(images, with_frozen=True)` under autocast, `dear.dear_loss` in fp32, backward through the "
-        "GradScaler, AdamW; lr 0, so every repeat sees the same parameters); frozen = `encode_image` of the "
-        "batch + `encode_text` of every class prompt + logits, under `no_grad`, in the same precision.",
-        "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on the frozen "
-        "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
-        "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
-        "The agree row checks it computes the same loss and gradient as ours. On a CPU it is timed in the "
-        "first setting only (it is slow), and never on the narrow model.",
-        "- b.rows: the same DeAR step against a frozen forward whose last blocks compute every position "
-        "(every row of the last image block, every position of the last text block), as OpenAI's CLIP does; "
-        "the agree row checks both frozen forwards give the same logits. It is the baseline the step targets "
-        "("
+        "(`model(images, with_frozen=True)` under autocast, `dear.dear_loss` in fp32, backward "
+        "through the GradScaler, AdamW; lr 0, so every repeat sees the same parameters); frozen = "
+        "`encode_image` of the batch + `encode_text` of every class prompt + logits, under "
+        "`no_grad`, in the same precision.",
+        "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on "
+        "the frozen CLIP weights (autograd through every block of both towers, all weight "
+        "gradients computed), re-runs the text prefix every step and recomputes f^0 and t^0 from "
+        "scratch. The agree row checks it computes the same loss and gradient as ours. On a CPU it "
+        "is timed in the first setting only (it is slow), and never on the narrow model.",
+        "- b.rows: the same DeAR step against a frozen forward whose last blocks compute every "
+        "position (every row of the last image block, every position of the last text block), as "
+        "OpenAI's CLIP does; the agree row checks both frozen forwards give the same logits. It is "
+        "the baseline the step targets ("
         + ", ".join(f"{t[3:]} at {C} x {B}" for (C, B), t in TRAIN_TARGETS.items())
-        + ") were estimated "
-        "against; b. compares with our own frozen forward, which computes only the rows it reads and is "
-        "that much cheaper.",
+        + ") were estimated against; b. compares with our own frozen forward, which computes only "
+        "the rows it reads and is that much cheaper.",
         "- d: per-batch cost only, as `train.evaluate` computes the class text features once.",
         "- agree rows: fp32 computations agree to rounding (\"equal\"); in fp16 and bf16 "
         "each differs from fp32 by rounding noise, so their targets are about twice the "
@@ -1003,16 +1009,16 @@ def markdown(res, args) -> str:
         "tests/test_precision.py --spread 30` measures it). fp16 steps are timed after the "
         "GradScaler has found its scale (its first steps are skipped, as in every fp16 run).",
         "- `python bench.py --tiny` writes BENCH_TINY.md (never this file).",
-        "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
-        "every block (the masks cost the same whatever the roles).",
+        "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist "
+        "heads in every block (the masks cost the same whatever the roles).",
     ]
     if device.type == "cpu":
         lines += [
-            "- Every number in this file is CPU. CPU timings on a shared machine are noisy: the ratios of "
-            "process CPU times, measured interleaved, are what to read.",
-            "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU "
-            "(the code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights stored "
-            "in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
+            "- Every number in this file is CPU. CPU timings on a shared machine are noisy: the "
+            "ratios of process CPU times, measured interleaved, are what to read.",
+            "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU (the "
+            "code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights "
+            "stored in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
             "`torch.cuda.max_memory_allocated` for memory).",
         ]
     if res["profile"]:
@@ -1060,7 +1066,8 @@ TINY_OUT = "BENCH_TINY.md"  # --tiny's default --out (git ignores it)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Time a DeAR training step and evaluation against the frozen CLIP, on random weights.",
+        description="Time a DeAR training step and evaluation "
+        "against the frozen CLIP, on random weights.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Defaults (ViT-B/16 on CUDA | ViT-B/16 on CPU | --tiny): "
         + " | ".join(
@@ -1085,8 +1092,8 @@ def parse_args(argv=None):
         "--short-repeats",
         type=int,
         default=11,
-        help="timed calls per contender in the rows of one forward pass (a., d.): short calls whose "
-        "targets leave a margin of a few percent (at least --repeats)",
+        help="timed calls per contender in the rows of one forward pass (a., d.): short calls "
+        "whose targets leave a margin of a few percent (at least --repeats)",
     )
     p.add_argument(
         "--warmup",
@@ -1107,8 +1114,8 @@ def parse_args(argv=None):
         "--narrow",
         type=settings_list,
         default=None,
-        help="settings CxB (e.g. 1000x32) run on a narrower model with the same depth and token counts "
-        "(default: 1000x32 on a CPU, none on a GPU)",
+        help="settings CxB (e.g. 1000x32) run on a narrower model with the same depth and token "
+        "counts (default: 1000x32 on a CPU, none on a GPU)",
     )
     p.add_argument(
         "--threads",

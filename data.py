@@ -508,7 +508,8 @@ def read_v2(spec, folder, root):
     for k in sorted((int(d) for d in list_dirs(image_dir) if d.isdigit())):
         if k >= len(wnids):
             raise DataError(
-                f"{image_dir}/{k} has no line {k} in classnames.txt; expected layout: {spec.layout()}"
+                f"{image_dir}/{k} has no line {k} in "
+                f"classnames.txt; expected layout: {spec.layout()}"
             )
         test += [
             (f"{k}/{im}", k, wnids[k][1]) for im in list_images(os.path.join(image_dir, str(k)))
@@ -665,10 +666,10 @@ def check_folder_unchanged(folder, path, split, listing):
     )
     only_removed = removed and not (added or new_classes or gone_classes)
     raise DataError(
-        f"{folder} no longer matches its split {path}: {'; '.join(changes)}.\n"
-        f"The split was drawn once (seed {CUSTOM_SPLIT_SEED}) and is kept so that results stay comparable. Restore "
-        f"the folder as it was, or delete {path} to split the folder anew (a new shuffle: results from before "
-        f"and after are not comparable)"
+        f"{folder} no longer matches its split {path}: {'; '.join(changes)}.\nThe split was drawn "
+        f"once (seed {CUSTOM_SPLIT_SEED}) and is kept so that results stay comparable. Restore the "
+        f"folder as it was, or delete {path} to split the folder anew (a new shuffle: results from "
+        "before and after are not comparable)"
         + (
             ", or delete the gone images' entries from it to keep the rest of the split"
             if only_removed
@@ -691,8 +692,9 @@ def write_folder_split(folder, split):
             write_json_atomic(fallback, split, indent=4)
         except OSError as e2:
             raise DataError(
-                f"cannot keep the split of {folder}: neither {path} ({e.strerror or e}) nor {fallback} "
-                f"({e2.strerror or e2}) can be written; set $DEAR_CACHE to a writable folder"
+                f"cannot keep the split of {folder}: neither {path} ({e.strerror or e}) nor "
+                f"{fallback} ({e2.strerror or e2}) can be written; set $DEAR_CACHE to a writable "
+                "folder"
             ) from None
         print(
             f"note: {folder} is not writable ({e.strerror or e}); its split is kept in {fallback}",
@@ -851,8 +853,8 @@ def suggest(name):
         ]
     hint = f" Did you mean: {', '.join(dict.fromkeys(close))}?" if close else ""
     return (
-        f"unknown dataset '{name}'.{hint} Known: {', '.join(DATASETS)}, or folder:PATH for a folder "
-        f"with one sub-folder per class."
+        f"unknown dataset '{name}'.{hint} Known: {', '.join(DATASETS)}, or folder:PATH for a "
+        "folder with one sub-folder per class."
     )
 
 
@@ -896,8 +898,8 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
         spec, root = DATASETS[name], os.path.abspath(os.path.expanduser(str(root)))
         if spec.reader == "toyworld" and not os.path.isfile(os.path.join(folder, spec.split)):
             raise DataError(
-                f"the toy world is not generated under {root}; make it with "
-                f"`python toyworld.py dataset --root {root}` (dear.py and entropy.py do this on first use)"
+                f"the toy world is not generated under {root}; make it with `python toyworld.py "
+                f"dataset --root {root}` (dear.py and entropy.py do this on first use)"
             )
         elif not os.path.isdir(root):
             raise DataError(
@@ -987,17 +989,17 @@ def dataset_warnings(ds, shots, subsample, test_only):
     out, part = [], "" if subsample == "all" else f" ({subsample} classes)"
     if ds.num_classes == 1:
         out.append(
-            f"{ds.name}{part} has only one class ({ds.classnames[0]}): every prediction is that class, "
-            f"so its accuracy is 100% by construction"
+            f"{ds.name}{part} has only one class ({ds.classnames[0]}): every prediction is that "
+            "class, so its accuracy is 100% by construction"
         )
     counts = ds.shots_per_class
     short = [k for k, n in enumerate(counts) if n < shots]
     if shots >= 1 and not test_only and short:
         k = min(short, key=lambda k: counts[k])
         out.append(
-            f"--shots {shots}: {len(short)} of {ds.num_classes} classes{part} have fewer training images "
-            f"(fewest: {ds.classnames[k]}, {counts[k]}); they keep all they have, as in CoOp, so the real "
-            f"shots per class are {min(counts)}..{max(counts)}"
+            f"--shots {shots}: {len(short)} of {ds.num_classes} classes{part} have fewer training "
+            f"images (fewest: {ds.classnames[k]}, {counts[k]}); they keep all they have, as in "
+            f"CoOp, so the real shots per class are {min(counts)}..{max(counts)}"
         )
     return out
 
@@ -1146,9 +1148,9 @@ def check_root(names, root):
     needs = [n for n in names if n in DATASETS and DATASETS[n].reader != "toyworld"]
     if needs and not os.path.isdir(root):
         raise DataError(
-            f"data root not found: {root} (needed by {', '.join(needs)})\nPass --root DATA, the folder "
-            f"that holds the CoOp datasets; fill it with `python data.py download {needs[0]} --root DATA` "
-            f"(layout: {COOP_GUIDE})"
+            f"data root not found: {root} (needed by {', '.join(needs)})\nPass --root DATA, the "
+            "folder that holds the CoOp datasets; fill it with `python data.py download "
+            f"{needs[0]} --root DATA` (layout: {COOP_GUIDE})"
         )
 
 
@@ -1199,9 +1201,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="CoOp benchmark datasets for DeAR: check a dataset on disk or download it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"datasets (name, CoOp name, folder):\n{names}\n  folder:PATH      any folder with one sub-folder "
-        f"per class\n\nexamples:\n  python data.py check eurosat --root DATA --shots 16 --subsample base\n"
-        f"  python data.py download eurosat --root DATA\nlayout: {COOP_GUIDE}",
+        epilog=f"datasets (name, CoOp name, folder):\n{names}\n  folder:PATH      any folder with "
+        "one sub-folder per class\n\nexamples:\n  python data.py check eurosat --root DATA "
+        "--shots 16 --subsample base\n  python data.py download eurosat --root DATA\nlayout: "
+        f"{COOP_GUIDE}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(

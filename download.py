@@ -160,13 +160,15 @@ SOURCES = {
     "imagenet_sketch": [Source(drive=CLASSNAMES, save_as="imagenet-sketch/classnames.txt")],
 }
 MANUAL = {  # images that have no stable public URL
-    "imagenet": "ImageNet images: from https://image-net.org, extracted to imagenet/images/{train,val}/<wnid>/",
-    "imagenet_sketch": "ImageNet-Sketch images: from https://github.com/HaohanWang/ImageNet-Sketch, "
-    "extracted to imagenet-sketch/images/<wnid>/",
-    "caltech101": "Caltech101: 101_ObjectCategories.tar.gz from https://data.caltech.edu/records/mzrjq-6wc02 "
-    "(inside caltech-101.zip), extracted to caltech-101/101_ObjectCategories/",
-    "stanford_cars": "StanfordCars: cars_train/, cars_test/ (the original links are dead; see CoOp issue #61) "
-    "in stanford_cars/",
+    "imagenet": "ImageNet images: from https://image-net.org, "
+    "extracted to imagenet/images/{train,val}/<wnid>/",
+    "imagenet_sketch": "ImageNet-Sketch images: from "
+    "https://github.com/HaohanWang/ImageNet-Sketch, extracted to imagenet-sketch/images/<wnid>/",
+    "caltech101": "Caltech101: 101_ObjectCategories.tar.gz from "
+    "https://data.caltech.edu/records/mzrjq-6wc02 (inside caltech-101.zip), extracted to "
+    "caltech-101/101_ObjectCategories/",
+    "stanford_cars": "StanfordCars: cars_train/, cars_test/ (the original links are dead; see CoOp "
+    "issue #61) in stanford_cars/",
 }
 
 
@@ -221,7 +223,10 @@ def fetch_drive(file_id, dest, md5="", gdrive_url=None):
     """A Google Drive file with the standard library. Large files answer first with an HTML page
     ("can't scan for viruses"); its form carries the confirm/uuid fields that release the file."""
     base = gdrive_url or os.environ.get("DEAR_GDRIVE_URL") or GDRIVE_URL
-    manual = f"Fetch it by hand from https://drive.google.com/file/d/{file_id}/view and save it as {dest}"
+    manual = (
+        "Fetch it by hand from "
+        f"https://drive.google.com/file/d/{file_id}/view and save it as {dest}"
+    )
     url = f"{base}?{urllib.parse.urlencode({'id': file_id, 'export': 'download', 'confirm': 't'})}"
     for _ in range(2):
         with _open(url) as response:
@@ -323,7 +328,8 @@ def safe_extract(archive, target):
                         info.external_attr >> 16
                     ):  # unpacked as a plain file, so never right
                         raise DownloadError(
-                            f"{archive}: member {info.filename} is a symbolic link; refusing to unpack"
+                            f"{archive}: member {info.filename} is "
+                            "a symbolic link; refusing to unpack"
                         )
                 _check_members(
                     archive,

@@ -567,8 +567,8 @@ def control_roles(roles, control: str, seed: int):
     ]
     if any(not entry.get("skill") for _, _, entry in heads):
         raise ValueError(
-            "--roles-control oracle needs roles with ground-truth decoding skills; entropy.py writes "
-            "them only for the toy world (--dataset toyworld)"
+            "--roles-control oracle needs roles with ground-truth decoding skills; entropy.py "
+            "writes them only for the toy world (--dataset toyworld)"
         )
 
     n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
@@ -619,10 +619,13 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             f"roles file {path} does not exist; compute it with `python entropy.py ...` "
             "(dear.py does so itself without --roles) or pass the right file"
         )
-    other = "pass a roles file computed for this backbone and these blocks, or compute one with `python entropy.py`"
+    other = (
+        "pass a roles file computed for this backbone and "
+        "these blocks, or compute one with `python entropy.py`"
+    )
     hint = (
-        f"delete {path} (a cached roles file is then computed again on the next run) or pass a roles file "
-        "written by entropy.py"
+        f"delete {path} (a cached roles file is then computed again on the next run) or pass a "
+        "roles file written by entropy.py"
     )  # a damaged file
     try:
         with open(path, encoding="utf-8") as f:
@@ -648,11 +651,13 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             )
     if not isinstance(doc["num_heads"], int) or doc["num_heads"] < 1:
         raise RolesError(
-            f"roles file {path}: 'num_heads' must be a positive number, got {doc['num_heads']!r}; {hint}"
+            f"roles file {path}: 'num_heads' must be a "
+            f"positive number, got {doc['num_heads']!r}; {hint}"
         )
     if not isinstance(doc["layers"], list) or not all(isinstance(l, int) for l in doc["layers"]):
         raise RolesError(
-            f"roles file {path}: 'layers' must be a list of block numbers, got {doc['layers']!r}; {hint}"
+            f"roles file {path}: 'layers' must be a list of "
+            f"block numbers, got {doc['layers']!r}; {hint}"
         )
     if not isinstance(doc["heads"], list) or not all(isinstance(e, dict) for e in doc["heads"]):
         bad = (
@@ -661,8 +666,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             else next(e for e in doc["heads"] if not isinstance(e, dict))
         )
         raise RolesError(
-            f"roles file {path}: 'heads' must be a list of objects (one per head, with layer, head, "
-            f"role, attribute), found {json.dumps(bad)[:60]}; {hint}"
+            f"roles file {path}: 'heads' must be a list of objects (one per head, with layer, "
+            f"head, role, attribute), found {json.dumps(bad)[:60]}; {hint}"
         )
     H, file_layers = doc["num_heads"], list(doc["layers"])
     missing = [l for l in (layers or []) if l not in file_layers]
@@ -871,9 +876,9 @@ def parse_layers(spec, num_layers):
         layers = set(int(l) for l in spec)
     if not layers:  # e.g. dear.py's blocks J..L with J beyond the depth
         raise EntropyError(
-            f"no blocks in {spec!r}: the backbone has {num_layers} blocks (1..{num_layers}); choose "
-            f"blocks within that range, e.g. {max(1, num_layers - 3)}-{num_layers} (so a first "
-            f"block J of at most {num_layers})"
+            f"no blocks in {spec!r}: the backbone has {num_layers} blocks (1..{num_layers}); "
+            f"choose blocks within that range, e.g. {max(1, num_layers - 3)}-{num_layers} (so a "
+            f"first block J of at most {num_layers})"
         )
     if min(layers) < 1 or max(layers) > num_layers:
         raise EntropyError(
@@ -1164,11 +1169,12 @@ def run(
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan (each head's "
-        "direct contribution as TextSpan's PRS logger computes it; texts picked inside the top singular "
-        "directions of the uncentred contributions), label the descriptions with concepts, and sort "
-        "heads into attribute / generalization / mixed / other specialist roles by the entropy of their "
-        "concepts. Writes roles.json, roles.md, roles.png."
+        description="Concept Entropy: describe every attention head of CLIP's last blocks with "
+        "TextSpan (each head's direct contribution as TextSpan's PRS logger computes it; texts "
+        "picked inside the top singular directions of the uncentred contributions), label the "
+        "descriptions with concepts, and sort heads into attribute / generalization / mixed / "
+        "other specialist roles by the entropy of their concepts. Writes roles.json, roles.md, "
+        "roles.png."
     )
     p.add_argument(
         "--backbone",

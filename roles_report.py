@@ -36,8 +36,8 @@ def render_markdown(doc):
         f"# Head roles of {doc['model']} (blocks {', '.join(map(str, doc['layers']))})",
         "",
         f"Probe: {probe.get('dataset')} {probe.get('split')}, {probe.get('images')} images. "
-        f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. "
-        f"Thresholds: low {doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.",
+        f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. Thresholds: low "
+        f"{doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.",
         "",
         "A = attribute head (its attribute), G = generalization, M = mixed, S = other specialist "
         "(its concept); the number is the concept entropy in bits.",
@@ -64,8 +64,8 @@ def render_markdown(doc):
                 f"{f} {100 * a:.0f}%" for f, a in h["decoding"].items()
             )
         lines += [
-            f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} bits "
-            f"({share}).{truth}",
+            f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} "
+            f"bits ({share}).{truth}",
             "",
             "; ".join(h["texts"]),
             "",
@@ -82,11 +82,11 @@ def decoding_markdown(doc):
         "",
         "## Ground truth: what each head's contribution encodes",
         "",
-        f"Held-out accuracy (%) of a linear probe ({doc['decoding']['probe']}) that reads each known factor "
-        "from the head's direct contribution; chance: "
+        f"Held-out accuracy (%) of a linear probe ({doc['decoding']['probe']}) that reads each "
+        "known factor from the head's direct contribution; chance: "
         + ", ".join(f"{f} {100 * c:.0f}%" for f, c in chance.items())
-        + ". Best = the factor with the highest skill, (accuracy - chance) / (1 - chance), and its lead in "
-        "skill over the runner-up.",
+        + ". Best = the factor with the highest skill, (accuracy - chance) / (1 - chance), and its "
+        "lead in skill over the runner-up.",
         "",
         "| block | head | role | " + " | ".join(chance) + " | best (lead) |",
         "|---" * (len(chance) + 4) + "|",

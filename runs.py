@@ -116,8 +116,8 @@ def backbone_sha256(backbone: str) -> str:
     path = os.path.expanduser(backbone)
     if not os.path.isfile(path):
         raise RunError(
-            f"--backbone {backbone!r} is neither one of {clip.available_models() + [toyworld.BACKBONE]} "
-            "nor a checkpoint file"
+            f"--backbone {backbone!r} is neither one of "
+            f"{clip.available_models() + [toyworld.BACKBONE]} nor a checkpoint file"
         )
     return file_sha256(path)
 
@@ -276,8 +276,8 @@ class RunLock:
             self.lock.acquire()
         except util.LockHeld as e:
             raise RunError(
-                f"{os.path.dirname(self.path)} is being written by {e.holder}; wait for it to finish "
-                "(a second identical run would only repeat it)"
+                f"{os.path.dirname(self.path)} is being written by {e.holder}; wait for it to "
+                "finish (a second identical run would only repeat it)"
             ) from None
         return self
 
@@ -373,8 +373,8 @@ def load_roles(cfg, model, device, log):
                     path, pool = cached(probe, split)
             if not os.path.exists(path):  # entropy.run writes there too
                 log(
-                    f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the {split} images of {probe!r} -> {path}"
+                    f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them "
+                    f"once with entropy.py on the {split} images of {probe!r} -> {path}"
                 )
                 path = entropy.run(
                     cfg.backbone,
@@ -433,8 +433,9 @@ def build_dataset(name, root, *args):
     except data.DataError as e:
         if name in data.DATASETS and not os.path.isdir(dataset_folder(name, root)):
             raise RunError(
-                f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
-                "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)"
+                f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR "
+                "offline first:  python dear.py --dataset toyworld  (a generated toy world, "
+                "minutes on a CPU)"
             ) from e
         raise
 
@@ -796,8 +797,8 @@ def _run_locked(
 
     try:
         log(
-            f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | "
-            f"{device} -> {rdir}"
+            f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} "
+            f"| {device} -> {rdir}"
         )
         clip_model, _ = load_clip(cfg.backbone, device, log=log)
         L = clip_model.visual.transformer.layers
@@ -840,9 +841,9 @@ def _run_locked(
         t0, stats = time.time(), None  # stats: train.train's report (None: no training, or none)
         if cfg.method == "dear" and not cfg.eval_only:
             log(
-                f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} "
-                f"epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, "
-                f"mask {cfg.mask}"
+                f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, "
+                f"{cfg.epochs} epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg "
+                f"{cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}"
             )
             stats = train_checked(model, train_ds, cfg, device, rdir, log, make_loss(cfg), ckpt)
             model_pt = os.path.join(rdir, "model.pt")

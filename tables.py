@@ -95,7 +95,8 @@ SOURCES = {
     "summary": (
         "s",
         "a summary of the DeAR paper",
-        "public summaries of the DeAR paper; not confirmed against its tables, which could not be read",
+        "public summaries of the DeAR paper; not confirmed "
+        "against its tables, which could not be read",
     ),
     "readme": (
         "m",
@@ -115,7 +116,8 @@ SOURCES = {
     "checked": (
         "c",
         "recalled, checked against summaries",
-        "recalled from the MMRL paper and checked against public summaries (of the DeAR and VaMP papers)",
+        "recalled from the MMRL paper and checked against "
+        "public summaries (of the DeAR and VaMP papers)",
     ),
     "recalled": (
         "r",
@@ -167,8 +169,9 @@ PUBLISHED = [
         "novel",
         "78.99",
         "derived",
-        "DeAR's average novel 78.99 = MMRL's 77.16 + the \"+1.83 novel over MMRL\" of the summaries. "
-        "HM(85.94, 78.99) = 82.32, not the 82.72 the summaries give: one of them is off; both are printed as given.",
+        "DeAR's average novel 78.99 = MMRL's 77.16 + the \"+1.83 novel over MMRL\" of the "
+        "summaries. HM(85.94, 78.99) = 82.32, not the 82.72 the summaries give: one of them is "
+        "off; both are printed as given.",
     ),
     Ref(PAPER_DEAR, "b2n", AVG, "hm", "82.72", "summary"),
     Ref(PAPER_DEAR, "b2n", "dtd", "base", "83.9", "paper_table"),
@@ -185,8 +188,8 @@ PUBLISHED = [
         "acc",
         "67.25",
         "derived",
-        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a summary of "
-        "the VaMP paper gives them.",
+        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a "
+        "summary of the VaMP paper gives them.",
     ),
 ]
 # CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm";
@@ -732,8 +735,8 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
     )  # folder:PATH datasets by their folder's name
     notes = [
         f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
-        "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
-        "on every target without further training.",
+        "The DeAR model is trained once per seed on the source (16 shots, all classes) and "
+        "evaluated on every target without further training.",
     ]
     notes += reference_notes(rows)
     return title, header, rows, notes
@@ -891,7 +894,8 @@ def table_ablations(runs, backbone):
         rows,
         [
             "Base/Novel/HM: averages over the ablation datasets (HM of the averages).",
-            "A variant is named after the dear.py flags that differ from the defaults (its run folder).",
+            "A variant is named after the dear.py flags "
+            "that differ from the defaults (its run folder).",
         ],
     )
 
@@ -982,9 +986,9 @@ def roles_section(out, tables_dir):
 
 
 REFERENCE_HEADER = (
-    f"Beside ours, for {PAPER_BACKBONE} only: reference numbers of zero-shot CLIP, MMRL and DeAR. Not all of them "
-    "could be read in a published table: each is printed with the precision of its source and a letter saying "
-    "where it comes from ("
+    f"Beside ours, for {PAPER_BACKBONE} only: reference numbers of zero-shot CLIP, MMRL and DeAR. "
+    "Not all of them could be read in a published table: each is printed with the precision of "
+    "its source and a letter saying where it comes from ("
     + "; ".join(f"[{letter}] {short}" for letter, short, _ in SOURCES.values())
     + "); the notes under each table say more."
 )
@@ -1116,8 +1120,8 @@ def main(argv=None):
     ap.add_argument(
         "--baseline",
         default="default",
-        help="dear.py variant of the full-method runs (e.g. J-3 for the toy world, whose CLIP has 4 "
-        "blocks); runs that add flags to it are ablations (default: default)",
+        help="dear.py variant of the full-method runs (e.g. J-3 for the toy world, whose CLIP has "
+        "4 blocks); runs that add flags to it are ablations (default: default)",
     )
     ap.add_argument("--print", action="store_true", help="also print the Markdown to stdout")
     args = ap.parse_args(argv)

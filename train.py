@@ -280,7 +280,8 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
     params = [p for p in model.trainable() if p.requires_grad]
     if not params:
         log(
-            "no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP"
+            "no trainable parameters (no attribute tokens): "
+            "nothing to train, the model is frozen CLIP"
         )
         return {"steps": 0, "skipped_steps": 0, "final_scale": None}
     model.set_classes(ds.classnames, ds.template)  # fp32, before the frozen weights change dtype

@@ -87,8 +87,8 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
     if total:
         eta = (total - done) / speed if speed > 0 else 0.0
         msg = (
-            f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB ({100 * done / total:.0f}%), "
-            f"{speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
+            f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB "
+            f"({100 * done / total:.0f}%), {speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
         )
     else:
         msg = f"\rdownloading {name}: {done / 2**20:.1f} MiB, {speed / 2**20:.1f} MiB/s"

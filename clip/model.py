@@ -248,8 +248,9 @@ class VisionTransformer(nn.Module):
         """Images [B, 3, R, R] -> tokens [B, 1+P, D]: patches, class token, positions, ln_pre."""
         if images.dim() != 4 or images.shape[-2:] != (self.input_resolution, self.input_resolution):
             raise ValueError(
-                f"expected images of shape [B, 3, {self.input_resolution}, {self.input_resolution}], "
-                f"got {list(images.shape)}; use the model's preprocess transform"
+                f"expected images of shape [B, 3, {self.input_resolution}, "
+                f"{self.input_resolution}], got {list(images.shape)}; use the model's preprocess "
+                "transform"
             )
         x = self.conv1(images.to(self.conv1.weight.dtype))  # [B, D, grid, grid]
         x = x.flatten(2).transpose(1, 2)  # [B, P, D]

@@ -573,7 +573,8 @@ def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
         ):
             data.build_dataset(one, None, subsample=part)
     assert data.build_dataset(one, None).warnings == [
-        f"{one} has only one class (pear): every prediction is that class, so its accuracy is 100% by construction"
+        f"{one} has only one class (pear): every prediction is "
+        "that class, so its accuracy is 100% by construction"
     ]
     three = fruit_folder(tmp_path / "three", n=4)  # base: pear, plum; novel: red apple alone
     novel = data.build_dataset(three, None, subsample="novel")
@@ -986,8 +987,8 @@ def test_images_in_sub_folders_are_named(tmp_path, capsys):
     with pytest.raises(data.DataError) as err:
         data.build_dataset(f"folder:{tmp_path / 'more'}", None)
     assert (
-        f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in "
-        f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+        f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are "
+        "in sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
     )
 
 
@@ -1486,10 +1487,10 @@ def test_safe_extract_keeps_an_honest_tar(tmp_path):
 
 def test_google_drive_confirm_page_then_file(tmp_path, server):
     page = (
-        '<html><form id="download-form" action="/drive2" method="get">'
-        '<input type="hidden" name="id" value="BIG"><input type="hidden" name="export" value="download">'
-        '<input type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" value="u-1&amp;2">'
-        '</form></html>'
+        '<html><form id="download-form" action="/drive2" method="get"><input type="hidden" '
+        'name="id" value="BIG"><input type="hidden" name="export" value="download"><input '
+        'type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" '
+        'value="u-1&amp;2"></form></html>'
     )
     server.routes["/drive?id=BIG"] = ("text/html; charset=utf-8", page.encode())
     server.routes["/drive2?id=BIG"] = ("application/octet-stream", b"the big file")

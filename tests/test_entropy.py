@@ -674,13 +674,13 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
         ),
         (
             (5, 4, 10, 100, 64),
-            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
-            "raise --rank or lower --n",
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width "
+            "64; raise --rank or lower --n",
         ),
         (
             (5, 80, 10, 100, 4),
-            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
-            "raise --rank or lower --n",
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width "
+            "4; raise --rank or lower --n",
         ),
         (
             (5, 80, 10, 5, 64),
@@ -1325,8 +1325,9 @@ def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
     with pytest.raises(EntropyError) as cli:
         entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
     dear_fix = (
-        "dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
-        "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles"
+        "dear.py probes ImageNet val when ImageNet is under --root, else all training images of "
+        "--dataset: put ImageNet under --root, or compute the roles with entropy.py and pass them "
+        "with --roles"
     )
     assert dear_fix in str(both.value) and "--max-images" in str(both.value)
     assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)

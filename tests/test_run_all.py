@@ -659,8 +659,8 @@ def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
     )
     assert out.count("not found") == 1  # once, not once per dataset
     assert (
-        f"data root not found: {tmp_path / 'data'}, so the 15 datasets the stages need are all missing"
-        in out
+        f"data root not found: {tmp_path / 'data'}, so "
+        "the 15 datasets the stages need are all missing" in out
     )
     assert "MISSING" not in out and len(out.strip().splitlines()) <= 10
     assert_points_onwards(p.stderr)
