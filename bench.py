@@ -13,7 +13,7 @@ medians over repeats.
 
     python bench.py --tiny                      # the tiny test model: seconds
     python bench.py --device cuda --repeats 10  # ViT-B/16 shapes on a GPU
-    python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1   # ViT-B/16 on a small CPU
+    python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1  # ViT-B/16, small CPU
 
 Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on
 CUDA and fp32 on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype

@@ -135,7 +135,8 @@ SOURCES = {
     "imagenet": [Source(drive=CLASSNAMES, save_as="imagenet/classnames.txt")],
     "imagenetv2": [
         Source(
-            url="https://s3-us-west-2.amazonaws.com/imagenetv2public/imagenetv2-matched-frequency.tar.gz",
+            url="https://s3-us-west-2.amazonaws.com/imagenetv2public/"
+            "imagenetv2-matched-frequency.tar.gz",
             extract_to="imagenetv2",
             creates="imagenetv2/imagenetv2-matched-frequency-format-val",
         ),

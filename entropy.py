@@ -16,8 +16,10 @@ DeAR's first step, offline and once per backbone. Read top to bottom:
   5. Outputs (roles.json, roles.md, roles.png), loading and validating a roles file
   6. The pipeline (compute_roles, run) and the command line
 
-    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA   (all of ImageNet val, as TextSpan)
-    python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA   (no ImageNet: dear.py's probe)
+    # all of ImageNet val, as TextSpan:
+    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA
+    # no ImageNet: the training images of a dataset, as dear.py's probe:
+    python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA
 
 Blocks are counted from 1 in every file this script writes and reads (as the paper does: blocks 9-12
 of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` only. Heads count

@@ -57,7 +57,8 @@ def interleave(per_class):
 
 SIZES = {"train": 5, "val": 3, "test": 2}
 
-JSON_LAYOUTS = {  # name: (raw classnames as stored in the split JSON, relative path of image i of class c)
+# name: (raw classnames as stored in the split JSON, relative path of image i of class c)
+JSON_LAYOUTS = {
     "caltech101": (
         ["accordion", "Leopards", "yin_yang"],
         lambda c, s, i: f"{c}/image_{s}{i:04d}.jpg",

@@ -29,11 +29,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # Tolerances of a precision against fp32 on the tiny CLIP: one training step from the same state
 # (|loss difference| / loss, |grad R - grad R fp32| / |grad R fp32|), and an evaluation (the share
 # of test images whose top-1 equals fp32's; all of them where fp32's top-1 leads by more than MARGIN
-# logits). Set with margin above the deviation measured on a CPU over 30 seeds (`python
-# tests/test_precision.py --spread 30` prints it):
-#                   loss median / max   grad R median / max   top-1 equal, min   max|dlogit|/max|logit|
-#   fp16 SAFE_SCALE  7.7e-4 / 2.4e-3     3.1e-3 / 8.7e-3       100%               1.9e-3 / 4.5e-3
-#   bf16             4.8e-3 / 1.4e-2     2.4e-2 / 1.0e-1       87.5%              1.7e-2 / 3.3e-2
+# logits). Set with margin above the deviation measured on a CPU over 30 seeds
+# (`python tests/test_precision.py --spread 30` prints it):
+#                   loss median / max  grad R median / max  top-1 equal, min  max|dlogit|/max|logit|
+#   fp16 SAFE_SCALE  7.7e-4 / 2.4e-3    3.1e-3 / 8.7e-3      100%              1.9e-3 / 4.5e-3
+#   bf16             4.8e-3 / 1.4e-2    2.4e-2 / 1.0e-1      87.5%             1.7e-2 / 3.3e-2
 # Tolerances: about twice the maximum (bench.py's agreement targets come from the same table).
 TOLERANCE = {
     "bf16": dict(loss=3e-2, grad=0.2, agree=0.85),

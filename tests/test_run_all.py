@@ -386,7 +386,8 @@ FAKE_DEAR = textwrap.dedent('''
     """Stand-in for dear.py: same flags, made-up accuracies, every call appended to $FAKE_CALLS."""
     import argparse, json, os, sys, types
 
-    model = types.SimpleNamespace(visual=types.SimpleNamespace(transformer=types.SimpleNamespace(layers=12)))
+    visual = types.SimpleNamespace(transformer=types.SimpleNamespace(layers=12))
+    model = types.SimpleNamespace(visual=visual)
     clip = types.SimpleNamespace(load=lambda name, device=None: (model, None))
 
     def parse_args(argv=None):
@@ -395,8 +396,10 @@ FAKE_DEAR = textwrap.dedent('''
             p.add_argument(flag)
         p.add_argument("--protocol", default="b2n"); p.add_argument("--method", default="dear")
         p.add_argument("--out", default="runs"); p.add_argument("--mask", default="role")
-        p.add_argument("--novel-logits", default="fused"); p.add_argument("--roles-control", default="none")
-        p.add_argument("--shots", type=int, default=16); p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--novel-logits", default="fused")
+        p.add_argument("--roles-control", default="none")
+        p.add_argument("--shots", type=int, default=16)
+        p.add_argument("--seed", type=int, default=1)
         p.add_argument("--J", type=int); p.add_argument("--beta", type=float)
         p.add_argument("--lambda-fusion", type=float); p.add_argument("--epochs", type=int)
         p.add_argument("--workers", type=int)
@@ -422,7 +425,8 @@ FAKE_DEAR = textwrap.dedent('''
     if __name__ == "__main__":
         c = parse_args()
         with open(os.environ["FAKE_CALLS"], "a") as f:
-            f.write(json.dumps({"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+            call = {"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            f.write(json.dumps(call) + "\\n")
         if os.environ.get("FAKE_FAIL") == c.dataset:
             sys.exit("simulated crash")
         if os.environ.get("FAKE_SLEEP") == c.dataset:    # a job that lasts until FAKE_WAKE exists
@@ -439,9 +443,13 @@ FAKE_DEAR = textwrap.dedent('''
         d = run_dir(c)
         os.makedirs(d, exist_ok=True)
         splits = ["base", "novel"] if c.protocol == "b2n" else ["all"]
-        res = {"method": c.method, "protocol": c.protocol, "dataset": c.dataset, "backbone": c.backbone,
-               "shots": c.shots, "seed": c.seed, "variant": os.path.basename(d).split("-", 1)[1].rsplit("-shots", 1)[0],
-               "evals": [{"dataset": c.dataset, "split": s, "accuracy": 50.0 + c.seed, "n": 10} for s in splits]}
+        variant = os.path.basename(d).split("-", 1)[1].rsplit("-shots", 1)[0]
+        evals = [
+            {"dataset": c.dataset, "split": s, "accuracy": 50.0 + c.seed, "n": 10} for s in splits
+        ]
+        res = {"method": c.method, "protocol": c.protocol, "dataset": c.dataset,
+               "backbone": c.backbone, "shots": c.shots, "seed": c.seed, "variant": variant,
+               "evals": evals}
         with open(os.path.join(d, "results.json"), "w") as f:
             json.dump(res, f)
 ''')

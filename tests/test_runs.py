@@ -281,7 +281,8 @@ def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, 
     capsys.readouterr()
     err = stop_message(args, capsys)  # a finished run of another precision: not "done already"
     assert "different configuration" in err and "precisions" in err and "fp16" in err
-    results.unlink()  # now as an interrupted run: its checkpoint is not resumed in another precision
+    # now as an interrupted run: its checkpoint is not resumed in another precision
+    results.unlink()
     torch.save({"model": {}}, results.parent / "checkpoint.pt")
     err = stop_message(args + ["--resume"], capsys)
     assert "interrupted run of a different configuration" in err and "precisions" in err
