@@ -238,9 +238,8 @@ class RefCLIP(nn.Module):
     def encode_text(self, tokens):
         T = tokens.shape[1]
         x = self.token_embedding(tokens) + self.positional_embedding[:T]  # [C, T, W]
-        mask = torch.full((T, T), float("-inf"), device=x.device).triu(
-            1
-        )  # causal: see only the past
+        # causal: see only the past
+        mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         x = self.transformer(x.permute(1, 0, 2), mask).permute(1, 0, 2)  # run as [T, C, W]
         x = self.ln_final(x)
         return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ self.text_projection
@@ -309,9 +308,8 @@ def peak_memory(fn, device, method):
         out = fn()
         peak = _status_kib("VmHWM")
         if _LIBC is not None:
-            _LIBC.mallopt(
-                M_MMAP_THRESHOLD, 32 * 1024 * 1024
-            )  # glibc's usual steady state, for the timings
+            # glibc's usual steady state, for the timings
+            _LIBC.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
         return (peak - base) * 1024, out
     import resource
 
@@ -463,9 +461,8 @@ def naive_forward(model, images, tokens):
             x, b, b + 1, attn_mask=getattr(model, f"mask_{i}") if i >= 0 else None
         )
     f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
-    f_attr = F.normalize(
-        visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr.to(x.dtype), dim=-1
-    )  # [B, K, E]
+    # [B, K, E]
+    f_attr = F.normalize(visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr.to(x.dtype), dim=-1)
     feats = torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)  # [B, 1+K, E]
     logits = clip_model.logit_scale.exp() * feats @ t.t().to(feats.dtype)  # [B, 1+K, C]
     fused = model.alpha()[None, :, None].to(logits.dtype).mul(logits).sum(1)  # [B, C]
@@ -888,9 +885,8 @@ def row_ids(settings, device="cpu"):
         f"{p}.C{C}xB{B}"
         for i, (C, B) in enumerate(settings)
         for p in ("b", "b.rows", "b.rows.agree", "f", "c", "c.agree", "e")
-        if (
-            p[0] != "c" or i == 0 or device == "cuda"
-        )  # the naive step: first setting only on a CPU
+        # the naive step: first setting only on a CPU
+        if (p[0] != "c" or i == 0 or device == "cuda")
         and (not p.startswith("b.rows") or (C, B) in TRAIN_TARGETS)
     ]  # every-row baseline: target settings
     return ["a.agree", "a.image", "a.text"] + per + ["d.eval", "f.eval"]

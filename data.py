@@ -99,9 +99,8 @@ class Spec:
     template: str  # the hand-written prompt template, one '{}'
     reader: str = "json"  # json | fgvc | imagenet | variant | v2 | toyworld | folder
     drive: str = ""  # Google Drive id of the split JSON (CoOp DATASETS.md)
-    renames: dict = dataclasses.field(
-        default_factory=dict
-    )  # class-name clean-up applied after reading
+    # class-name clean-up applied after reading
+    renames: dict = dataclasses.field(default_factory=dict)
     test_only: bool = False
 
     def layout(self):
@@ -303,9 +302,8 @@ class Dataset:
     template: str
     folder: str = ""
     split_file: str = ""  # folder:PATH datasets: where their split is kept
-    warnings: list = dataclasses.field(
-        default_factory=list
-    )  # also printed when the dataset is built
+    # also printed when the dataset is built
+    warnings: list = dataclasses.field(default_factory=list)
 
     @property
     def num_classes(self):
@@ -1091,9 +1089,8 @@ def open_image(path):
 def check_images(ds):
     """Open (decode) every image of a dataset once, with a progress line; then stop,
     listing the unreadable ones."""
-    paths = list(
-        dict.fromkeys(p for p, _, _ in ds.train + ds.val + ds.test)
-    )  # ImageNet: val is test
+    # ImageNet: val is test
+    paths = list(dict.fromkeys(p for p, _, _ in ds.train + ds.val + ds.test))
     bad, t0, every = [], time.time(), max(1, len(paths) // 100)
     for i, path in enumerate(paths):
         try:

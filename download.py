@@ -49,9 +49,8 @@ class Source:
     move: tuple = ()  # (from, to): rename after unpacking (FGVCAircraft keeps only data/)
 
 
-CLASSNAMES = (
-    "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"  # imagenet/classnames.txt on Drive (CoOp DATASETS.md)
-)
+# imagenet/classnames.txt on Drive (CoOp DATASETS.md)
+CLASSNAMES = "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"
 VGG = "https://www.robots.ox.ac.uk/~vgg/data"
 SOURCES = {
     "eurosat": [
@@ -304,9 +303,8 @@ def _check_members(archive, target, members):
                 f"{archive}: member {name} would land outside {target}; refusing to unpack"
             )
         if kind in ("symlink", "hardlink"):
-            base = (
-                parts[:-1] if kind == "symlink" else ()
-            )  # a symlink is read from its folder, a hard link from the top
+            # a symlink is read from its folder, a hard link from the top
+            base = parts[:-1] if kind == "symlink" else ()
             where, why = _resolve(linkname, base, links | {"/".join(parts)})
             if why or (kind == "hardlink" and not where):
                 raise DownloadError(
@@ -364,9 +362,8 @@ def safe_extract(archive, target):
             ]
             _check_members(archive, target, kinds)
             os.makedirs(target, exist_ok=True)
-            tar.extractall(
-                target, filter="data"
-            )  # the stdlib's own guard as a second line of defence
+            # the stdlib's own guard as a second line of defence
+            tar.extractall(target, filter="data")
     except (
         tarfile.TarError,
         zipfile.BadZipFile,
@@ -422,9 +419,8 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
     else:
         fetch_url(url, archive, src.md5)
     target = os.path.join(root, src.extract_to)
-    unpacking = (
-        archive + ".unpacking"
-    )  # unpacked here first, so a cut-off unpack never looks finished
+    # unpacked here first, so a cut-off unpack never looks finished
+    unpacking = archive + ".unpacking"
     shutil.rmtree(unpacking, ignore_errors=True)  # what an interrupted run left
     print(f"unpacking {name} into {target}", file=sys.stderr)
     safe_extract(archive, unpacking)

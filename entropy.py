@@ -177,9 +177,8 @@ def encode_texts(model, texts, batch_size=256):
         tokens = clip.tokenize(
             texts[i : i + batch_size], context_length=model.context_length, truncate=True
         )
-        tokens = tokens[
-            :, : int(tokens.argmax(-1).max()) + 1
-        ]  # [b, T]; causal: tokens after EOT never matter
+        # [b, T]; causal: tokens after EOT never matter
+        tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]
         out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
     return torch.cat(out)
 
@@ -245,15 +244,13 @@ def decompose(model, images, layers):
             y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :]
         ).float()  # values [B, T, D]
         v = v.view(B, -1, H, hs)  # [B, T, H, hs]
-        mixed = torch.einsum(
-            "bhm,bmhd->bhd", weights[:, :, 0].float(), v
-        )  # CLS row of each head [B, H, hs]
+        # CLS row of each head [B, H, hs]
+        mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)
         # out_proj.weight is [D, D] with input columns grouped by head:
         # head h owns columns h*hs..(h+1)*hs-1
         w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
-        heads.append(
-            torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H
-        )  # [B, H, D]
+        # [B, H, D]
+        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H)
         x = x + out
         m = block.mlp(block.ln_2(x))
         mlp.append(m[:, 0].float())
@@ -422,9 +419,8 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
     K = scatter / count  # [E, E]
     picks = []
     for _ in range(n):
-        scores = ((texts @ K) * texts).sum(
-            -1
-        )  # variance of C @ t across images, for every text [T]
+        # variance of C @ t across images, for every text [T]
+        scores = ((texts @ K) * texts).sum(-1)
         j = int(scores.argmax())
         norm = texts[j].norm()
         if norm < 1e-12:
@@ -436,9 +432,8 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
         picks.append(j)
         u = texts[j] / norm  # [E]
         Ku = K @ u
-        K = (
-            K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)
-        )  # (I-uu^T) K (I-uu^T)
+        # (I-uu^T) K (I-uu^T)
+        K = K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)
         texts = texts - torch.outer(texts @ u, u)  # remove u from every text (the pick becomes 0)
     return picks
 
@@ -506,12 +501,10 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
     so factors with different numbers of classes compare fairly."""
     X = contributions.double()
     N, nL, H, E = X.shape
-    X = X.reshape(N, nL * H, E).transpose(
-        0, 1
-    )  # [nL*H, N, E]: one probe per head, solved in one batch
-    fold = (
-        torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds
-    )  # [N] fold of each image
+    # [nL*H, N, E]: one probe per head, solved in one batch
+    X = X.reshape(N, nL * H, E).transpose(0, 1)
+    # [N] fold of each image
+    fold = torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds
     out = {"accuracy": {}, "chance": {}, "skill": {}}
     for name, labels in factors.items():
         y = torch.as_tensor(labels, dtype=torch.long)  # [N]
@@ -574,9 +567,8 @@ def control_roles(roles, control: str, seed: int):
         )
 
     n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
-    n_gen = sum(
-        e["role"] in ("generalization", "specialist") for _, _, e in heads
-    )  # both masked alike
+    # both masked alike
+    n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)
     order = sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])  # most specialised first
     out = {block: [None] * len(entries) for block, entries in roles.items()}
     for rank, (block, h, entry) in enumerate(order):
@@ -600,9 +592,8 @@ def write_outputs(doc, out_dir):
     path = os.path.join(out_dir, "roles.json")
     write_atomic(os.path.join(out_dir, "roles.md"), render_markdown(doc))
     render_png(doc, os.path.join(out_dir, "roles.png"))
-    write_atomic(
-        path, json.dumps(doc, indent=1) + "\n"
-    )  # last: its presence means the set is complete
+    # last: its presence means the set is complete
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
     return path
 
 
@@ -1030,9 +1021,8 @@ def compute_roles(
             )
             progress("heads", len(heads), len(layers) * visual.heads, start)
     auto_low, auto_high = default_thresholds([h["entropy"] for h in heads])
-    low = round(
-        auto_low if low is None else low, 4
-    )  # rounded as stored, so the file reproduces the roles
+    # rounded as stored, so the file reproduces the roles
+    low = round(auto_low if low is None else low, 4)
     high = round(auto_high if high is None else high, 4)
     check_thresholds(low, high)
     for head in heads:

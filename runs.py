@@ -330,9 +330,8 @@ def load_clip(backbone, device, log=None):
     try:
         if backbone == toyworld.BACKBONE and log is not None:  # pretrain (once) into the run's log
             toyworld.ensure_pretrained(clip.cache_dir(), log=log)
-        return toyworld.load_clip(
-            backbone, device=device
-        )  # clip.load, plus "toy" (the toy world's tiny CLIP)
+        # clip.load, plus "toy" (the toy world's tiny CLIP)
+        return toyworld.load_clip(backbone, device=device)
     except (RuntimeError, ValueError, OSError) as e:
         raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
 
@@ -351,9 +350,8 @@ def load_roles(cfg, model, device, log):
             def cached(
                 probe, split
             ):  # the cache folder is named by everything that changes the roles
-                pool = (
-                    "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
-                )  # the toy CLIP knows toy words
+                # the toy CLIP knows toy words
+                pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
                 return entropy.default_roles_path(
                     model, layers, clip.cache_dir(), probe, split=split, pool=pool
                 ), pool
@@ -822,9 +820,8 @@ def _run_locked(
             roles_used = pin_roles(source, rdir)
         if roles is not None and cfg.roles_control != "none":
             roles = control_roles(roles, cfg, log)
-        seed_everything(
-            cfg.seed
-        )  # here, after anything that may draw random numbers (pretraining, roles)
+        # here, after anything that may draw random numbers (pretraining, roles)
+        seed_everything(cfg.seed)
         try:
             model = make_model(clip_model, roles, cfg).to(device)
         except ValueError as e:
@@ -876,9 +873,8 @@ def _run_locked(
                 "per_class": counts,
             }
         datasets = [ds for ds in [train_ds] + [e[0] for e in evals] if ds is not None]
-        results["warnings"] = list(
-            dict.fromkeys(w for ds in datasets for w in ds.warnings)
-        )  # each once
+        # each once
+        results["warnings"] = list(dict.fromkeys(w for ds in datasets for w in ds.warnings))
         for ds, split, rule in evals:
             beta = eval_beta(cfg, ds.name)  # xd targets: MMRL++'s test-time beta
             model.set_beta(beta)

@@ -143,9 +143,8 @@ class Ref(NamedTuple):
     metric: str
     text: str  # e.g. "83.9": the value, with the source's precision
     source: str  # a key of SOURCES
-    remark: str = (
-        ""  # printed under the table (how a derived number was made, a known inconsistency)
-    )
+    # printed under the table (how a derived number was made, a known inconsistency)
+    remark: str = ""
 
     @property
     def value(self):

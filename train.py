@@ -212,9 +212,8 @@ def train_step(model, images, labels, loss_fn, opt, scaler, amp):
     loss, parts = loss_fn(model, out, labels)
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    scaler.unscale_(
-        opt
-    )  # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
+    # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
+    scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
     return loss, parts, out

@@ -91,9 +91,8 @@ class MultiheadAttention(nn.Module):
             q, k, v = F.linear(x, W, b).split(D, dim=-1)  # 3 x [B, L, D]
         else:
             k, v = F.linear(x, W[D:], b[D:]).split(D, dim=-1)  # 2 x [B, L, D]
-            q = F.linear(
-                x if rows is None else x[:, rows], W[:D], b[:D]
-            )  # [B, R, D]: only the rows read later
+            # [B, R, D]: only the rows read later
+            q = F.linear(x if rows is None else x[:, rows], W[:D], b[:D])
             if past is not None:  # the shared positions before x: their keys and values go first
                 kp, vp = F.linear(past, W[D:], b[D:]).split(D, dim=-1)  # 2 x [1 or B, P, D]
                 k = torch.cat([kp.expand(B, -1, -1), k], dim=1)  # [B, P + L, D]
@@ -272,9 +271,8 @@ class VisionTransformer(nn.Module):
         return self.ln_post(tokens) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.run_blocks(
-            self.embed(images), 0, self.layers, rows=slice(0, 1)
-        )  # [B, 1, D]: only CLS is read
+        # [B, 1, D]: only CLS is read
+        x = self.run_blocks(self.embed(images), 0, self.layers, rows=slice(0, 1))
         return self.head(x[:, 0])  # the CLS token -> [B, E]
 
 
@@ -368,9 +366,8 @@ class CLIP(nn.Module):
         if past is not None:
             if end != start + 1:
                 raise ValueError(f"past states belong to one block; got blocks {start}..{end - 1}")
-            mask = (
-                self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask
-            )  # [T', P + T']
+            # [T', P + T']
+            mask = self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask
             return self.transformer.resblocks[start](x, attn_mask=mask, rows=rows, past=past)
         if attn_mask is None:
             attn_mask = self.causal_mask(x.shape[1])
@@ -390,17 +387,15 @@ class CLIP(nn.Module):
         Texts run in groups of similar length, padded only to their group's longest (the causal mask
         never lets padding reach EOT; length_buckets), and the last block computes only the EOT
         positions: same features, far fewer FLOPs."""
-        eot = tokens.argmax(
-            dim=-1
-        )  # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        eot = tokens.argmax(dim=-1)
         feats, order = [], []
         for n, idx, rows, pick in length_buckets(
             eot
         ):  # EOTs at rows (<= n); text i reads row pick[i]
             x = self.embed_text(tokens[idx, : n + 1])  # [c, n + 1, W]
-            x = self.run_text_blocks(
-                x, 0, self.transformer.layers, rows=rows
-            )  # [c, r, W]: EOT rows only
+            # [c, r, W]: EOT rows only
+            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=rows)
             feats.append(self.text_head(x, pick))  # [c, E]
             order.append(idx)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`

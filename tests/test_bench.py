@@ -66,9 +66,8 @@ def test_tiny_bench_writes_every_row(tmp_path):
     for rid in expected:  # every timing row has its FLOP limit and measured / limit
         if rid[0] in "abcd" and "agree" not in rid:
             assert float(rows[rid][5]) > 0 and float(rows[rid][6]) > 0, rows[rid]
-    assert (
-        float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3
-    )  # the naive step does far more work
+    # the naive step does far more work
+    assert float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3
     # the frozen forward with every position in its last blocks: the same predictions,
     # more FLOPs than the pruned one
     tag = "C{}xB{}".format(*settings[0])

@@ -93,9 +93,8 @@ def test_features_equal_plain_reference_and_state_dict_round_trips():
     model = build_model(sd)
     images = _images()
     tokens = clip.tokenize(["a photo of a cat.", "a red striped circle in the top left", "", ""])
-    tokens[3, :6] = torch.tensor(
-        [49406, 0, 0, 320, 0, 49407]
-    )  # id 0 ("!") inside a text: EOT is the argmax
+    # id 0 ("!") inside a text: EOT is the argmax
+    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])
     with torch.no_grad():
         ours_i = F.normalize(model.encode_image(images), dim=-1)
         ours_t = F.normalize(model.encode_text(tokens), dim=-1)
@@ -108,9 +107,8 @@ def test_features_equal_plain_reference_and_state_dict_round_trips():
     weights = {k: v for k, v in sd.items() if k not in ("vision_heads", "text_heads")}
     assert set(out) == set(weights)
     assert all(torch.equal(out[k], weights[k]) for k in weights)
-    build_model(
-        {**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)}
-    )  # strict again
+    # strict again
+    build_model({**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)})
     # logits are exp(logit_scale) * cosine
     logits, logits_t = model(images, tokens)
     assert torch.allclose(logits, model.logit_scale.exp() * ours_i @ ours_t.t(), atol=1e-4)
@@ -144,9 +142,8 @@ def test_masked_attention_equals_explicit_per_head_softmax(per_image):
     shape = (B, H, L, L) if per_image else (H, L, L)
     mask = torch.randn(shape)  # a different additive mask for every head
     mask = mask.masked_fill(torch.rand(shape) < 0.3, float("-inf"))
-    mask = mask.masked_fill(
-        torch.eye(L, dtype=torch.bool), 0.0
-    )  # every query keeps at least itself
+    # every query keeps at least itself
+    mask = mask.masked_fill(torch.eye(L, dtype=torch.bool), 0.0)
     full = mask.expand(B, H, L, L)
     expected, expected_w = _explicit_attention(attn, x, full)
     out_fast = attn(x, attn_mask=mask)
@@ -380,12 +377,10 @@ def test_tokenizer_known_ids_padding_and_dtype():
 def test_tokenizer_unicode_and_html():
     tok = get_tokenizer()
     assert tok.encode("fish &amp; chips") == tok.encode("fish & chips") == [2759, 261, 8855]
-    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode(
-        "fish & chips"
-    )  # ftfy unescapes ...
-    assert tok.encode("x < y &amp;amp; z") == tok.encode(
-        "x < y & z"
-    )  # ... but not beside "<": unescape twice
+    # ftfy unescapes ...
+    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode("fish & chips")
+    # ... but not beside "<": unescape twice
+    assert tok.encode("x < y &amp;amp; z") == tok.encode("x < y & z")
     assert tok.encode("café") == [15304]  # UTF-8 bytes of é are symbols "Ã©"
     assert tok.encode("cafÃ©") == tok.encode("café")  # ftfy repairs mojibake
     assert tok.decode(tok.encode("naïve 東京 ❤")) == "naïve 東京 ❤ "  # any text round-trips
@@ -619,9 +614,8 @@ def test_rows_equal_the_full_block_read_at_those_rows():
     assert torch.allclose(
         m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6
     )
-    assert torch.allclose(
-        m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2]
-    )  # no block: a cut
+    # no block: a cut
+    assert torch.allclose(m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])
 
 
 def test_past_equals_running_the_whole_sequence():
@@ -638,9 +632,8 @@ def test_past_equals_running_the_whole_sequence():
     ]
     out = m.run_text_blocks(suffix, 1, 2, past=past)
     assert torch.allclose(out, ref, atol=1e-6)
-    last = m.run_text_blocks(
-        suffix, 1, 2, past=past, rows=slice(-1, None)
-    )  # only the last position
+    # only the last position
+    last = m.run_text_blocks(suffix, 1, 2, past=past, rows=slice(-1, None))
     assert torch.allclose(last, ref[:, -1:], atol=1e-6)
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), (past, suffix))
@@ -693,9 +686,8 @@ def test_length_buckets_pick_the_cheapest_split():
     groups = clip.model.length_buckets(eot, 32)
     n, idx, rows, pick = groups[0]
     assert rows.tolist() == [3, 4] and torch.equal(rows[pick], eot[idx])  # each text's own EOT row
-    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(
-        range(21)
-    )  # every text once
+    # every text once
+    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

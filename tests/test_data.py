@@ -404,14 +404,12 @@ def test_base_novel_split_and_relabel(tmp_path):
     assert {y for _, y, _ in novel.train + novel.val + novel.test} == {0, 1}  # relabelled from 0
     assert [p for p, _, _ in novel.test] == [p for p, y, _ in full.test if y >= 3]
     assert len(base.train) + len(novel.train) == len(full.train)
-    assert (
-        data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test
-    )  # CoOp's name
+    # CoOp's name
+    assert data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test
     fs_base = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1, subsample="base")
     fs_all = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1)
-    assert fs_base.train == [
-        it for it in fs_all.train if it[1] < 3
-    ]  # few-shot first, then the class split
+    # few-shot first, then the class split
+    assert fs_base.train == [it for it in fs_all.train if it[1] < 3]
 
 
 def test_base_novel_on_test_only_set(tmp_path):
@@ -438,9 +436,8 @@ def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     assert (tmp_path / "one" / "split_folder.json").exists() and a.split_file == str(
         tmp_path / "one" / "split_folder.json"
     )
-    again = data.build_dataset(
-        f"folder:{tmp_path / 'one'}", None, shots=2
-    )  # later runs reuse the written split
+    # later runs reuse the written split
+    again = data.build_dataset(f"folder:{tmp_path / 'one'}", None, shots=2)
     assert len(again.train) == 6 and sum(len(s) for s in (a.train, a.val, a.test)) == 30
     assert data.build_dataset(f"folder:{tmp_path / 'one'}", None).test == a.test
 
@@ -496,9 +493,8 @@ def test_folder_that_changed_since_its_split_is_refused(tmp_path, change, words)
         "Restore",
     ]:
         assert w in msg, (w, msg)
-    assert (
-        "CoOp" not in msg and "download" not in msg and "github" not in msg
-    )  # not advice for CoOp's datasets
+    # not advice for CoOp's datasets
+    assert "CoOp" not in msg and "download" not in msg and "github" not in msg
     if change == "class gone":  # restoring the folder brings the kept split back, unchanged
         shutil.move(str(tmp_path / "plum"), str(tmp_path / "fruit" / "plum"))
         assert data.build_dataset(name, None).test == first.test
@@ -538,14 +534,12 @@ def test_read_only_folder_keeps_its_split_in_the_cache(tmp_path, monkeypatch, ca
         )
         err = capsys.readouterr().err
         assert f"its split is kept in {want}" in err and "could not cache" not in err
-        assert (
-            data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test
-        )  # reused
+        # reused
+        assert data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test
         split_files.append(want)
     assert split_files[0] != split_files[1]  # two folders named pets keep two splits
-    make_image(
-        str(tmp_path / "a" / "pets" / "pear" / "99.png")
-    )  # the cached split is checked like any other
+    # the cached split is checked like any other
+    make_image(str(tmp_path / "a" / "pets" / "pear" / "99.png"))
     with pytest.raises(data.DataError, match="no longer matches its split " + split_files[0]):
         data.build_dataset(f"folder:{locked[0]}", None)
 
@@ -561,9 +555,8 @@ def test_split_and_fewshot_files_get_the_users_permissions(tmp_path):
         tmp_path / "fruit" / "split_folder.json",
         tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json",
     ):
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, (
-            path
-        )  # 0666 less the umask, as open() would
+        # 0666 less the umask, as open() would
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path
 
 
 def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
@@ -594,9 +587,8 @@ def test_shots_above_what_a_class_has_warn_and_real_shots_are_kept(tmp_path):
         "all they have, as in CoOp, so the real shots per class are 1..8"
     ]
     assert data.build_dataset("dtd", str(tmp_path), shots=1, seed=1).warnings == []
-    novel = data.build_dataset(
-        "dtd", str(tmp_path), shots=6, seed=1, subsample="novel"
-    )  # bubbly 5, bumpy 9
+    # bubbly 5, bumpy 9
+    novel = data.build_dataset("dtd", str(tmp_path), shots=6, seed=1, subsample="novel")
     assert novel.shots_per_class == [5, 6] and "1 of 2 classes (novel classes)" in novel.warnings[0]
 
 
@@ -717,9 +709,8 @@ def test_loader_shuffle_is_seeded_and_batches_have_shape(tmp_path):
         y.tolist() for _, y in data.make_loader(items, data.test_transform(16), 4, True, seed=seed)
     ]
     assert order(0) == order(0) and order(0) != order(1)
-    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(
-        range(10)
-    )  # drop_last on train, as Dassl
+    # drop_last on train, as Dassl
+    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(range(10))
     batches = list(data.make_loader(items, data.test_transform(16), 4, shuffle=False))
     assert [b[0].shape[0] for b in batches] == [4, 4, 2] and batches[0][0].shape == (4, 3, 16, 16)
     assert torch.cat([b[1] for b in batches]).tolist() == list(range(10))
@@ -749,17 +740,15 @@ def test_corrupt_image_raises_data_error_naming_the_file(tmp_path, damage):
         assert str(err.value) == str(here.value) and str(here.value).startswith(
             f"cannot read image {path} ("
         )
-        assert "\n" not in str(err.value) and "Traceback" not in str(
-            err.value
-        )  # one line, not the worker's traceback
+        # one line, not the worker's traceback
+        assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
 
 
 def test_too_large_image_names_the_file(tmp_path, monkeypatch):
     path = tmp_path / "huge.png"
     make_image(str(path), size=(20, 16))  # 320 pixels
-    monkeypatch.setattr(
-        Image, "MAX_IMAGE_PIXELS", 100
-    )  # PIL refuses above twice this: a decompression bomb
+    # PIL refuses above twice this: a decompression bomb
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(
         data.DataError, match=f"image {path} is too large to open safely .*320 pixels"
     ):
@@ -767,9 +756,8 @@ def test_too_large_image_names_the_file(tmp_path, monkeypatch):
 
 
 def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
-    levels = np.array(
-        [[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16
-    )  # 8-bit: 0, 100, 255, 50
+    # 8-bit: 0, 100, 255, 50
+    levels = np.array([[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16)
     want = np.array([[0, 100], [255, 50]], dtype=np.uint8)
     path = tmp_path / "deep.png"
     Image.fromarray(levels).save(path)
@@ -779,9 +767,8 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert rgb.shape == (2, 2, 3) and all((rgb[..., k] == want).all() for k in range(3))
     wide = Image.fromarray(levels.astype(np.int32))  # mode "I", as older PIL opens 16-bit PNGs
     assert wide.mode == "I" and (np.asarray(data.to_rgb(wide))[..., 0] == want).all()
-    small = Image.fromarray(
-        np.array([[0, 100], [255, 50]], dtype=np.int32)
-    )  # "I" holding 8-bit levels
+    # "I" holding 8-bit levels
+    small = Image.fromarray(np.array([[0, 100], [255, 50]], dtype=np.int32))
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
@@ -831,15 +818,13 @@ def test_malformed_split_and_missing_image(tmp_path):
 
 
 def test_large_splits_check_a_sample_then_fail_at_load(tmp_path, monkeypatch):
-    build_json_layout(
-        str(tmp_path), "food101"
-    )  # 15 train items: checks items 0, 7, 14 with a limit of 2
+    # 15 train items: checks items 0, 7, 14 with a limit of 2
+    build_json_layout(str(tmp_path), "food101")
     monkeypatch.setattr(data, "CHECK_LIMIT", 2)
     ds = data.build_dataset("food101", str(tmp_path))
     os.remove(ds.train[3][0])
-    ds = data.build_dataset(
-        "food101", str(tmp_path)
-    )  # not in the checked sample: building still works
+    # not in the checked sample: building still works
+    ds = data.build_dataset("food101", str(tmp_path))
     with pytest.raises(data.DataError, match="missing on disk"):
         data.ImageList(ds.train)[3]
     os.remove(ds.train[7][0])
@@ -882,9 +867,8 @@ def test_cli_check_opens_every_image(tmp_path, capsys):
     bad = ds.test[-1][0]
     with open(bad, "wb") as f:
         f.write(b"not an image")
-    assert (
-        data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0
-    )  # the lists alone look fine
+    # the lists alone look fine
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0
     capsys.readouterr()
     assert data.main(["check", "eurosat", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -1189,9 +1173,8 @@ def test_download_eurosat_end_to_end(tmp_path, server):
     )
     ds = data.build_dataset("eurosat", str(tmp_path), shots=2)
     assert ds.classnames == ["Annual Crop Land", "Forest"] and len(ds.test) == 4
-    assert (
-        os.listdir(tmp_path / ".downloads") == []
-    )  # archive removed after unpacking, no .part left
+    # archive removed after unpacking, no .part left
+    assert os.listdir(tmp_path / ".downloads") == []
     server.routes.clear()  # a second run finds everything present and downloads nothing
     download.download_dataset(
         data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive
@@ -1261,9 +1244,8 @@ def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, m
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", cut_off)
     with pytest.raises(KeyboardInterrupt):
         download.fetch_source(src, str(tmp_path))
-    assert (
-        len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()
-    )  # nothing half-done in place
+    # nothing half-done in place
+    assert len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", real)
     download.fetch_source(src, str(tmp_path))  # the rerun unpacks again, from scratch
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "eurosat" / "2750") for f in fs]
@@ -1280,9 +1262,8 @@ def test_unpack_merges_into_existing_folders_and_moves(tmp_path, server):
         tar_bytes({"fgvc-2013b/data/variants.txt": b"3", "fgvc-2013b/evaluation.m": b"4"}),
     )
     (tmp_path / "dtd").mkdir()
-    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(
-        "{}"
-    )  # already there: kept
+    # already there: kept
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text("{}")
     download.fetch_source(
         download.Source(url=server.url + "/files/dtd.tar.gz", extract_to=".", creates="dtd/images"),
         str(tmp_path),

@@ -71,9 +71,8 @@ def test_mask_variants():
     roles = mixed_roles()[1]
     full = role_mask(roles, P, "role")
     gen_only = role_mask(roles, P, "generalization-only")
-    assert torch.equal(gen_only[0], full[0]) and torch.equal(
-        gen_only[3], full[3]
-    )  # gen + specialist kept
+    # gen + specialist kept
+    assert torch.equal(gen_only[0], full[0]) and torch.equal(gen_only[3], full[3])
     assert (gen_only[1] == 0).all()  # attribute head acts as mixed
     assert (role_mask(roles, P, "none") == 0).all()
     assert full.shape == (H, 1 + K + P, 1 + K + P)
@@ -128,9 +127,8 @@ def test_attribute_head_lets_its_token_reach_cls():
     grad = torch.autograd.grad(f_cls.sum(), model.tokens.R)[0]  # [K, rep_dim]
     color = ATTRIBUTES.index("color")
     assert grad[color].abs().max() > 0
-    assert (
-        grad[[i for i in range(K) if i != color]].abs().max() == 0
-    )  # other tokens cannot reach CLS
+    # other tokens cannot reach CLS
+    assert grad[[i for i in range(K) if i != color]].abs().max() == 0
 
 
 def test_without_tokens_equals_frozen_clip():
@@ -207,9 +205,8 @@ def hand_allowed(role, attribute, n):
         for k in range(n):
             q_token, k_token = 1 <= q <= K, 1 <= k <= K
             if role == "mixed" or q == k or not (q_token or k_token):
-                allowed[q, k] = (
-                    True  # mixed: anything; everyone sees itself; originals see originals
-                )
+                # mixed: anything; everyone sees itself; originals see originals
+                allowed[q, k] = True
             elif role == "attribute" and q_token != k_token:
                 allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (
                     q,
@@ -223,9 +220,8 @@ def hand_block(block, x, allowed=None):
     allowed: [H, n, n] bool or None (no mask)."""
     attn, D = block.attn, x.shape[-1]
     hs = D // H
-    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(
-        D, dim=-1
-    )  # [B, n, D] each
+    # [B, n, D] each
+    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(D, dim=-1)
     heads = []
     for h in range(H):
         c = slice(h * hs, (h + 1) * hs)
@@ -251,9 +247,8 @@ def hand_vision(clip_model, model, images, J, beta, layouts):
         x = hand_block(blocks[l - 1], x)
     for i, l in enumerate(range(J, L + 1)):
         aligner = model.tokens.F_v[i]
-        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(
-            B, K, -1
-        )  # F^l(R): [B, K, D]
+        # F^l(R): [B, K, D]
+        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(B, K, -1)
         if l == J:
             x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # [B, 1+K+P, D]
         else:
@@ -359,12 +354,10 @@ def test_loss_terms_on_hand_set_features():
     c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
     out = {
         "f0": torch.stack([e[0], e[1]]),
-        "f_cls": torch.stack(
-            [c60 * e[0] + s60 * e[2], e[3]]
-        ),  # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
-        "t": torch.stack(
-            [0.8 * e[0] + 0.6 * e[3], e[1]]
-        ),  # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+        # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
+        "f_cls": torch.stack([c60 * e[0] + s60 * e[2], e[3]]),
+        # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+        "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]),
         "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]]),
     }
     t0 = torch.stack([e[0], e[1]])
@@ -408,9 +401,8 @@ def test_loss_regularisers_are_cosines_per_row():
 
 
 def test_harmonic_mean_by_hand():
-    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(
-        68.5714286, abs=1e-6
-    )  # 2 * 80 * 60 / 140
+    # 2 * 80 * 60 / 140
+    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)
     assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
     assert runs.harmonic_mean(100.0, 0.0) == 0.0 and runs.harmonic_mean(0.0, 0.0) == 0.0
 
@@ -438,13 +430,11 @@ def test_fusion_weights_and_loss_terms():
     )
     labels = torch.tensor([0, 1, 2, 0])
     total, parts = dear.dear_loss(out, labels, model.t0, alpha, lambda_reg=2.0, lambda_fusion=0.5)
-    reg_img = (
-        (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()
-    )  # unit vectors: cos is the dot product
+    # unit vectors: cos is the dot product
+    reg_img = (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()
     reg_txt = (1 - (out["t"] * model.t0).sum(-1)).mean().item()
-    assert (
-        reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4
-    )  # generalization heads: f_cls == f^0
+    # generalization heads: f_cls == f^0
+    assert reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4
     assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-4)  # ... while the text tokens move t
     ce = F.cross_entropy(out["fused"], labels).item()
     assert total.item() == pytest.approx(
@@ -459,9 +449,8 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
     tie or swap about 13% of them."""
     g = torch.Generator().manual_seed(0)
     B, C, E = 128, 100, 64
-    t = F.normalize(
-        torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1
-    )  # close classes
+    # close classes
+    t = F.normalize(torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1)
     center = t.mean(0, keepdim=True)
     f_cls = F.normalize(center + 0.5 * torch.randn(B, E, generator=g), dim=-1).bfloat16()
     f_attr = F.normalize(center + 0.5 * torch.randn(B, K, E, generator=g), dim=-1).bfloat16()
@@ -507,9 +496,8 @@ def test_aligners_start_identical_and_R_init_unchanged():
                 a.bias, aligners[0].bias
             )
             assert a.weight.data_ptr() != aligners[0].weight.data_ptr()  # copies, trained apart
-    assert not torch.equal(
-        tokens.F_v[0].weight[:20], tokens.F_t[0].weight
-    )  # vision and text: separate draws
+    # vision and text: separate draws
+    assert not torch.equal(tokens.F_v[0].weight[:20], tokens.F_t[0].weight)
     bound = 1 / math.sqrt(16)  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in))
     assert tokens.F_v[0].weight.abs().max() <= bound and tokens.F_v[0].weight.std() > bound / 3
 
@@ -621,9 +609,8 @@ def test_schedule_values():
             lam,
         )
         assert train.lr_at(1, fs) == 2e-3 and train.lr_at(0, fs) == 1e-5
-    assert (
-        dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4
-    )  # --lr wins
+    # --lr wins
+    assert dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
     # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3;
@@ -701,9 +688,8 @@ def test_variant_names_separate_ablations():
 def test_epoch_batches_are_seeded_and_drop_last():
     a, b = train.epoch_batches(10, 4, 3), train.epoch_batches(10, 4, 3)
     assert a == b and len(a) == 2 and all(len(x) == 4 for x in a)
-    small = train.epoch_batches(
-        3, 4, 0
-    )  # fewer items than a batch: one partial batch, nothing dropped
+    # fewer items than a batch: one partial batch, nothing dropped
+    small = train.epoch_batches(3, 4, 0)
     assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
     assert train.epoch_batches(10, 4, 4) != a
 
@@ -782,16 +768,14 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     ]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(runs.harmonic_mean(base, novel))
-    w = torch.load(rdir / "model.pt")[
-        "w"
-    ]  # the trained fusion weights: alpha = softmax(w), by hand here
+    # the trained fusion weights: alpha = softmax(w), by hand here
+    w = torch.load(rdir / "model.pt")["w"]
     assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
     assert list(results["fusion_weights"].values()) == pytest.approx(
         (w.exp() / w.exp().sum()).tolist(), abs=1e-6
     )
-    assert results["fusion_weights"]["cls"] != pytest.approx(
-        0.7, abs=1e-4
-    )  # trained away from the start
+    # trained away from the start
+    assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)
     sha = runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
@@ -981,9 +965,8 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
         (f"folder:{target}", 0.3),
     ]
     assert seen == [0.9, 0.3]
-    assert (
-        json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"
-    )  # amp on a CPU
+    # amp on a CPU
+    assert json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"
     dear.main(
         args
         + ["--eval-only", "--load", str(rdir), "--target-beta", "source", "--precision", "bf16"]
@@ -994,9 +977,8 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     ] == [0.9, 0.9]
     assert json.loads((again.parent / "config.json").read_text())["precision"] == "bf16"
     dear.main(args + ["--precision", "fp16"])  # CUDA's default path, GradScaler included, on a CPU
-    (half,) = [
-        d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir
-    ]  # its own folder
+    # its own folder
+    (half,) = [d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir]
     assert json.loads((half / "config.json").read_text())["resolved"]["precision"] == "fp16"
     done = json.loads((half / "results.json").read_text())
     assert (

@@ -86,9 +86,8 @@ def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
         q, k, v = (
             y @ W[i * D : (i + 1) * D][cols].T + c[i * D : (i + 1) * D][cols] for i in range(3)
         )  # [B, T, hs]
-        a = torch.softmax(
-            (q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1
-        )  # CLS row [B, T]
+        # CLS row [B, T]
+        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)
         head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[
             :, cols
         ].T + block.attn.out_proj.bias / H
@@ -126,9 +125,8 @@ def plant_heads(model, layers=(3, 4), seed=0):
         visual.ln_post.bias.zero_()
         visual.proj.copy_(torch.randn(D, E, generator=g))
         visual.proj.sub_(visual.proj.mean(0))
-        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[
-            : 2 * H * len(layers)
-        ]  # [K, E]
+        # [K, E]
+        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[: 2 * H * len(layers)]
         writes = directions @ torch.linalg.pinv(visual.proj)  # [K, D]: writes @ proj = directions
         for b, block in enumerate(visual.transformer.resblocks):
             block.mlp.c_proj.weight.zero_()
@@ -140,9 +138,8 @@ def plant_heads(model, layers=(3, 4), seed=0):
             i = list(layers).index(b + 1)
             for h in range(H):
                 k = 2 * (i * H + h)
-                mix = torch.randn(
-                    2, hs, generator=g
-                )  # what the head reads out of its 16 value dimensions
+                # what the head reads out of its 16 value dimensions
+                mix = torch.randn(2, hs, generator=g)
                 block.attn.out_proj.weight[:, h * hs : (h + 1) * hs] = writes[k : k + 2].T @ mix
     return directions
 
@@ -214,9 +211,8 @@ def planted(
     g = torch.Generator().manual_seed(seed)
     texts = torch.nn.functional.normalize(torch.randn(T, E, generator=g), dim=-1)
     coeffs = torch.randn(N, len(picks), generator=g) * torch.tensor(scales)  # [N, k]
-    contributions = (
-        coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0
-    )  # offset: centring
+    # offset: centring
+    contributions = coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0
     return contributions, texts
 
 
@@ -305,9 +301,8 @@ def test_textspan_takes_the_span_of_the_uncentred_contributions():
             [1, -1, -1, 1, 1, -1, -1, 1],
         ]
     ).T  # [8, 4], orthogonal columns; 1..3 have mean 0
-    contributions = hadamard * torch.tensor(
-        [10.0, 3.0, 2.0, 0.5]
-    )  # [8 images, E = 4]: e0 constant 10
+    # [8 images, E = 4]: e0 constant 10
+    contributions = hadamard * torch.tensor([10.0, 3.0, 2.0, 0.5])
     A, B = (
         torch.tensor([0.0, 0, 1, 0]),
         torch.nn.functional.normalize(torch.tensor([0.0, 0.5, 0, 1]), dim=0),
@@ -421,9 +416,8 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(
                 [texts[j] for j in picks],
                 -sum(p * math.log2(p) for p in shares if p > 0),
             )
-    low, high = np.quantile(
-        [round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3]
-    )  # numpy's default: linear
+    # numpy's default: linear
+    low, high = np.quantile([round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3])
     heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
     assert doc["thresholds"] == {
         "low": round(float(low), 4),
@@ -442,9 +436,8 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(
             top = max(CONCEPTS, key=lambda c: (P[c], -CONCEPTS.index(c)))
             role = "attribute" if top in entropy.ATTRIBUTES else "specialist"
         assert heads[key]["role"] == role, key
-    assert (
-        len({tuple(t) for t, _ in want.values()}) > 4
-    )  # the heads differ: the comparison means something
+    # the heads differ: the comparison means something
+    assert len({tuple(t) for t, _ in want.values()}) > 4
 
 
 def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
@@ -531,9 +524,8 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
     want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
     assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
     assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
-    assert (
-        not hasattr(tiny_model, "name") and doc["model"] == "unknown"
-    )  # what roles.json records besides
+    # what roles.json records besides
+    assert not hasattr(tiny_model, "name") and doc["model"] == "unknown"
     assert doc["pool"] == {"name": None, "texts": 6} and doc["concepts"] == list(CONCEPTS)
     assert doc["decoding"] == {
         "probe": "ridge least-squares classifier, 2-fold cross-validation",
@@ -545,9 +537,8 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
     )
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
-    monkeypatch.setattr(
-        entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)]
-    )  # one direction
+    # one direction
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])
     with pytest.raises(
         EntropyError,
         match="^the text pool spans only 1 directions inside this head's top-4 "
@@ -613,9 +604,8 @@ def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkey
         rank=4,
         factors=factors,
     )
-    assert min(seen) == 23, (
-        seen
-    )  # the probes' copy: the control that the check sees stored contributions
+    # the probes' copy: the control that the check sees stored contributions
+    assert min(seen) == 23, seen
 
 
 def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
@@ -623,9 +613,8 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     81st right singular vector has no component in the default span, so with it alone the pool spans
     no direction there; rank 81 reaches it. With no n given, 20 texts are picked."""
     g = np.random.default_rng(0)
-    basis = np.linalg.qr(g.normal(size=(96, 96)))[
-        0
-    ]  # [E, E] orthonormal columns: the right singular vectors
+    # [E, E] orthonormal columns: the right singular vectors
+    basis = np.linalg.qr(g.normal(size=(96, 96)))[0]
     left = np.linalg.qr(g.normal(size=(200, 96)))[0]  # [N, E] orthonormal columns
     data = (
         left * np.linspace(10, 1, 96)
@@ -906,9 +895,8 @@ def test_random_roles_shuffle_each_block_on_its_own():
     perms = {}
     for b in roles:
         assert sorted(h["role"] for h in out[b]) == sorted(mix[b]), b  # the block's counts kept
-        perms[b] = [
-            int(h["entropy"]) - 10 * b for h in out[b]
-        ]  # which head of block b landed where
+        # which head of block b landed where
+        perms[b] = [int(h["entropy"]) - 10 * b for h in out[b]]
         assert sorted(perms[b]) == list(range(8)), b  # heads of block b only
     assert perms[3] != perms[4] and perms[3] != list(range(8)) and perms[4] != list(range(8))
     other = entropy.control_roles(roles, "random", 8)
@@ -1159,9 +1147,8 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == os.path.join(str(tmp_path), "roles")
     assert re.fullmatch(r"ViT-B-16_L3-4_imagenet-test_[0-9a-f]{12}", folder), folder
-    assert (
-        entropy.default_roles_path(tiny_model, **base) == path
-    )  # the same inputs, the same folder
+    # the same inputs, the same folder
+    assert entropy.default_roles_path(tiny_model, **base) == path
     changes = [
         dict(layers=[4]),
         dict(dataset="eurosat"),
@@ -1268,9 +1255,8 @@ def test_cli_writes_roles_json_md_and_png(fake_world, capsys):
     roles = entropy.load_roles(
         str(out / "roles.json"), model_name="tiny", num_layers=4, num_heads=4
     )
-    assert (
-        sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1
-    )  # the top tertile
+    # the top tertile
+    assert sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1
 
 
 @pytest.mark.parametrize(

@@ -322,18 +322,16 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_pat
     def poisoned(model, out, labels):
         loss, parts = loss_fn(model, out, labels)
         calls.append(1)
-        return (
-            (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)
-        )  # 6 steps per epoch
+        # 6 steps per epoch
+        return (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)
 
     model, logs = make_model(), []
     with pytest.raises(
         RunError, match=r"became nan at epoch 2, step 3 .*last good checkpoint is kept"
     ):
         train.train(model, Data(images), cfg(epochs=3), CPU, str(tmp_path), logs.append, poisoned)
-    assert not all(
-        torch.isfinite(p).all() for p in model.trainable()
-    )  # the nan did reach the parameters ...
+    # the nan did reach the parameters ...
+    assert not all(torch.isfinite(p).all() for p in model.trainable())
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert (state["epoch"], state["step"], state["precision"]) == (
         1,
@@ -341,9 +339,8 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_pat
         "fp32",
     )  # ... but not the checkpoint
     assert all(torch.isfinite(v).all() for v in state["model"].values())
-    assert (
-        sum("epoch 2/3" in line for line in logs) >= 1
-    )  # it ran on to a log line of epoch 2, then stopped
+    # it ran on to a log line of epoch 2, then stopped
+    assert sum("epoch 2/3" in line for line in logs) >= 1
 
 
 def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypatch):

@@ -44,9 +44,8 @@ def grads(model, value):
 
 def test_image_side_equals_the_plain_computation_with_per_head_masks():
     torch.manual_seed(0)
-    model = DeAR(
-        tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7
-    )  # tokens in blocks 2, 3, 4
+    # tokens in blocks 2, 3, 4
+    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7)
     with torch.no_grad():  # trained-looking tokens and P_attr, so every path carries signal
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -72,9 +71,8 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
     if group_cost is not None:
         monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     torch.manual_seed(1)
-    model = DeAR(
-        tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6
-    )  # tokens in text blocks 3, 4
+    # tokens in text blocks 3, 4
+    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6)
     with torch.no_grad():
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -83,9 +81,8 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths
             assert model.text_shared.shape[1] == 6
             assert len(model.text_groups) == (3 if group_cost == 0 else 1)
-            assert (
-                sum(len(g[2]) for g in model.text_groups) == 3
-            )  # the last block: three EOT rows in all
+            # the last block: three EOT rows in all
+            assert sum(len(g[2]) for g in model.text_groups) == 3
         t, t0 = reference_classes(model)
         assert torch.allclose(model.t0, t0, atol=1e-6)
         ours = model.encode_classes()
@@ -93,9 +90,8 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         w = torch.randn_like(t)
         for a, b in zip(grads(model, (w * ours).sum()), grads(model, (w * t).sum())):
             assert torch.allclose(a, b, atol=1e-6)
-    assert (
-        model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
-    )  # all but EOT
+    # all but EOT
+    assert model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
 
 
 def perturbed(model, seed):

@@ -87,9 +87,8 @@ def test_cell_is_mean_std_and_count_over_seeds(tmp_path):
     assert (round(base.mean, 6), round(base.std, 4), base.n) == (92.0, 1.633, 3)  # np.std, ddof=0
     assert base.text() == "92.00 ± 1.63 (n=3)"
     assert novel.mean == pytest.approx(62.0)
-    assert hm.mean == pytest.approx(
-        2 * 92 * 62 / (92 + 62)
-    )  # HM of the seed means, not mean of HMs
+    # HM of the seed means, not mean of HMs
+    assert hm.mean == pytest.approx(2 * 92 * 62 / (92 + 62))
 
 
 def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
@@ -130,9 +129,8 @@ def test_missing_cells_stay_missing(tmp_path):
         None,
     ]  # no zero-shot run: no zero-shot cell
     paper_dtd = rows[("DTD", tables.PAPER_DEAR)]
-    assert (
-        paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None
-    )  # novel/HM unknown
+    # novel/HM unknown
+    assert paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None
     assert rows[("DTD", "Δ DeAR: this code − paper")] == [
         "-3.9",
         None,
@@ -140,9 +138,8 @@ def test_missing_cells_stay_missing(tmp_path):
     ]  # 83.9 is known to 0.1
     text = tables.build(str(tmp_path))
     assert "| DTD | CLIP (zero-shot, this code) | – | – | – |" in text
-    assert (
-        "82.72 [s]" in text and "78.99 [d]" in text
-    )  # both inconsistent numbers, as given, one marked derived
+    # both inconsistent numbers, as given, one marked derived
+    assert "82.72 [s]" in text and "78.99 [d]" in text
 
 
 # The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com
@@ -346,9 +343,8 @@ def test_fewshot_rows_per_shot_and_ablations_against_the_full_model(tmp_path):
     b2n_run(out, "dtd", 70.0, 60.0, variant="attr_tokens-False_epochs-1")
     ab = rows_by_label(tables.table_ablations(tables.load_runs(out), "ViT-B/16"))
     assert set(ab) == {"DeAR (full, defaults)", "no role mask", "no attribute tokens"}
-    assert (
-        ab["no role mask"][3] == f"{tables.hm(80, 40) - tables.hm(80, 60):+.2f}"
-    )  # ΔHM vs the full model
+    # ΔHM vs the full model
+    assert ab["no role mask"][3] == f"{tables.hm(80, 40) - tables.hm(80, 60):+.2f}"
 
 
 def test_variant_names_parse_like_dear_writes_them():
@@ -494,9 +490,8 @@ def test_job_list_covers_every_table(fake, tmp_path):
     lines = p.stdout.splitlines()
     roles = [line for line in lines if "--roles-only" in line]
     dear = [line for line in lines if "--roles-only" not in line]
-    assert len(roles) == 3 and len(lines) == len(roles) + len(
-        dear
-    )  # roles for J = default (9), 7, 11, first
+    # roles for J = default (9), 7, 11, first
+    assert len(roles) == 3 and len(lines) == len(roles) + len(dear)
     assert lines[:3] == roles
 
     def count(*words):
@@ -616,9 +611,8 @@ def test_finished_runs_are_skipped_and_crashed_runs_resume(fake, tmp_path):
     assert all("--resume" in c["argv"] for c in again)
     assert p.stdout.count("skip (done)") == 1 + 11 * 3 - 3  # roles and every finished run
     md = open(tmp_path / "out" / "tables" / "tables.md").read()
-    assert (
-        "51.50 ± 0.50 (n=2)" in md and "L9 H0" in md
-    )  # seeds 1, 2 -> 51, 52; the roles table embedded
+    # seeds 1, 2 -> 51, 52; the roles table embedded
+    assert "51.50 ± 0.50 (n=2)" in md and "L9 H0" in md
 
 
 def test_jobs_spread_over_the_listed_gpus(fake, tmp_path):
@@ -689,14 +683,12 @@ def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tm
     (tmp_path / "empty").mkdir()
     p = run_all(["--root", "empty", "--out", str(tmp_path / "out")], env, tmp_path)
     assert p.returncode == 2
-    assert calls(calls_file) == [] and not os.path.exists(
-        tmp_path / "out" / "logs"
-    )  # nothing started
+    # nothing started
+    assert calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")
     names = tables.B2N_DATASETS + tables.DG_TARGETS
     assert "15 of 15 datasets missing under --root empty: " + ", ".join(names) in p.stderr
-    assert (
-        "The first, imagenet:\n    ImageNet folder not found: " in p.stderr
-    )  # the first one's fix, only
+    # the first one's fix, only
+    assert "The first, imagenet:\n    ImageNet folder not found: " in p.stderr
     assert p.stderr.count("folder not found") == 1 and "MISSING" not in p.stdout
     assert len((p.stdout + p.stderr).strip().splitlines()) <= 12
     assert_points_onwards(p.stderr)
@@ -712,9 +704,8 @@ def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tm
     assert_points_onwards(p.stderr, check=False)
 
     p = run_all(["--check", "--stages", "roles,ablations", "--root", "empty"], env, tmp_path)
-    assert (
-        p.returncode == 2 and "4 of 4 datasets missing" in p.stderr
-    )  # 3 ablation datasets + the roles probe
+    # 3 ablation datasets + the roles probe
+    assert p.returncode == 2 and "4 of 4 datasets missing" in p.stderr
 
 
 def test_two_run_all_on_one_out_the_second_stops_at_once_naming_the_first(fake, tmp_path):
@@ -875,9 +866,8 @@ NEEDED = ("dear.py", "entropy.py", "data.py", "toyworld.py")
     reason="run_all.sh --smoke needs dear.py, entropy.py, data.py and toyworld.py",
 )
 def test_smoke_run_end_to_end(tmp_path, toy_cache):
-    env = dict(
-        os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache
-    )  # the toy CLIP, pretrained once per pytest run
+    # the toy CLIP, pretrained once per pytest run
+    env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)
     for k in ("GPUS", "SEEDS", "DEAR_PY"):
         env.pop(k, None)
     smoke = ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"]  # no --out: runs-smoke

@@ -46,9 +46,8 @@ def test_folder_datasets_with_the_same_name_get_different_run_folders(tmp_path):
     a = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'a' / 'pets'}", backbone="ViT-B/16"))
     b = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'b' / 'pets'}", backbone="ViT-B/16"))
     assert a != b and "folder-pets-" in a
-    (tmp_path / "link").symlink_to(
-        tmp_path / "a" / "pets"
-    )  # the same folder by another path: the same runs
+    # the same folder by another path: the same runs
+    (tmp_path / "link").symlink_to(tmp_path / "a" / "pets")
     assert (
         runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'link'}", backbone="ViT-B/16")) == a
     )
@@ -89,9 +88,8 @@ def test_a_finished_run_is_reused_only_when_its_config_matches(world, tmp_path, 
     capsys.readouterr()
     dear.main(args)
     assert "done already" in capsys.readouterr().out
-    config["inputs"]["dataset_folder"] = (
-        "/elsewhere/colors"  # as if the folder had been read from another place
-    )
+    # as if the folder had been read from another place
+    config["inputs"]["dataset_folder"] = "/elsewhere/colors"
     (rdir.parent / "config.json").write_text(json.dumps(config))
     err = stop_message(args, capsys)
     assert "different configuration" in err and "inputs" in err and "--force" in err
@@ -136,9 +134,8 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
         cli(world, tmp_path / "runs", "--eval-only", "--load", str(rdir), "--protocol", "fewshot")
     )
     (again,) = (rdir / "eval").rglob("results.json")
-    assert (
-        json.loads(again.read_text())["roles_used"]["sha256"] == used["sha256"]
-    )  # the run's own roles
+    # the run's own roles
+    assert json.loads(again.read_text())["roles_used"]["sha256"] == used["sha256"]
 
 
 # ----------------------------------------------------------------------------------- A5: one writer

@@ -100,16 +100,14 @@ def test_resume_inside_an_epoch_is_bit_identical(squares, full_run, tmp_path):
     resumed = run(squares, tmp_path / "cut", recording_loss(resumed_calls))
     assert resumed_calls == full_calls[done:]  # no step repeated, none skipped, the same batches
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
-    assert not torch.equal(
-        full["tokens.R"], fresh_model().trainable_state()["tokens.R"]
-    )  # it did train
+    # it did train
+    assert not torch.equal(full["tokens.R"], fresh_model().trainable_state()["tokens.R"])
 
 
 def test_every_epoch_has_a_new_order_of_all_images(squares, full_run):
     calls = full_run[1]
-    epochs = [
-        sum(calls[e * STEPS : (e + 1) * STEPS], []) for e in range(EPOCHS)
-    ]  # labels in the order seen
+    # labels in the order seen
+    epochs = [sum(calls[e * STEPS : (e + 1) * STEPS], []) for e in range(EPOCHS)]
     labels = sorted(y for _, y, _ in squares.train)
     assert all(sorted(order) == labels for order in epochs)  # every image once per epoch
     assert epochs[0] != epochs[1]
@@ -133,9 +131,8 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
     cls, fused = out["logits"][:, 0].argmax(-1), out["fused"].argmax(-1)
     items = [(p, int(cls[i]), "") for i, (p, _, _) in enumerate(squares.test) if cls[i] != fused[i]]
     assert len(items) >= 3
-    cfg = dear.resolve(
-        dear.Config(eval_batch_size=2, workers=0)
-    )  # several batches, the last one partial
+    # several batches, the last one partial
+    cfg = dear.resolve(dear.Config(eval_batch_size=2, workers=0))
     for rule, expected in (("cls", 100.0), ("fused", 0.0)):
         r = train.evaluate(
             model,
