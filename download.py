@@ -40,9 +40,8 @@ class Source:
 
     url: str = ""  # plain URL (replaced by --mirror/<file name> when a mirror is given)
     drive: str = ""  # or a Google Drive file id
-    md5: str = (
-        ""  # published checksum where known (torchvision's tables); "" = byte-count check only
-    )
+    # published checksum where known (torchvision's tables); "" = byte-count check only
+    md5: str = ""
     extract_to: str = ""  # unpack the archive into this folder ...
     save_as: str = ""  # ... or keep the file under this name
     creates: str = ""  # present after success: the step is skipped when it exists

@@ -285,9 +285,8 @@ def test_header_says_how_reference_numbers_are_printed(tmp_path):
     text = tables.build(str(tmp_path))
     assert "printed as published" not in text
     for letter, short, _ in tables.SOURCES.values():
-        assert (
-            f"[{letter}] {short}" in text.split("## Table 1.")[0]
-        )  # every letter explained in the header
+        # every letter explained in the header
+        assert f"[{letter}] {short}" in text.split("## Table 1.")[0]
     assert "|  | DeAR (paper) | 83.9 [p] | – | – |" in text  # DTD's base, as printed
     assert "|  | Δ DeAR: this code − paper | -3.9 | – | – |" in text  # to the reference's precision
     csv_lines = open(tmp_path / "tables" / "table1_b2n.csv").read().splitlines()
