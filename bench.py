@@ -1,21 +1,23 @@
 """Speed bench: what a DeAR training step and a DeAR evaluation cost next to the frozen CLIP.
 
-DeAR trains only tokens and two small maps, so a training step should cost little more than a frozen CLIP
-forward pass. Measured in one process, on one device, with random weights of the real shapes (nothing is
-downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike; medians over repeats.
-  a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights; outputs agree
-  b. one DeAR training step (train.train_step, what train.train runs) vs one frozen CLIP forward of the batch
-     and of all class prompts
+DeAR trains only tokens and two small maps, so a training step should cost little more than a frozen
+CLIP forward pass. Measured in one process, on one device, with random weights of the real shapes
+(nothing is downloaded), contenders interleaved (A B A B ...) so that outside load hits both alike;
+medians over repeats.
+  a. vendored CLIP vs a plain reference on nn.MultiheadAttention (OpenAI's layout), same weights;
+     outputs agree
+  b. one DeAR training step (train.train_step, what train.train runs) vs one frozen CLIP forward of
+     the batch and of all class prompts
   c. the same DeAR step written the naive way vs ours      d. DeAR evaluation vs zero-shot CLIP
   e. peak memory of a training step
 
     python bench.py --tiny                      # the tiny test model: seconds
     python bench.py --device cuda --repeats 10  # ViT-B/16 shapes on a GPU
-    python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1   # ViT-B/16 on a small CPU
+    python bench.py --device cpu --classes 10,100 --batches 4,4 --repeats 1  # ViT-B/16, small CPU
 
-Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on CUDA and fp32
-on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype while the contenders run
-(train.frozen_weights_in), as in train.train and train.evaluate.
+Precision (--precision, dear.py's names): amp, the default, is fp16 autocast with a GradScaler on
+CUDA and fp32 on a CPU; under autocast the frozen CLIP's matmul weights are stored in that dtype
+while the contenders run (train.frozen_weights_in), as in train.train and train.evaluate.
 """
 
 import argparse
@@ -41,7 +43,8 @@ from clip.model import CLIP
 from dear import ATTRIBUTES, K
 from util import fmt_time, write_atomic
 
-# OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of tests/conftest.py
+# OpenAI's ViT-B/16 hyper-parameters (CLIP constructor arguments) and the tiny test model of
+# tests/conftest.py
 VIT_B16 = dict(
     embed_dim=512,
     image_resolution=224,
@@ -97,7 +100,8 @@ WORDS = (
 
 
 def classnames(n: int):
-    """n distinct class names; every 7th gets a longer name (the longest prompts set the text length)."""
+    """n distinct class names; every 7th gets a longer name (the longest prompts set the text
+    length)."""
     names = []
     for i in range(n):
         a, b, c = WORDS[0][i % 10], WORDS[1][i // 10 % 10], WORDS[2][i // 100 % 10]
@@ -107,8 +111,9 @@ def classnames(n: int):
 
 
 def bench_roles(J: int, L: int, H: int):
-    """A deterministic made-up role table for blocks J..L (1-based): generalization, attribute, mixed and
-    other-specialist heads in turn, attribute heads cycling through the five attributes."""
+    """A deterministic made-up role table for blocks J..L (1-based): generalization, attribute,
+    mixed and other-specialist heads in turn, attribute heads cycling through the five
+    attributes."""
     kinds = ("generalization", "attribute", "mixed", "specialist")
     roles = {}
     for layer in range(J, L + 1):
@@ -126,8 +131,8 @@ def bench_roles(J: int, L: int, H: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# The reference CLIP: the plainest way, on nn.MultiheadAttention, sequence-first as OpenAI's original.
-# Parameter names equal the vendored model's, so its state dict loads strictly.
+# The reference CLIP: the plainest way, on nn.MultiheadAttention, sequence-first as OpenAI's
+# original. Parameter names equal the vendored model's, so its state dict loads strictly.
 
 
 class RefLayerNorm(nn.LayerNorm):
@@ -233,9 +238,8 @@ class RefCLIP(nn.Module):
     def encode_text(self, tokens):
         T = tokens.shape[1]
         x = self.token_embedding(tokens) + self.positional_embedding[:T]  # [C, T, W]
-        mask = torch.full((T, T), float("-inf"), device=x.device).triu(
-            1
-        )  # causal: see only the past
+        # causal: see only the past
+        mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         x = self.transformer(x.permute(1, 0, 2), mask).permute(1, 0, 2)  # run as [T, C, W]
         x = self.ln_final(x)
         return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ self.text_projection
@@ -282,10 +286,11 @@ def cpu_memory_method() -> str:
 
 
 def peak_memory(fn, device, method):
-    """Run fn once; return (its peak memory above what was resident before, in bytes, and fn's result).
-    CUDA: torch.cuda.max_memory_allocated. CPU/VmHWM: the process high-water mark is reset to the current
-    RSS, with glibc told to hand every block over 64 KiB straight back to the OS during this one call, so
-    that freed tensors show up as freed. CPU/ru_maxrss: growth of the lifetime peak (a lower bound)."""
+    """Run fn once; return (its peak memory above what was resident before, in bytes, and fn's
+    result). CUDA: torch.cuda.max_memory_allocated. CPU/VmHWM: the process high-water mark is reset
+    to the current RSS, with glibc told to hand every block over 64 KiB straight back to the OS
+    during this one call, so that freed tensors show up as freed. CPU/ru_maxrss: growth of the
+    lifetime peak (a lower bound)."""
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -303,9 +308,8 @@ def peak_memory(fn, device, method):
         out = fn()
         peak = _status_kib("VmHWM")
         if _LIBC is not None:
-            _LIBC.mallopt(
-                M_MMAP_THRESHOLD, 32 * 1024 * 1024
-            )  # glibc's usual steady state, for the timings
+            # glibc's usual steady state, for the timings
+            _LIBC.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
         return (peak - base) * 1024, out
     import resource
 
@@ -324,8 +328,9 @@ MEM_NOTES = {
 
 
 def count_flops(fn):
-    """Matrix-multiply FLOPs (2 per multiply-add) of one call of fn, read from the shape of every matmul it runs,
-    backward included (torch's FlopCounterMode); attention goes through the math kernel, whose matmuls it sees."""
+    """Matrix-multiply FLOPs (2 per multiply-add) of one call of fn, read from the shape of every
+    matmul it runs, backward included (torch's FlopCounterMode); attention goes through the math
+    kernel, whose matmuls it sees."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -335,11 +340,12 @@ def count_flops(fn):
 
 
 def measure(fns: dict, device, warmup: int, repeats: int, label: str, mem_method: str):
-    """Time every function of fns (name -> callable), interleaved (A B A B ...). The first call of each measures
-    peak memory, a second counts its FLOPs; then warmup - 1 more warm-up rounds; then `repeats` timed rounds,
-    each timed by the wall clock and by the process's CPU time (which does not grow while other programs
-    hold the cores). Returns name -> {"s": median seconds (CPU time on a CPU, wall time on a GPU),
-    "spread": (max - min) / median, "wall": [...], "cpu": [...], "mem": bytes, "flops": int, "out": last result}."""
+    """Time every function of fns (name -> callable), interleaved (A B A B ...). The first call of
+    each measures peak memory, a second counts its FLOPs; then warmup - 1 more warm-up rounds; then
+    `repeats` timed rounds, each timed by the wall clock and by the process's CPU time (which does
+    not grow while other programs hold the cores). Returns name -> {"s": median seconds (CPU time on
+    a CPU, wall time on a GPU), "spread": (max - min) / median, "wall": [...], "cpu": [...], "mem":
+    bytes, "flops": int, "out": last result}."""
     res = {name: {"wall": [], "cpu": [], "mem": None, "out": None} for name in fns}
     start = time.perf_counter()
     for name, fn in fns.items():
@@ -394,16 +400,18 @@ def dear_loss_fn(model, out, labels, lambda_reg=1.0, lambda_fusion=1.0):
 
 
 def dear_step(model, opt, scaler, images, labels, dtype):
-    """One DeAR training step: train.train_step, the function train.train runs for every batch (autocast in
-    dtype, the loss in fp32, GradScaler, AdamW). Returns the loss and R's gradient (unscaled), on the device."""
+    """One DeAR training step: train.train_step, the function train.train runs for every batch
+    (autocast in dtype, the loss in fp32, GradScaler, AdamW). Returns the loss and R's gradient
+    (unscaled), on the device."""
     loss, _, _ = train.train_step(model, images, labels, dear_loss_fn, opt, scaler, dtype)
     return loss.detach(), model.tokens.R.grad
 
 
 def frozen_logits(model, images, tokens, every_row=False):
-    """Zero-shot logits [B, C] of the frozen CLIP: encode_image and encode_text, whose last blocks compute only the
-    rows read (CLS, EOT); every_row: the same features with the last blocks computing every position, as OpenAI's
-    CLIP does (texts in the same length groups as encode_text)."""
+    """Zero-shot logits [B, C] of the frozen CLIP: encode_image and encode_text, whose last blocks
+    compute only the rows read (CLS, EOT); every_row: the same features with the last blocks
+    computing every position, as OpenAI's CLIP does (texts in the same length groups as
+    encode_text)."""
     if every_row:
         v = model.visual
         f = v.head(v.run_blocks(v.embed(images), 0, v.layers)[:, 0])  # every row, then CLS
@@ -420,9 +428,9 @@ def frozen_logits(model, images, tokens, every_row=False):
 
 
 def naive_forward(model, images, tokens):
-    """The DeAR forward written the naive way, with DeAR's own parameters: every block of both towers runs
-    under autograd (no no_grad prefix, no cached text prefix) and the frozen targets f^0 and t^0 are
-    recomputed from scratch. Same math as DeAR.forward; returns (the same dict, t^0)."""
+    """The DeAR forward written the naive way, with DeAR's own parameters: every block of both
+    towers runs under autograd (no no_grad prefix, no cached text prefix) and the frozen targets f^0
+    and t^0 are recomputed from scratch. Same math as DeAR.forward; returns (the same dict, t^0)."""
     clip_model, visual = model.clip, model.clip.visual
     with torch.no_grad():  # the frozen CLIP targets, recomputed every step
         f0 = F.normalize(clip_model.encode_image(images), dim=-1)
@@ -453,9 +461,8 @@ def naive_forward(model, images, tokens):
             x, b, b + 1, attn_mask=getattr(model, f"mask_{i}") if i >= 0 else None
         )
     f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
-    f_attr = F.normalize(
-        visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr.to(x.dtype), dim=-1
-    )  # [B, K, E]
+    # [B, K, E]
+    f_attr = F.normalize(visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr.to(x.dtype), dim=-1)
     feats = torch.cat([f_cls.unsqueeze(1), f_attr], dim=1)  # [B, 1+K, E]
     logits = clip_model.logit_scale.exp() * feats @ t.t().to(feats.dtype)  # [B, 1+K, C]
     fused = model.alpha()[None, :, None].to(logits.dtype).mul(logits).sum(1)  # [B, C]
@@ -465,8 +472,9 @@ def naive_forward(model, images, tokens):
 def naive_step(
     model, opt, scaler, images, labels, tokens, dtype, lambda_reg=1.0, lambda_fusion=1.0
 ):
-    """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them out), so
-    autograd records all blocks and computes every weight gradient. Otherwise as train.train_step."""
+    """The naive step: the frozen weights keep requires_grad=True (only the optimiser leaves them
+    out), so autograd records all blocks and computes every weight gradient. Otherwise as
+    train.train_step."""
     frozen = list(model.clip.parameters())
     for p in frozen:
         p.requires_grad_(True)
@@ -503,8 +511,8 @@ class Bench:
         self.gen = torch.Generator().manual_seed(1)
 
     def go(self, fns, label, short=False):
-        """measure(); short: one forward pass per call (a., d.), timed --short-repeats times, as their
-        targets leave a margin of only a few percent."""
+        """measure(); short: one forward pass per call (a., d.), timed --short-repeats times, as
+        their targets leave a margin of only a few percent."""
         repeats = max(self.args.repeats, self.args.short_repeats) if short else self.args.repeats
         return measure(fns, self.device, self.args.warmup, repeats, label, self.mem_method)
 
@@ -512,8 +520,8 @@ class Bench:
         self.rows.append((rid, what, first, second, ratio, limit, excess, target))
 
     def compare(self, rid, what, a, b, target=""):
-        """A timing row: a and b (measure results), their ratio, the ratio of their FLOPs (the limit) and
-        measured / limit (how far the code runs from what its FLOPs allow)."""
+        """A timing row: a and b (measure results), their ratio, the ratio of their FLOPs (the
+        limit) and measured / limit (how far the code runs from what its FLOPs allow)."""
         limit = a["flops"] / b["flops"] if a["flops"] and b["flops"] else None
         t = a["s"] / b["s"]
         self.row(
@@ -539,7 +547,8 @@ class Bench:
 
 
 def bench_clip(b, model, ref, images, tokens):
-    """a. the vendored CLIP against the nn.MultiheadAttention reference: agreement (fp32), then speed."""
+    """a. the vendored CLIP against the nn.MultiheadAttention reference: agreement (fp32),
+    then speed."""
     with torch.no_grad():
         d_img = F.normalize(model.encode_image(images), dim=-1) - F.normalize(
             ref.encode_image(images), dim=-1
@@ -569,7 +578,8 @@ def bench_clip(b, model, ref, images, tokens):
 
 
 def bench_train(b, net, opt, scaler, C, B, model_name, naive=True):
-    """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step; memory; breakdown."""
+    """b, c, e. one setting: our DeAR step vs the frozen CLIP forward vs the naive step;
+    memory; breakdown."""
     device, model, tag = b.device, net.clip, f"C{C}xB{B}"
     names = classnames(C)
     net.set_classes(names, TEMPLATE)
@@ -687,7 +697,8 @@ def settle_scaler(scaler, step, most=30):
 
 
 def bench_eval(b, net, images, C):
-    """d. evaluation: per-batch cost with the class text features computed once, as train.evaluate does."""
+    """d. evaluation: per-batch cost with the class text features computed once,
+    as train.evaluate does."""
     net.set_classes(classnames(C), TEMPLATE)
     net.eval()
     scale = net.clip.logit_scale.exp()
@@ -724,8 +735,8 @@ def bench_eval(b, net, images, C):
 
 
 def build(b, sizes, J):
-    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the GradScaler as
-    train.train makes them."""
+    """A random CLIP of these sizes (frozen), DeAR on it with the bench roles, AdamW and the
+    GradScaler as train.train makes them."""
     torch.manual_seed(0)
     with torch.device(b.device):
         model = CLIP(**sizes).eval()
@@ -734,8 +745,8 @@ def build(b, sizes, J):
     net = dear.DeAR(
         model, bench_roles(J, model.visual.layers, model.visual.heads), J=J, beta=0.9
     ).to(b.device)
-    # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed steps
-    # see the same parameters and the naive and our losses can be compared
+    # lr 0: every step does all of AdamW's work but leaves the parameters as they are, so all timed
+    # steps see the same parameters and the naive and our losses can be compared
     fused = {"fused": True} if b.device.type == "cuda" else {}  # as train.train
     opt = torch.optim.AdamW(
         [p for p in net.trainable() if p.requires_grad], lr=0.0, weight_decay=5e-4, **fused
@@ -817,7 +828,8 @@ def step_breakdown(b, net, imgs, labels, step_s, tag):
     J, L = net.J, net.L
     return [
         (
-            f"text side: blocks {net.first_text + 1}..{net.Lt} of all prompts, with tokens (forward)",
+            f"text side: blocks {net.first_text + 1}..{net.Lt} "
+            "of all prompts, with tokens (forward)",
             s["text"],
         ),
         (f"image prefix: embed + blocks 1..{J - 1}, no autograd", s["prefix"]),
@@ -854,7 +866,8 @@ def profile_step(b, net, opt, scaler, setting):
 
 
 def ms(r, device) -> str:
-    """The median time and its spread; on a CPU (where the median is CPU time) the median wall time too."""
+    """The median time and its spread; on a CPU (where the median is CPU time) the median wall time
+    too."""
     text = f"{1000 * r['s']:.1f} ms ±{50 * r['spread']:.0f}%"
     return text + (
         f" (wall {1000 * statistics.median(r['wall']):.0f})" if device.type == "cpu" else ""
@@ -866,14 +879,14 @@ def mib(r) -> str:
 
 
 def row_ids(settings, device="cpu"):
-    """The ids of the result rows a run with these settings writes (without --no-naive or --narrow)."""
+    """The ids of the result rows a run with these settings writes (without --no-naive or
+    --narrow)."""
     per = [
         f"{p}.C{C}xB{B}"
         for i, (C, B) in enumerate(settings)
         for p in ("b", "b.rows", "b.rows.agree", "f", "c", "c.agree", "e")
-        if (
-            p[0] != "c" or i == 0 or device == "cuda"
-        )  # the naive step: first setting only on a CPU
+        # the naive step: first setting only on a CPU
+        if (p[0] != "c" or i == 0 or device == "cuda")
         and (not p.startswith("b.rows") or (C, B) in TRAIN_TARGETS)
     ]  # every-row baseline: target settings
     return ["a.agree", "a.image", "a.text"] + per + ["d.eval", "f.eval"]
@@ -884,7 +897,8 @@ def markdown(res, args) -> str:
     s = res["sizes"]
     prec = {
         None: "fp32 (no autocast)",
-        torch.bfloat16: "autocast bf16, frozen matmul weights stored in bf16 (train.frozen_weights_in)",
+        torch.bfloat16: "autocast bf16, frozen matmul "
+        "weights stored in bf16 (train.frozen_weights_in)",
         torch.float16: "autocast fp16 + GradScaler, frozen matmul weights stored in fp16 "
         "(train.frozen_weights_in)",
     }[train.autocast_dtype(device, args.precision)]
@@ -893,7 +907,8 @@ def markdown(res, args) -> str:
         "# DeAR speed bench",
         "",
         "Written by `bench.py`; every ratio compares two measurements made in the same process, "
-        "interleaved, with the same inputs. Random weights with the real shapes (nothing downloaded).",
+        "interleaved, with the same inputs. Random weights with the real shapes (nothing "
+        "downloaded).",
         "",
         "| | |",
         "|---|---|",
@@ -903,25 +918,27 @@ def markdown(res, args) -> str:
         f"({platform.machine()}, {os.cpu_count()} cores) |",
         f"| torch | {torch.__version__} (intra-op threads: {torch.get_num_threads()}) |",
         f"| precision | {prec} |",
-        f"| model | {'tiny test CLIP' if args.tiny else 'CLIP ViT-B/16 shapes'}: vision {s['vision_layers']} blocks "
-        f"x {s.get('vision_heads') or s['vision_width'] // 64} heads, width {s['vision_width']}, "
-        f"{s['image_resolution']}px / patch {s['vision_patch_size']}; text {s['transformer_layers']} blocks, "
-        f"width {s['transformer_width']}; J = {res['J']} |",
-        f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; evaluation "
-        f"batch {args.eval_batch}; prompts of up to {res['text_len']} tokens |",
+        f"| model | {'tiny test CLIP' if args.tiny else 'CLIP ViT-B/16 shapes'}: vision "
+        f"{s['vision_layers']} blocks x {s.get('vision_heads') or s['vision_width'] // 64} heads, "
+        f"width {s['vision_width']}, {s['image_resolution']}px / patch {s['vision_patch_size']}; "
+        f"text {s['transformer_layers']} blocks, width {s['transformer_width']}; J = {res['J']} |",
+        f"| settings (classes x batch) | {', '.join(f'{C} x {B}' for C, B in res['settings'])}; "
+        f"evaluation batch {args.eval_batch}; prompts of up to {res['text_len']} tokens |",
         "| narrow model | "
         + (
             f"{', '.join(f'{C} x {B}' for C, B in args.narrow)}: vision width "
-            f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width {NARROW['transformer_width']} "
-            f"({NARROW['transformer_heads']} heads), depth and token counts as above |"
+            f"{NARROW['vision_width']} ({NARROW['vision_heads']} heads), text width "
+            f"{NARROW['transformer_width']} ({NARROW['transformer_heads']} heads), depth and token "
+            "counts as above |"
             if args.narrow
             else "none |"
         ),
-        f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more counts FLOPs), "
-        f"contenders interleaved, median of {args.repeats} (rows a. and d.: "
+        f"| timing | {args.warmup} warm-up call(s) (the first also measures memory, one more "
+        f"counts FLOPs), contenders interleaved, median of {args.repeats} (rows a. and d.: "
         f"{max(args.repeats, args.short_repeats)}) "
         + (
-            "**process CPU times** (wall times in brackets); ± is half the range (max - min) / median |"
+            "**process CPU times** (wall times in brackets); "
+            "± is half the range (max - min) / median |"
             if device.type == "cpu"
             else "wall times around `torch.cuda.synchronize`; ± is half the range |"
         ),
@@ -930,10 +947,10 @@ def markdown(res, args) -> str:
         "",
         "## Results",
         "",
-        "Ratio = first column / second column (time); a ratio below 1 means the first is faster. FLOP limit = "
-        "the same ratio of matrix-multiply FLOPs (forward and backward), counted from the shape of every matmul "
-        "each contender runs (torch's FlopCounterMode); ratio / limit is how far the measured ratio is from "
-        "what the FLOPs allow (target <= 1.10).",
+        "Ratio = first column / second column (time); a ratio below 1 means the first is faster. "
+        "FLOP limit = the same ratio of matrix-multiply FLOPs (forward and backward), counted from "
+        "the shape of every matmul each contender runs (torch's FlopCounterMode); ratio / limit is "
+        "how far the measured ratio is from what the FLOPs allow (target <= 1.10).",
         "",
         "| id | measurement | first | second | ratio | FLOP limit | ratio / limit | target |",
         "|---|---|---|---|---|---|---|---|",
@@ -944,8 +961,8 @@ def markdown(res, args) -> str:
             "",
             "## Where a DeAR training step spends its time",
             "",
-            "Simple timers on the parts of the forward pass (medians); the token blocks are the forward "
-            "minus the other parts, backward + AdamW is the step minus the forward.",
+            "Simple timers on the parts of the forward pass (medians); the token blocks are the "
+            "forward minus the other parts, backward + AdamW is the step minus the forward.",
             "",
         ]
         for C, B, parts in res["breakdown"]:
@@ -961,24 +978,25 @@ def markdown(res, args) -> str:
         "",
         "- a: `clip/model.py` (batch-first, hand-written attention through "
         "`scaled_dot_product_attention`) against a reference written in bench.py the plainest way: "
-        "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight tensors.",
+        "OpenAI's sequence-first layout on `torch.nn.MultiheadAttention`, sharing the same weight "
+        "tensors.",
         "- b: the DeAR step is `train.train_step`, the function `train.train` runs for every batch "
-        "(`model(images, with_frozen=True)` under autocast, `dear.dear_loss` in fp32, backward through the "
-        "GradScaler, AdamW; lr 0, so every repeat sees the same parameters); frozen = `encode_image` of the "
-        "batch + `encode_text` of every class prompt + logits, under `no_grad`, in the same precision.",
-        "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on the frozen "
-        "CLIP weights (autograd through every block of both towers, all weight gradients computed), "
-        "re-runs the text prefix every step and recomputes f^0 and t^0 from scratch. "
-        "The agree row checks it computes the same loss and gradient as ours. On a CPU it is timed in the "
-        "first setting only (it is slow), and never on the narrow model.",
-        "- b.rows: the same DeAR step against a frozen forward whose last blocks compute every position "
-        "(every row of the last image block, every position of the last text block), as OpenAI's CLIP does; "
-        "the agree row checks both frozen forwards give the same logits. It is the baseline the step targets "
-        "("
+        "(`model(images, with_frozen=True)` under autocast, `dear.dear_loss` in fp32, backward "
+        "through the GradScaler, AdamW; lr 0, so every repeat sees the same parameters); frozen = "
+        "`encode_image` of the batch + `encode_text` of every class prompt + logits, under "
+        "`no_grad`, in the same precision.",
+        "- c: the naive step uses DeAR's own parameters and math, but leaves `requires_grad` on "
+        "the frozen CLIP weights (autograd through every block of both towers, all weight "
+        "gradients computed), re-runs the text prefix every step and recomputes f^0 and t^0 from "
+        "scratch. The agree row checks it computes the same loss and gradient as ours. On a CPU it "
+        "is timed in the first setting only (it is slow), and never on the narrow model.",
+        "- b.rows: the same DeAR step against a frozen forward whose last blocks compute every "
+        "position (every row of the last image block, every position of the last text block), as "
+        "OpenAI's CLIP does; the agree row checks both frozen forwards give the same logits. It is "
+        "the baseline the step targets ("
         + ", ".join(f"{t[3:]} at {C} x {B}" for (C, B), t in TRAIN_TARGETS.items())
-        + ") were estimated "
-        "against; b. compares with our own frozen forward, which computes only the rows it reads and is "
-        "that much cheaper.",
+        + ") were estimated against; b. compares with our own frozen forward, which computes only "
+        "the rows it reads and is that much cheaper.",
         "- d: per-batch cost only, as `train.evaluate` computes the class text features once.",
         "- agree rows: fp32 computations agree to rounding (\"equal\"); in fp16 and bf16 "
         "each differs from fp32 by rounding noise, so their targets are about twice the "
@@ -987,16 +1005,16 @@ def markdown(res, args) -> str:
         "tests/test_precision.py --spread 30` measures it). fp16 steps are timed after the "
         "GradScaler has found its scale (its first steps are skipped, as in every fp16 run).",
         "- `python bench.py --tiny` writes BENCH_TINY.md (never this file).",
-        "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist heads in "
-        "every block (the masks cost the same whatever the roles).",
+        "- Roles: a made-up table mixing generalization, attribute, mixed and other-specialist "
+        "heads in every block (the masks cost the same whatever the roles).",
     ]
     if device.type == "cpu":
         lines += [
-            "- Every number in this file is CPU. CPU timings on a shared machine are noisy: the ratios of "
-            "process CPU times, measured interleaved, are what to read.",
-            "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU "
-            "(the code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights stored "
-            "in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
+            "- Every number in this file is CPU. CPU timings on a shared machine are noisy: the "
+            "ratios of process CPU times, measured interleaved, are what to read.",
+            "- GPU numbers were not measured in this file; run `bash bench_gpu.sh` on a GPU (the "
+            "code path: `--precision amp` = fp16 autocast with a GradScaler and the frozen weights "
+            "stored in fp16, as in dear.py; `torch.cuda.synchronize` around every timed call, "
             "`torch.cuda.max_memory_allocated` for memory).",
         ]
     if res["profile"]:
@@ -1044,7 +1062,8 @@ TINY_OUT = "BENCH_TINY.md"  # --tiny's default --out (git ignores it)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Time a DeAR training step and evaluation against the frozen CLIP, on random weights.",
+        description="Time a DeAR training step and evaluation "
+        "against the frozen CLIP, on random weights.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Defaults (ViT-B/16 on CUDA | ViT-B/16 on CPU | --tiny): "
         + " | ".join(
@@ -1069,8 +1088,8 @@ def parse_args(argv=None):
         "--short-repeats",
         type=int,
         default=11,
-        help="timed calls per contender in the rows of one forward pass (a., d.): short calls whose "
-        "targets leave a margin of a few percent (at least --repeats)",
+        help="timed calls per contender in the rows of one forward pass (a., d.): short calls "
+        "whose targets leave a margin of a few percent (at least --repeats)",
     )
     p.add_argument(
         "--warmup",
@@ -1091,8 +1110,8 @@ def parse_args(argv=None):
         "--narrow",
         type=settings_list,
         default=None,
-        help="settings CxB (e.g. 1000x32) run on a narrower model with the same depth and token counts "
-        "(default: 1000x32 on a CPU, none on a GPU)",
+        help="settings CxB (e.g. 1000x32) run on a narrower model with the same depth and token "
+        "counts (default: 1000x32 on a CPU, none on a GPU)",
     )
     p.add_argument(
         "--threads",

@@ -4,18 +4,19 @@ Point --root at the folder that holds the datasets in the layout of CoOp's DATAS
 (imagenet/, caltech-101/, oxford_pets/, eurosat/, ...). Each dataset is a list of items
 (path, label, classname) per split, read from the published split files:
 
-    split_zhou_<Name>.json = {"train": [[relative path, label, classname], ...], "val": [...], "test": [...]}
+    split_zhou_<Name>.json = {"train": [[relative path, label, classname], ...], "val":
+    [...], "test": [...]}
 
 Few-shot subsets are the ones CoOp/Dassl draw for the same seed (see `fewshot_sample`), cached as
 portable JSON in <dataset folder>/split_fewshot/shot_{K}-seed_{S}.json. Base/novel classes follow
-CoOp's `subsample_classes`. A folder:PATH dataset is split once (`read_folder`); the split is kept in
-PATH/split_folder.json, or under `cache_dir()` when PATH is read-only, and a folder that changed since
-is refused. Transforms are Dassl's / CLIP's (16-bit images scaled to 8 bit). `python data.py --help`
-shows the CLI; `check` also opens every image.
+CoOp's `subsample_classes`. A folder:PATH dataset is split once (`read_folder`); the split is kept
+in PATH/split_folder.json, or under `cache_dir()` when PATH is read-only, and a folder that changed
+since is refused. Transforms are Dassl's / CLIP's (16-bit images scaled to 8 bit). `python data.py
+--help` shows the CLI; `check` also opens every image.
 
-Used by dear.py, train.py, runs.py, entropy.py and toyworld.py (and run_all.sh's dataset check). It imports
-util.py, and download.py for `python data.py download`; it knows nothing of the toy world, which toyworld.py
-writes in the CoOp layout and data.py then reads like any other dataset.
+Used by dear.py, train.py, runs.py, entropy.py and toyworld.py (and run_all.sh's dataset check). It
+imports util.py, and download.py for `python data.py download`; it knows nothing of the toy world,
+which toyworld.py writes in the CoOp layout and data.py then reads like any other dataset.
 """
 
 import argparse
@@ -50,8 +51,9 @@ class DataError(Exception):
     """Bad data on disk or bad arguments; the message says what is wrong and how to fix it.
 
     A DataLoader worker's DataError comes back to the main process rebuilt from torch's text
-    "Caught DataError in DataLoader worker process 0.\nOriginal Traceback ...\ndata.DataError: <message>";
-    only <message> is kept, so the user sees one clear line naming the file, not the worker's traceback."""
+    "Caught DataError in DataLoader worker process 0.\nOriginal Traceback ...\ndata.DataError:
+    <message>"; only <message> is kept, so the user sees one clear line naming the file, not the
+    worker's traceback."""
 
     def __init__(self, message=""):
         if (
@@ -97,9 +99,8 @@ class Spec:
     template: str  # the hand-written prompt template, one '{}'
     reader: str = "json"  # json | fgvc | imagenet | variant | v2 | toyworld | folder
     drive: str = ""  # Google Drive id of the split JSON (CoOp DATASETS.md)
-    renames: dict = dataclasses.field(
-        default_factory=dict
-    )  # class-name clean-up applied after reading
+    # class-name clean-up applied after reading
+    renames: dict = dataclasses.field(default_factory=dict)
     test_only: bool = False
 
     def layout(self):
@@ -290,7 +291,8 @@ CLASSNAMES_DRIVE = "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"  # imagenet/classnames.tx
 
 @dataclasses.dataclass
 class Dataset:
-    """One dataset: items are (path, label, classname); classnames[label] is the name put in the template."""
+    """One dataset: items are (path, label, classname);
+    classnames[label] is the name put in the template."""
 
     name: str
     train: list
@@ -300,9 +302,8 @@ class Dataset:
     template: str
     folder: str = ""
     split_file: str = ""  # folder:PATH datasets: where their split is kept
-    warnings: list = dataclasses.field(
-        default_factory=list
-    )  # also printed when the dataset is built
+    # also printed when the dataset is built
+    warnings: list = dataclasses.field(default_factory=list)
 
     @property
     def num_classes(self):
@@ -310,8 +311,8 @@ class Dataset:
 
     @property
     def shots_per_class(self):
-        """Training images per class (index = label): the real shots, which are fewer than --shots for a
-        class that has fewer images (CoOp keeps all of them)."""
+        """Training images per class (index = label): the real shots, which are fewer than --shots
+        for a class that has fewer images (CoOp keeps all of them)."""
         counts = [0] * self.num_classes
         for _, y, _ in self.train:
             counts[y] += 1
@@ -386,7 +387,8 @@ def read_json_dataset(spec, folder, root):
 
 
 def read_fgvc(spec, folder, root):
-    """FGVCAircraft: label = line index in variants.txt; images_variant_<split>.txt lines are '<id> <variant>'."""
+    """FGVCAircraft: label = line index in variants.txt;
+    images_variant_<split>.txt lines are '<id> <variant>'."""
     need(folder, "FGVCAircraft folder", spec)
     need(os.path.join(folder, "variants.txt"), "FGVCAircraft variants.txt", spec)
     with open(os.path.join(folder, "variants.txt")) as f:
@@ -430,8 +432,8 @@ def read_classnames(path, spec):
 
 
 def list_wnid_folders(image_dir, names, spec, prefix="", what=""):
-    """Items of every sorted class folder, label = index in that order (CoOp's rule); files sorted by name.
-    Paths are prefix + '<wnid>/<file>'; `what` turns on a progress line."""
+    """Items of every sorted class folder, label = index in that order (CoOp's rule); files sorted
+    by name. Paths are prefix + '<wnid>/<file>'; `what` turns on a progress line."""
     items, folders, t0 = [], list_dirs(image_dir), time.time()
     for label, wnid in enumerate(folders):
         if wnid not in names:
@@ -452,7 +454,8 @@ def read_imagenet(spec, folder, root):
     """ImageNet: labels by sorted wnid folder; the official val set is the test (and val) set.
 
     The file list is cached in preprocessed.json (relative paths). Unlike Dassl (os.listdir order),
-    files are sorted by name within each class folder, so few-shot subsets are the same on every machine."""
+    files are sorted by name within each class folder, so few-shot subsets are the same on every
+    machine."""
     need(folder, "ImageNet folder", spec)
     names_path = os.path.join(folder, "classnames.txt")
     names = read_classnames(names_path, spec)
@@ -484,7 +487,8 @@ def read_imagenet(spec, folder, root):
 
 
 def read_variant(spec, folder, root):
-    """ImageNet-Sketch/-A/-R: sorted wnid folders (A and R hold 200 of the 1000), names from classnames.txt."""
+    """ImageNet-Sketch/-A/-R: sorted wnid folders (A and R hold 200 of the 1000),
+    names from classnames.txt."""
     need(folder, f"{spec.coop_name} folder", spec)
     names = read_classnames(os.path.join(folder, "classnames.txt"), spec)
     image_dir = os.path.join(folder, spec.images)
@@ -502,7 +506,8 @@ def read_v2(spec, folder, root):
     for k in sorted((int(d) for d in list_dirs(image_dir) if d.isdigit())):
         if k >= len(wnids):
             raise DataError(
-                f"{image_dir}/{k} has no line {k} in classnames.txt; expected layout: {spec.layout()}"
+                f"{image_dir}/{k} has no line {k} in "
+                f"classnames.txt; expected layout: {spec.layout()}"
             )
         test += [
             (f"{k}/{im}", k, wnids[k][1]) for im in list_images(os.path.join(image_dir, str(k)))
@@ -518,14 +523,16 @@ def cache_dir():
 
 
 def folder_cache(folder):
-    """The cache folder of a folder:PATH dataset, keyed by its resolved path (two folders named pets differ)."""
+    """The cache folder of a folder:PATH dataset, keyed by its resolved path (two folders named pets
+    differ)."""
     real = os.path.realpath(folder)
     key = hashlib.sha256(real.encode()).hexdigest()[:12]
     return os.path.join(cache_dir(), "folders", f"{os.path.basename(real) or 'root'}-{key}")
 
 
 def folder_split_file(folder):
-    """The split file of a folder dataset: PATH/split_folder.json, else the cache's; None before the first run."""
+    """The split file of a folder dataset: PATH/split_folder.json, else the cache's;
+    None before the first run."""
     for path in (
         os.path.join(folder, FOLDER_SPLIT),
         os.path.join(folder_cache(folder), FOLDER_SPLIT),
@@ -657,10 +664,10 @@ def check_folder_unchanged(folder, path, split, listing):
     )
     only_removed = removed and not (added or new_classes or gone_classes)
     raise DataError(
-        f"{folder} no longer matches its split {path}: {'; '.join(changes)}.\n"
-        f"The split was drawn once (seed {CUSTOM_SPLIT_SEED}) and is kept so that results stay comparable. Restore "
-        f"the folder as it was, or delete {path} to split the folder anew (a new shuffle: results from before "
-        f"and after are not comparable)"
+        f"{folder} no longer matches its split {path}: {'; '.join(changes)}.\nThe split was drawn "
+        f"once (seed {CUSTOM_SPLIT_SEED}) and is kept so that results stay comparable. Restore the "
+        f"folder as it was, or delete {path} to split the folder anew (a new shuffle: results from "
+        "before and after are not comparable)"
         + (
             ", or delete the gone images' entries from it to keep the rest of the split"
             if only_removed
@@ -671,7 +678,8 @@ def check_folder_unchanged(folder, path, split, listing):
 
 
 def write_folder_split(folder, split):
-    """Keep the split in PATH/split_folder.json, or in the cache when PATH cannot be written; return where."""
+    """Keep the split in PATH/split_folder.json, or in the cache when PATH cannot be written;
+    return where."""
     path = os.path.join(folder, FOLDER_SPLIT)
     try:
         write_json_atomic(path, split, indent=4)
@@ -682,8 +690,9 @@ def write_folder_split(folder, split):
             write_json_atomic(fallback, split, indent=4)
         except OSError as e2:
             raise DataError(
-                f"cannot keep the split of {folder}: neither {path} ({e.strerror or e}) nor {fallback} "
-                f"({e2.strerror or e2}) can be written; set $DEAR_CACHE to a writable folder"
+                f"cannot keep the split of {folder}: neither {path} ({e.strerror or e}) nor "
+                f"{fallback} ({e2.strerror or e2}) can be written; set $DEAR_CACHE to a writable "
+                "folder"
             ) from None
         print(
             f"note: {folder} is not writable ({e.strerror or e}); its split is kept in {fallback}",
@@ -693,8 +702,9 @@ def write_folder_split(folder, split):
 
 
 def read_folder(spec, folder, root):
-    """folder:PATH: one sub-folder per class; split 50/20/30 per class once (seed CUSTOM_SPLIT_SEED) and kept
-    (`folder_split_file`); a folder whose classes or images changed since is refused (`check_folder_unchanged`)."""
+    """folder:PATH: one sub-folder per class; split 50/20/30 per class once (seed CUSTOM_SPLIT_SEED)
+    and kept (`folder_split_file`); a folder whose classes or images changed since is refused
+    (`check_folder_unchanged`)."""
     if not os.path.isdir(folder):
         raise DataError(f"folder dataset not found: {folder}\nExpected layout: {spec.layout()}")
     listing = list_class_folders(folder)
@@ -735,7 +745,7 @@ READERS = {
 }
 
 
-# ----------------------------------------------------------------------------- few-shot and base/novel
+# -------------------------------------------------------------------------- few-shot and base/novel
 
 
 def fewshot_sample(items, k, rng):
@@ -751,12 +761,14 @@ def fewshot_sample(items, k, rng):
 
 
 def fewshot_split(folder, split, shots, seed, sample_val=True):
-    """(train, val) with `shots` per class (val: min(shots, 4)), the same subsets as CoOp for this seed.
+    """(train, val) with `shots` per class (val: min(shots, 4)),
+    the same subsets as CoOp for this seed.
 
-    CoOp seeds Python's random with the seed, then samples train and val in that order from one stream;
-    random.Random(seed) is that stream without touching the global one. The result is cached as JSON
-    (relative paths) and reused only when it was drawn from exactly these train and val lists, with
-    these shots and this seed (a file copied under another name is not taken for another draw)."""
+    CoOp seeds Python's random with the seed, then samples train and val in that order from one
+    stream; random.Random(seed) is that stream without touching the global one. The result is cached
+    as JSON (relative paths) and reused only when it was drawn from exactly these train and val
+    lists, with these shots and this seed (a file copied under another name is not taken for another
+    draw)."""
     source = {"train": split["train"], "val": split["val"] if sample_val else []}
     sha = fingerprint(source)
     path = os.path.join(folder, FEWSHOT_DIR, f"shot_{shots}-seed_{seed}.json")
@@ -800,7 +812,8 @@ def subsample_classes(train, val, test, subsample="all"):
 
 
 def check_files(items, what, spec):
-    """Check that a deterministic, evenly spaced sample (<= CHECK_LIMIT) of the listed images exists.
+    """Check that a deterministic, evenly spaced sample (<= CHECK_LIMIT) of the listed images
+    exists.
 
     Checking all 1.3M ImageNet paths takes minutes on network disks; the unchecked rest fail with a
     DataError naming the file when the loader reaches them."""
@@ -838,8 +851,8 @@ def suggest(name):
         ]
     hint = f" Did you mean: {', '.join(dict.fromkeys(close))}?" if close else ""
     return (
-        f"unknown dataset '{name}'.{hint} Known: {', '.join(DATASETS)}, or folder:PATH for a folder "
-        f"with one sub-folder per class."
+        f"unknown dataset '{name}'.{hint} Known: {', '.join(DATASETS)}, or folder:PATH for a "
+        "folder with one sub-folder per class."
     )
 
 
@@ -847,8 +860,8 @@ def suggest(name):
 
 
 def dataset_folder(name, root):
-    """The absolute folder `build_dataset` reads a dataset from: a folder:PATH dataset's own path, else
-    <root>/<its CoOp folder> (an unknown name: <root>/<name>)."""
+    """The absolute folder `build_dataset` reads a dataset from: a folder:PATH dataset's own path,
+    else <root>/<its CoOp folder> (an unknown name: <root>/<name>)."""
     if name.startswith("folder:"):
         path = name[len("folder:") :]
         if not path.strip():  # "" would read (and write split files into) the current directory
@@ -883,8 +896,8 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
         spec, root = DATASETS[name], os.path.abspath(os.path.expanduser(str(root)))
         if spec.reader == "toyworld" and not os.path.isfile(os.path.join(folder, spec.split)):
             raise DataError(
-                f"the toy world is not generated under {root}; make it with "
-                f"`python toyworld.py dataset --root {root}` (dear.py and entropy.py do this on first use)"
+                f"the toy world is not generated under {root}; make it with `python toyworld.py "
+                f"dataset --root {root}` (dear.py and entropy.py do this on first use)"
             )
         elif not os.path.isdir(root):
             raise DataError(
@@ -969,31 +982,33 @@ def check_test_split(split, test, name, split_file):
 
 
 def dataset_warnings(ds, shots, subsample, test_only):
-    """What makes a result less than it seems: a one-class split, fewer images than --shots asks for."""
+    """What makes a result less than it seems: a one-class split,
+    fewer images than --shots asks for."""
     out, part = [], "" if subsample == "all" else f" ({subsample} classes)"
     if ds.num_classes == 1:
         out.append(
-            f"{ds.name}{part} has only one class ({ds.classnames[0]}): every prediction is that class, "
-            f"so its accuracy is 100% by construction"
+            f"{ds.name}{part} has only one class ({ds.classnames[0]}): every prediction is that "
+            "class, so its accuracy is 100% by construction"
         )
     counts = ds.shots_per_class
     short = [k for k, n in enumerate(counts) if n < shots]
     if shots >= 1 and not test_only and short:
         k = min(short, key=lambda k: counts[k])
         out.append(
-            f"--shots {shots}: {len(short)} of {ds.num_classes} classes{part} have fewer training images "
-            f"(fewest: {ds.classnames[k]}, {counts[k]}); they keep all they have, as in CoOp, so the real "
-            f"shots per class are {min(counts)}..{max(counts)}"
+            f"--shots {shots}: {len(short)} of {ds.num_classes} classes{part} have fewer training "
+            f"images (fewest: {ds.classnames[k]}, {counts[k]}); they keep all they have, as in "
+            f"CoOp, so the real shots per class are {min(counts)}..{max(counts)}"
         )
     return out
 
 
-# ----------------------------------------------------------------------------- transforms and loaders
+# --------------------------------------------------------------------------- transforms and loaders
 
 
 def to_rgb(image):
-    """Any PIL image as 8-bit RGB. 16-bit grayscale ("I;16..." modes, and "I" holding values above 255) is
-    scaled to 8 bit, v / 257 (65535 -> 255): PIL's own convert clips every value above 255, i.e. to white."""
+    """Any PIL image as 8-bit RGB. 16-bit grayscale ("I;16..." modes, and "I" holding values above
+    255) is scaled to 8 bit, v / 257 (65535 -> 255): PIL's own convert clips every value above 255,
+    i.e. to white."""
     if image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255):
         levels = np.asarray(image, dtype=np.float64) / 257.0  # [H, W], 0..255
         image = Image.fromarray(np.clip(np.round(levels), 0, 255).astype(np.uint8))
@@ -1031,10 +1046,10 @@ def random_crop_box(width, height, min_scale, ratio=CROP_RATIO):
 
 
 class TrainTransform:
-    """Dassl's train pipeline with MMRL's crop scale: RGB, RandomResizedCrop(size, scale=(min_scale, 1),
-    bicubic), a horizontal flip with probability 1/2 (torch.rand(1) < 0.5), CLIP's mean/std. Written
-    with PIL and torch, not torchvision (see clip.to_tensor); equal to torchvision's pipeline bit for
-    bit from the same RNG state (tests/test_data.py)."""
+    """Dassl's train pipeline with MMRL's crop scale: RGB, RandomResizedCrop(size,
+    scale=(min_scale, 1), bicubic), a horizontal flip with probability 1/2 (torch.rand(1) < 0.5),
+    CLIP's mean/std. Written with PIL and torch, not torchvision (see clip.to_tensor); equal to
+    torchvision's pipeline bit for bit from the same RNG state (tests/test_data.py)."""
 
     def __init__(self, size=224, min_scale=0.5):
         self.size, self.min_scale = size, min_scale
@@ -1078,8 +1093,8 @@ def test_transform(size=224):
 
 
 class ImageList:
-    """Items (path, label, ...) + transform -> (image tensor [3, size, size], label); a map-style dataset
-    for torch's DataLoader (which needs only __len__ and __getitem__)."""
+    """Items (path, label, ...) + transform -> (image tensor [3, size, size], label); a map-style
+    dataset for torch's DataLoader (which needs only __len__ and __getitem__)."""
 
     def __init__(self, items, transform=None):
         self.items, self.transform = list(items), transform
@@ -1094,8 +1109,8 @@ class ImageList:
 
 
 def open_image(path):
-    """An image file as 8-bit RGB, decoded now (so a truncated file fails here, not later); any failure is
-    a DataError naming the file."""
+    """An image file as 8-bit RGB, decoded now (so a truncated file fails here, not later); any
+    failure is a DataError naming the file."""
     try:
         with Image.open(path) as im:
             return to_rgb(im)
@@ -1116,10 +1131,10 @@ def open_image(path):
 
 
 def check_images(ds):
-    """Open (decode) every image of a dataset once, with a progress line; then stop, listing the unreadable ones."""
-    paths = list(
-        dict.fromkeys(p for p, _, _ in ds.train + ds.val + ds.test)
-    )  # ImageNet: val is test
+    """Open (decode) every image of a dataset once, with a progress line; then stop,
+    listing the unreadable ones."""
+    # ImageNet: val is test
+    paths = list(dict.fromkeys(p for p, _, _ in ds.train + ds.val + ds.test))
     bad, t0, every = [], time.time(), max(1, len(paths) // 100)
     for i, path in enumerate(paths):
         try:
@@ -1141,10 +1156,10 @@ def check_images(ds):
 def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None, drop_last=None):
     """A DataLoader over ImageList(items, transform).
 
-    seed fixes the shuffling order (and the workers' augmentation seeds) through a private generator;
-    with num_workers=0 augmentation draws from torch's global RNG, which the training script seeds.
-    drop_last defaults to Dassl's train rule: drop the last partial batch when shuffling a set that
-    holds at least one full batch."""
+    seed fixes the shuffling order (and the workers' augmentation seeds) through a private
+    generator; with num_workers=0 augmentation draws from torch's global RNG, which the training
+    script seeds. drop_last defaults to Dassl's train rule: drop the last partial batch when
+    shuffling a set that holds at least one full batch."""
     import torch
 
     dataset = ImageList(items, transform)
@@ -1163,25 +1178,27 @@ def make_loader(items, transform, batch_size, shuffle, num_workers=0, seed=None,
     )
 
 
-# ----------------------------------------------------------------------------- checking many datasets
+# --------------------------------------------------------------------------- checking many datasets
 
 
 def check_root(names, root):
-    """Stop once, before any dataset is read, when the data root that the named datasets need is missing
-    (folder:PATH datasets and the generated toy world do not count: they say what they need themselves)."""
+    """Stop once, before any dataset is read, when the data root that the named datasets need is
+    missing (folder:PATH datasets and the generated toy world do not count: they say what they need
+    themselves)."""
     root = os.path.abspath(os.path.expanduser(str(root)))
     needs = [n for n in names if n in DATASETS and DATASETS[n].reader != "toyworld"]
     if needs and not os.path.isdir(root):
         raise DataError(
-            f"data root not found: {root} (needed by {', '.join(needs)})\nPass --root DATA, the folder "
-            f"that holds the CoOp datasets; fill it with `python data.py download {needs[0]} --root DATA` "
-            f"(layout: {COOP_GUIDE})"
+            f"data root not found: {root} (needed by {', '.join(needs)})\nPass --root DATA, the "
+            "folder that holds the CoOp datasets; fill it with `python data.py download "
+            f"{needs[0]} --root DATA` (layout: {COOP_GUIDE})"
         )
 
 
 def check_datasets(names, root, shots=-1, seed=1, subsample="all", open_images=False, report=print):
-    """Read each dataset (and open its images when open_images), calling report(name, dataset or None,
-    error message or None) for each; return the errors {name: message}. A missing root is one DataError."""
+    """Read each dataset (and open its images when open_images), calling report(name, dataset or
+    None, error message or None) for each; return the errors {name: message}. A missing root is one
+    DataError."""
     check_root(names, root)
     errors = {}
     for name in names:
@@ -1225,9 +1242,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="CoOp benchmark datasets for DeAR: check a dataset on disk or download it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"datasets (name, CoOp name, folder):\n{names}\n  folder:PATH      any folder with one sub-folder "
-        f"per class\n\nexamples:\n  python data.py check eurosat --root DATA --shots 16 --subsample base\n"
-        f"  python data.py download eurosat --root DATA\nlayout: {COOP_GUIDE}",
+        epilog=f"datasets (name, CoOp name, folder):\n{names}\n  folder:PATH      any folder with "
+        "one sub-folder per class\n\nexamples:\n  python data.py check eurosat --root DATA "
+        "--shots 16 --subsample base\n  python data.py download eurosat --root DATA\nlayout: "
+        f"{COOP_GUIDE}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(

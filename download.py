@@ -1,11 +1,12 @@
-"""Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py download`).
+"""Download and unpack CoOp benchmark datasets into the layout data.py reads (`python data.py
+download`).
 
 Every archive streams through clip.stream (the one download loop) into a temporary file, is checked
-(byte count against the server's Content-Length, and MD5 where a published value is known), renamed into
-place, then unpacked with every member checked first (no path and no link may point outside the target
-folder, judged by name alone) into a temporary folder beside the archive, which is then moved into
-place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google Drive (links
-in CoOp's DATASETS.md); they are fetched with the standard library.
+(byte count against the server's Content-Length, and MD5 where a published value is known), renamed
+into place, then unpacked with every member checked first (no path and no link may point outside the
+target folder, judged by name alone) into a temporary folder beside the archive, which is then moved
+into place: a cut-off unpack never looks done. Split JSONs and a few small files live on Google
+Drive (links in CoOp's DATASETS.md); they are fetched with the standard library.
 All URLs can be replaced: --mirror for the archives, --gdrive-url (or $DEAR_GDRIVE_URL) for Drive.
 
 Used by data.py (`python data.py download NAME --root DATA`); imports clip (for `clip.stream`) only.
@@ -39,18 +40,16 @@ class Source:
 
     url: str = ""  # plain URL (replaced by --mirror/<file name> when a mirror is given)
     drive: str = ""  # or a Google Drive file id
-    md5: str = (
-        ""  # published checksum where known (torchvision's tables); "" = byte-count check only
-    )
+    # published checksum where known (torchvision's tables); "" = byte-count check only
+    md5: str = ""
     extract_to: str = ""  # unpack the archive into this folder ...
     save_as: str = ""  # ... or keep the file under this name
     creates: str = ""  # present after success: the step is skipped when it exists
     move: tuple = ()  # (from, to): rename after unpacking (FGVCAircraft keeps only data/)
 
 
-CLASSNAMES = (
-    "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"  # imagenet/classnames.txt on Drive (CoOp DATASETS.md)
-)
+# imagenet/classnames.txt on Drive (CoOp DATASETS.md)
+CLASSNAMES = "1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"
 VGG = "https://www.robots.ox.ac.uk/~vgg/data"
 SOURCES = {
     "eurosat": [
@@ -134,7 +133,8 @@ SOURCES = {
     "imagenet": [Source(drive=CLASSNAMES, save_as="imagenet/classnames.txt")],
     "imagenetv2": [
         Source(
-            url="https://s3-us-west-2.amazonaws.com/imagenetv2public/imagenetv2-matched-frequency.tar.gz",
+            url="https://s3-us-west-2.amazonaws.com/imagenetv2public/"
+            "imagenetv2-matched-frequency.tar.gz",
             extract_to="imagenetv2",
             creates="imagenetv2/imagenetv2-matched-frequency-format-val",
         ),
@@ -159,13 +159,15 @@ SOURCES = {
     "imagenet_sketch": [Source(drive=CLASSNAMES, save_as="imagenet-sketch/classnames.txt")],
 }
 MANUAL = {  # images that have no stable public URL
-    "imagenet": "ImageNet images: from https://image-net.org, extracted to imagenet/images/{train,val}/<wnid>/",
-    "imagenet_sketch": "ImageNet-Sketch images: from https://github.com/HaohanWang/ImageNet-Sketch, "
-    "extracted to imagenet-sketch/images/<wnid>/",
-    "caltech101": "Caltech101: 101_ObjectCategories.tar.gz from https://data.caltech.edu/records/mzrjq-6wc02 "
-    "(inside caltech-101.zip), extracted to caltech-101/101_ObjectCategories/",
-    "stanford_cars": "StanfordCars: cars_train/, cars_test/ (the original links are dead; see CoOp issue #61) "
-    "in stanford_cars/",
+    "imagenet": "ImageNet images: from https://image-net.org, "
+    "extracted to imagenet/images/{train,val}/<wnid>/",
+    "imagenet_sketch": "ImageNet-Sketch images: from "
+    "https://github.com/HaohanWang/ImageNet-Sketch, extracted to imagenet-sketch/images/<wnid>/",
+    "caltech101": "Caltech101: 101_ObjectCategories.tar.gz from "
+    "https://data.caltech.edu/records/mzrjq-6wc02 (inside caltech-101.zip), extracted to "
+    "caltech-101/101_ObjectCategories/",
+    "stanford_cars": "StanfordCars: cars_train/, cars_test/ (the original links are dead; see CoOp "
+    "issue #61) in stanford_cars/",
 }
 
 
@@ -220,7 +222,10 @@ def fetch_drive(file_id, dest, md5="", gdrive_url=None):
     """A Google Drive file with the standard library. Large files answer first with an HTML page
     ("can't scan for viruses"); its form carries the confirm/uuid fields that release the file."""
     base = gdrive_url or os.environ.get("DEAR_GDRIVE_URL") or GDRIVE_URL
-    manual = f"Fetch it by hand from https://drive.google.com/file/d/{file_id}/view and save it as {dest}"
+    manual = (
+        "Fetch it by hand from "
+        f"https://drive.google.com/file/d/{file_id}/view and save it as {dest}"
+    )
     url = f"{base}?{urllib.parse.urlencode({'id': file_id, 'export': 'download', 'confirm': 't'})}"
     for _ in range(2):
         with _open(url) as response:
@@ -241,12 +246,14 @@ def fetch_drive(file_id, dest, md5="", gdrive_url=None):
 
 
 # ----------------------------------------------------------------------------- safe extraction
-# Every member is checked by name, before anything is written, against rules that need no file on disk:
-# the archive is unpacked into a new, empty folder, so only the archive itself says where a path leads.
+# Every member is checked by name, before anything is written, against rules that need no file on
+# disk: the archive is unpacked into a new, empty folder, so only the archive itself says where a
+# path leads.
 
 
 def _inside(target, path):
-    """Whether path lies in the folder target (a component-wise test: /data/xy is not inside /data/x)."""
+    """Whether path lies in the folder target (a component-wise test:
+    /data/xy is not inside /data/x)."""
     target = os.path.realpath(target)
     path = os.path.realpath(path)
     return path == target or path.startswith(target + os.sep)
@@ -255,9 +262,10 @@ def _inside(target, path):
 def _resolve(name, base, links):
     """Follow `name` from the folder `base` (components inside the target) by name alone.
 
-    Returns (components it lands on, "") or (None, why it is refused): an absolute name, '..' climbing above
-    the target, or a step through one of the archive's own links (`links`, whose targets are not on disk
-    until extraction, so a path through them could lead anywhere). The last component may be a link."""
+    Returns (components it lands on, "") or (None, why it is refused): an absolute name, '..'
+    climbing above the target, or a step through one of the archive's own links (`links`, whose
+    targets are not on disk until extraction, so a path through them could lead anywhere). The last
+    component may be a link."""
     if name.startswith(("/", "\\")) or os.path.isabs(name):
         return None, "has an absolute path"
     parts, steps = list(base), [c for c in name.split("/") if c not in ("", ".")]
@@ -294,9 +302,8 @@ def _check_members(archive, target, members):
                 f"{archive}: member {name} would land outside {target}; refusing to unpack"
             )
         if kind in ("symlink", "hardlink"):
-            base = (
-                parts[:-1] if kind == "symlink" else ()
-            )  # a symlink is read from its folder, a hard link from the top
+            # a symlink is read from its folder, a hard link from the top
+            base = parts[:-1] if kind == "symlink" else ()
             where, why = _resolve(linkname, base, links | {"/".join(parts)})
             if why or (kind == "hardlink" and not where):
                 raise DownloadError(
@@ -308,9 +315,9 @@ def _check_members(archive, target, members):
 
 
 def safe_extract(archive, target):
-    """Unpack a zip or tar archive into target after checking every member (`_check_members`): no absolute
-    names, no '..' out of target, no links (zip: none at all; tar: only to members inside, never through
-    another link), no device files. A refused archive writes nothing."""
+    """Unpack a zip or tar archive into target after checking every member (`_check_members`): no
+    absolute names, no '..' out of target, no links (zip: none at all; tar: only to members inside,
+    never through another link), no device files. A refused archive writes nothing."""
     try:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as z:
@@ -319,7 +326,8 @@ def safe_extract(archive, target):
                         info.external_attr >> 16
                     ):  # unpacked as a plain file, so never right
                         raise DownloadError(
-                            f"{archive}: member {info.filename} is a symbolic link; refusing to unpack"
+                            f"{archive}: member {info.filename} is "
+                            "a symbolic link; refusing to unpack"
                         )
                 _check_members(
                     archive,
@@ -353,9 +361,8 @@ def safe_extract(archive, target):
             ]
             _check_members(archive, target, kinds)
             os.makedirs(target, exist_ok=True)
-            tar.extractall(
-                target, filter="data"
-            )  # the stdlib's own guard as a second line of defence
+            # the stdlib's own guard as a second line of defence
+            tar.extractall(target, filter="data")
     except (
         tarfile.TarError,
         zipfile.BadZipFile,
@@ -367,8 +374,8 @@ def safe_extract(archive, target):
 
 
 def _merge(src, dst):
-    """Move the tree src into dst: a path dst lacks arrives in one rename (so it appears complete or not at
-    all); folders present on both sides are merged, files replaced."""
+    """Move the tree src into dst: a path dst lacks arrives in one rename (so it appears complete or
+    not at all); folders present on both sides are merged, files replaced."""
     if not os.path.lexists(dst):
         os.replace(src, dst)
     elif os.path.isdir(src) and os.path.isdir(dst) and not os.path.islink(dst):
@@ -411,9 +418,8 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
     else:
         fetch_url(url, archive, src.md5)
     target = os.path.join(root, src.extract_to)
-    unpacking = (
-        archive + ".unpacking"
-    )  # unpacked here first, so a cut-off unpack never looks finished
+    # unpacked here first, so a cut-off unpack never looks finished
+    unpacking = archive + ".unpacking"
     shutil.rmtree(unpacking, ignore_errors=True)  # what an interrupted run left
     print(f"unpacking {name} into {target}", file=sys.stderr)
     safe_extract(archive, unpacking)
@@ -428,7 +434,8 @@ def fetch_source(src, root, mirror=None, gdrive_url=None):
 
 
 def download_dataset(spec, root, mirror=None, gdrive_url=None, sources=None):
-    """Fetch what has a public URL for one dataset (images, split JSON, extra files); say what is manual."""
+    """Fetch what has a public URL for one dataset (images, split JSON, extra files);
+    say what is manual."""
     if spec.reader == "toyworld":
         print(
             "toyworld needs no download: make it with  python toyworld.py dataset --root DATA",

@@ -1,23 +1,29 @@
-"""Concept Entropy: which attention heads of CLIP's last blocks are attribute, generalization or mixed heads.
+"""Concept Entropy: which attention heads of CLIP's last blocks are attribute,
+generalization or mixed heads.
 
 DeAR's first step, offline and once per backbone. Read top to bottom:
 
   1. Text pools: short image descriptions, each labelled with one of 12 concepts (concepts.tsv)
-  2. Head decomposition: each head's direct contribution to the image embedding, as TextSpan's PRS logger
-     computes it (the CLS output = embedding + heads + MLPs; ln_post's mean and bias shared out evenly)
-  3. TextSpan: per head, the N texts that explain most of the head's variance across images (SVD of the
-     uncentred contributions, then greedy picks with removal, as `replace_with_iterative_removal`), computed
-     exactly from per-head statistics (count, mean, centred scatter in fp64) accumulated while the probe
-     images stream through the model: all 50,000 ImageNet val images in bounded memory
+  2. Head decomposition: each head's direct contribution to the image embedding, as TextSpan's PRS
+     logger computes it (the CLS output = embedding + heads + MLPs; ln_post's mean and bias shared
+     out evenly)
+  3. TextSpan: per head, the N texts that explain most of the head's variance across images (SVD of
+     the uncentred contributions, then greedy picks with removal, as
+     `replace_with_iterative_removal`), computed exactly from per-head statistics (count, mean,
+     centred scatter in fp64) accumulated while the probe images stream through the model: all
+     50,000 ImageNet val images in bounded memory
   4. Concept entropy of those texts, and roles by entropy thresholds
   5. Outputs (roles.json, roles.md, roles.png), loading and validating a roles file
   6. The pipeline (compute_roles, run) and the command line
 
-    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA   (all of ImageNet val, as TextSpan)
-    python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA   (no ImageNet: dear.py's probe)
+    # all of ImageNet val, as TextSpan:
+    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA
+    # no ImageNet: the training images of a dataset, as dear.py's probe:
+    python entropy.py --backbone ViT-B/16 --dataset eurosat --split train --root DATA
 
 Blocks are counted from 1 in every file this script writes and reads (as the paper does: blocks 9-12
-of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` only. Heads count from 0.
+of ViT-B/16); code indexes the model's blocks from 0, converted in `decompose` only. Heads count
+from 0.
 """
 
 import argparse
@@ -67,11 +73,13 @@ POOL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concepts.t
 
 
 class EntropyError(ValueError):
-    """Bad input (images, texts, thresholds, layers); the message says what is wrong and how to fix it."""
+    """Bad input (images, texts, thresholds, layers);
+    the message says what is wrong and how to fix it."""
 
 
 class RolesError(EntropyError):
-    """A roles file that cannot be used: wrong format, other model, missing layers or heads, unknown roles."""
+    """A roles file that cannot be used: wrong format, other model, missing layers or heads,
+    unknown roles."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,8 +87,9 @@ class RolesError(EntropyError):
 
 
 def read_pool(path):
-    """A pool file -> (texts, labels). One description per line; `concept<TAB>description` gives a label,
-    a plain line has label None (labelled later by `label_by_centroid`); lines starting with '#' are comments."""
+    """A pool file -> (texts, labels). One description per line; `concept<TAB>description` gives a
+    label, a plain line has label None (labelled later by `label_by_centroid`); lines starting with
+    '#' are comments."""
     if not os.path.isfile(path):
         raise EntropyError(
             f"text pool {path} does not exist; give a file with one description per line"
@@ -118,7 +127,8 @@ def default_pool():
 
 
 def toy_pool():
-    """Descriptions in the words of the toy world (color, shape, texture, location), for the toy CLIP.
+    """Descriptions in the words of the toy world (color, shape, texture, location),
+    for the toy CLIP.
 
     The vocabularies are toyworld's own."""
     vocab = {
@@ -167,15 +177,15 @@ def encode_texts(model, texts, batch_size=256):
         tokens = clip.tokenize(
             texts[i : i + batch_size], context_length=model.context_length, truncate=True
         )
-        tokens = tokens[
-            :, : int(tokens.argmax(-1).max()) + 1
-        ]  # [b, T]; causal: tokens after EOT never matter
+        # [b, T]; causal: tokens after EOT never matter
+        tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]
         out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
     return torch.cat(out)
 
 
 def label_by_centroid(embeddings, ref_embeddings, ref_labels):
-    """Label each text by its nearest concept centroid (cosine) among the labelled reference texts."""
+    """Label each text by its nearest concept centroid (cosine) among the labelled reference
+    texts."""
     names = [c for c in CONCEPTS if c in set(ref_labels)]
     index = {c: i for i, c in enumerate(names)}
     which = torch.tensor([index[c] for c in ref_labels])
@@ -193,16 +203,18 @@ def label_by_centroid(embeddings, ref_embeddings, ref_labels):
 
 @torch.no_grad()
 def decompose(model, images, layers):
-    """Split the image embedding (unnormalised, as encode_image) into additive parts, as TextSpan's PRS logger.
+    """Split the image embedding (unnormalised, as encode_image) into additive parts,
+    as TextSpan's PRS logger.
 
-    r, the CLS entry of the residual stream after the last block, is a sum of 2L + 1 "intermediates" (L: all
-    blocks of the model): the embedding, and per block its attention output and its MLP output. With r's
-    per-image mean and std fixed, ln_post is linear, and TextSpan gives every intermediate p the share
+    r, the CLS entry of the residual stream after the last block, is a sum of 2L + 1 "intermediates"
+    (L: all blocks of the model): the embedding, and per block its attention output and its MLP
+    output. With r's per-image mean and std fixed, ln_post is linear, and TextSpan gives every
+    intermediate p the share
         (p - mean(r) / (2L+1)) * ln_post.weight / std(r) + ln_post.bias / (2L+1),   then @ proj.
     An analysed block's attention output is split into its H heads: head h's part of the CLS output
-    (attention row x values x its out_proj columns) plus out_proj.bias / H, with 1/H of the block's share
-    of mean(r) and of ln_post.bias. layers: 1-based block numbers. Returns fp32 tensors that sum to
-    encode_image(images):
+    (attention row x values x its out_proj columns) plus out_proj.bias / H, with 1/H of the block's
+    share of mean(r) and of ln_post.bias. layers: 1-based block numbers. Returns fp32 tensors that
+    sum to encode_image(images):
       heads [B, nL, H, E]; mlp [B, nL, E] (the analysed blocks' MLPs);
       rest [B, E] (the embedding and the unanalysed blocks: 1 + 2 (L - nL) intermediates).
     """
@@ -232,14 +244,13 @@ def decompose(model, images, layers):
             y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :]
         ).float()  # values [B, T, D]
         v = v.view(B, -1, H, hs)  # [B, T, H, hs]
-        mixed = torch.einsum(
-            "bhm,bmhd->bhd", weights[:, :, 0].float(), v
-        )  # CLS row of each head [B, H, hs]
-        # out_proj.weight is [D, D] with input columns grouped by head: head h owns columns h*hs..(h+1)*hs-1
+        # CLS row of each head [B, H, hs]
+        mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)
+        # out_proj.weight is [D, D] with input columns grouped by head:
+        # head h owns columns h*hs..(h+1)*hs-1
         w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
-        heads.append(
-            torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H
-        )  # [B, H, D]
+        # [B, H, D]
+        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H)
         x = x + out
         m = block.mlp(block.ln_2(x))
         mlp.append(m[:, 0].float())
@@ -270,8 +281,9 @@ def decompose(model, images, layers):
 
 
 def head_contributions(model, images, layers):
-    """Each head's direct contribution [N, nL, H, E] in units of the normalised embedding (TextSpan):
-    divided by the norm of the image embedding, so the parts of `decompose` sum to a unit vector."""
+    """Each head's direct contribution [N, nL, H, E] in units of the normalised embedding
+    (TextSpan): divided by the norm of the image embedding, so the parts of `decompose` sum to a
+    unit vector."""
     parts = decompose(model, images, layers)
     return parts["heads"] / sum_parts(parts).norm(dim=-1).view(-1, 1, 1, 1)
 
@@ -317,8 +329,8 @@ DEAR_FIX = (
 
 
 def advice(caller, flags):
-    """How to fix a TextSpan input: entropy.py's `flags`, or, for dear.py (which computes the roles with
-    the defaults on its own probe), what its user can do; caller None: both."""
+    """How to fix a TextSpan input: entropy.py's `flags`, or, for dear.py (which computes the roles
+    with the defaults on its own probe), what its user can do; caller None: both."""
     if caller == "entropy.py":
         return flags
     if caller == "dear.py":
@@ -330,12 +342,12 @@ class GramStatistics:
     """What TextSpan needs of each head's contributions, accumulated in fp64 over images streamed in
     batches.
 
-    Per head (leading dims `shape`, e.g. (blocks, heads)): the count N, the mean m [E] and the centred
-    scatter S = sum_i (c_i - m)(c_i - m)^T [E, E]. They give both matrices of
-    `replace_with_iterative_removal`: the uncentred Gram C^T C = S + N m m^T (its eigenvectors are the
-    right singular vectors of C) and the centred covariance S / N (the variance of C t across images is
-    t S t / N). Batches are merged by the pairwise update of Chan, Golub and LeVeque, so no large mean is
-    ever subtracted from a large sum."""
+    Per head (leading dims `shape`, e.g. (blocks, heads)): the count N, the mean m [E] and the
+    centred scatter S = sum_i (c_i - m)(c_i - m)^T [E, E]. They give both matrices of
+    `replace_with_iterative_removal`: the uncentred Gram C^T C = S + N m m^T (its eigenvectors are
+    the right singular vectors of C) and the centred covariance S / N (the variance of C t across
+    images is t S t / N). Batches are merged by the pairwise update of Chan, Golub and LeVeque, so
+    no large mean is ever subtracted from a large sum."""
 
     def __init__(self, shape, dim, device=None):
         self.count = 0
@@ -365,36 +377,41 @@ class GramStatistics:
         self.count = total
 
     def head(self, index):
-        """(count, mean [E], scatter [E, E]) of one head; index: into the leading dims, e.g. (li, h)."""
+        """(count, mean [E], scatter [E, E]) of one head; index: into the leading dims,
+        e.g. (li, h)."""
         return self.count, self.mean[index], self.scatter[index]
 
 
 def textspan(contributions, text_embeddings, n=20, rank=80):
-    """TextSpan for one head from its contributions [N, E] on N images (textspan_from_statistics)."""
+    """TextSpan for one head from its contributions [N, E] on N images
+    (textspan_from_statistics)."""
     stats = GramStatistics((), contributions.shape[-1], device=contributions.device)
     stats.add(contributions)
     return textspan_from_statistics(*stats.head(()), text_embeddings, n=n, rank=rank)
 
 
 def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=80, caller=None):
-    """Greedy TextSpan for one head (`replace_with_iterative_removal`): indices of the n texts that best span
-    the head's variance across images, in pick order.
+    """Greedy TextSpan for one head (`replace_with_iterative_removal`): indices of the n texts that
+    best span the head's variance across images, in pick order.
 
-    count, mean [E], scatter [E, E]: the head's contributions C [count, E] as GramStatistics keeps them;
-    text_embeddings [T, E].
-    1. The texts are projected onto the top-`rank` right singular vectors of C as it is: uncentred, as
-       TextSpan does (the SVD comes before the mean is removed; a head with a large mean keeps the mean's
-       direction in its span). They are the top eigenvectors of C^T C = scatter + count mean mean^T.
+    count, mean [E], scatter [E, E]: the head's contributions C [count, E] as GramStatistics keeps
+    them; text_embeddings [T, E].
+    1. The texts are projected onto the top-`rank` right singular vectors of C as it is: uncentred,
+       as TextSpan does (the SVD comes before the mean is removed; a head with a large mean keeps
+       the mean's direction in its span). They are the top eigenvectors of C^T C = scatter + count
+       mean mean^T.
     2. The contributions are centred: their covariance is K = scatter / count.
-    3. n times: pick the text t whose projection C t has the largest std across images (the largest t K t;
-       the std's N or N - 1 does not change which), and remove that direction u = t / |t| from the images
-       and from every text: C -> C (I - u u^T) turns K into (I - u u^T) K (I - u u^T) exactly.
+    3. n times: pick the text t whose projection C t has the largest std across images (the largest
+       t K t; the std's N or N - 1 does not change which), and remove that direction u = t / |t|
+       from the images and from every text: C -> C (I - u u^T) turns K into (I - u u^T) K
+       (I - u u^T) exactly.
     """
     mean, scatter = mean.double(), scatter.double()
     texts = text_embeddings.to(scatter)
     E = scatter.shape[-1]
     check_textspan(n, rank, texts.shape[0], count, E, caller)
-    # 1. the span: eigenvectors of C^T C (ascending eigenvalues); an SVD of C [N, E] has min(N, E) of them
+    # 1. the span: eigenvectors of C^T C (ascending eigenvalues); an SVD of C [N, E] has
+    #    min(N, E) of them
     _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))
     basis = vectors[:, -min(rank, count, E) :]  # [E, r]
     texts = texts @ basis @ basis.T  # [T, E], projected onto the head's top-rank span
@@ -402,9 +419,8 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
     K = scatter / count  # [E, E]
     picks = []
     for _ in range(n):
-        scores = ((texts @ K) * texts).sum(
-            -1
-        )  # variance of C @ t across images, for every text [T]
+        # variance of C @ t across images, for every text [T]
+        scores = ((texts @ K) * texts).sum(-1)
         j = int(scores.argmax())
         norm = texts[j].norm()
         if norm < 1e-12:
@@ -416,9 +432,8 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
         picks.append(j)
         u = texts[j] / norm  # [E]
         Ku = K @ u
-        K = (
-            K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)
-        )  # (I-uu^T) K (I-uu^T)
+        # (I-uu^T) K (I-uu^T)
+        K = K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)
         texts = texts - torch.outer(texts @ u, u)  # remove u from every text (the pick becomes 0)
     return picks
 
@@ -428,12 +443,14 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
 
 
 def concept_distribution(labels):
-    """P over the 12 concepts: the share of a head's texts in each concept (dict in CONCEPTS order)."""
+    """P over the 12 concepts: the share of a head's texts in each concept (dict in CONCEPTS
+    order)."""
     return {c: sum(1 for l in labels if l == c) / len(labels) for c in CONCEPTS}
 
 
 def concept_entropy(p):
-    """H(P) = -sum_c P(c) log2 P(c), in bits; p a sequence, tensor or dict of probabilities that sum to 1."""
+    """H(P) = -sum_c P(c) log2 P(c), in bits; p a sequence,
+    tensor or dict of probabilities that sum to 1."""
     values = [float(x) for x in (p.values() if isinstance(p, dict) else p)]
     if any(x < 0 for x in values) or abs(sum(values) - 1.0) > 1e-6:
         raise ValueError(f"not a probability distribution (non-negative, sum 1): {values}")
@@ -441,7 +458,8 @@ def concept_entropy(p):
 
 
 def default_thresholds(entropies):
-    """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads' entropies."""
+    """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads'
+    entropies."""
     low, high = np.quantile(np.asarray(entropies, dtype=np.float64), [1 / 3, 2 / 3])
     return float(low), float(high)
 
@@ -449,10 +467,10 @@ def default_thresholds(entropies):
 def assign_role(entropy, P, low, high):
     """Role of one head: {"role", "attribute"} (+ "concept" for a specialist).
 
-    H <= low: a specialist; an attribute head if its dominant concept is one of the five attributes, else
-    an "other specialist" (role "specialist", which DeAR masks like a generalization head).
-    H >= high: generalization; otherwise mixed. A tie for the dominant concept goes to the concept listed
-    first in CONCEPTS (attributes first)."""
+    H <= low: a specialist; an attribute head if its dominant concept is one of the five attributes,
+    else an "other specialist" (role "specialist", which DeAR masks like a generalization head).
+    H >= high: generalization; otherwise mixed. A tie for the dominant concept goes to the concept
+    listed first in CONCEPTS (attributes first)."""
     if entropy <= low:
         dominant = max(CONCEPTS, key=lambda c: (P.get(c, 0.0), -CONCEPTS.index(c)))
         if dominant in ATTRIBUTES:
@@ -464,29 +482,29 @@ def assign_role(entropy, P, low, high):
 
 
 # ----------------------------------------------------------------------------------------------
-# 4b. Ground truth: how well labelled factors can be decoded from each head (where the labels are known)
+# 4b. Ground truth: how well labelled factors can be decoded from each head (where the labels are
+# known)
 
 
 def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
-    """Held-out accuracy of a linear probe that reads each labelled factor from each head's contribution.
+    """Held-out accuracy of a linear probe that reads each labelled factor from each head's
+    contribution.
 
-    contributions [N, nL, H, E] (as collect_contributions); factors {name: [N] class ids}, e.g. the colour,
-    shape, texture and location of every toy image. The probe is a ridge least-squares classifier (one-hot
-    targets, features centred on the training fold, ridge = `ridge` x the mean eigenvalue of the training
-    covariance: strong enough that a head of pure noise scores at chance, not below it, with a few hundred
-    images in 64 dimensions), fitted on all folds but one and scored on the one left out; every image is
-    scored once.
+    contributions [N, nL, H, E] (as collect_contributions); factors {name: [N] class ids}, e.g. the
+    colour, shape, texture and location of every toy image. The probe is a ridge least-squares
+    classifier (one-hot targets, features centred on the training fold, ridge = `ridge` x the mean
+    eigenvalue of the training covariance: strong enough that a head of pure noise scores at chance,
+    not below it, with a few hundred images in 64 dimensions), fitted on all folds but one and
+    scored on the one left out; every image is scored once.
     Returns {"accuracy": {name: [nL][H] floats}, "chance": {name: share of the commonest class},
-    "skill": {name: [nL][H]}}, skill = (accuracy - chance) / (1 - chance): 0 = chance, 1 = perfect, so factors
-    with different numbers of classes compare fairly."""
+    "skill": {name: [nL][H]}}, skill = (accuracy - chance) / (1 - chance): 0 = chance, 1 = perfect,
+    so factors with different numbers of classes compare fairly."""
     X = contributions.double()
     N, nL, H, E = X.shape
-    X = X.reshape(N, nL * H, E).transpose(
-        0, 1
-    )  # [nL*H, N, E]: one probe per head, solved in one batch
-    fold = (
-        torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds
-    )  # [N] fold of each image
+    # [nL*H, N, E]: one probe per head, solved in one batch
+    X = X.reshape(N, nL * H, E).transpose(0, 1)
+    # [N] fold of each image
+    fold = torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds
     out = {"accuracy": {}, "chance": {}, "skill": {}}
     for name, labels in factors.items():
         y = torch.as_tensor(labels, dtype=torch.long)  # [N]
@@ -519,14 +537,16 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
 
 
 def control_roles(roles, control: str, seed: int):
-    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles {block: [head dicts]}.
+    """Controls for Concept Entropy: the roles DeAR masks with under --roles-control. roles
+    {block: [head dicts]}.
 
-    "none": the roles as given. "random": in every block, the heads' roles shuffled by a permutation seeded with
-    `seed` and the block number; each block keeps its number of heads of each role (and of each attribute), only
-    which head holds which role is chance. "oracle": roles from the ground truth instead of the texts: the heads
-    of all given blocks ranked by how much better their best-decoded factor is decoded than the runner-up (the
-    "skill" that probe_factors stores, the toy world only); the top ones become attribute heads of that
-    factor, the bottom ones generalization heads, the rest mixed, in the same numbers as the given roles."""
+    "none": the roles as given. "random": in every block, the heads' roles shuffled by a permutation
+    seeded with `seed` and the block number; each block keeps its number of heads of each role (and
+    of each attribute), only which head holds which role is chance. "oracle": roles from the ground
+    truth instead of the texts: the heads of all given blocks ranked by how much better their
+    best-decoded factor is decoded than the runner-up (the "skill" that probe_factors stores, the
+    toy world only); the top ones become attribute heads of that factor, the bottom ones
+    generalization heads, the rest mixed, in the same numbers as the given roles."""
     if control == "none":
         return roles
     if control == "random":
@@ -542,14 +562,13 @@ def control_roles(roles, control: str, seed: int):
     ]
     if any(not entry.get("skill") for _, _, entry in heads):
         raise ValueError(
-            "--roles-control oracle needs roles with ground-truth decoding skills; entropy.py writes "
-            "them only for the toy world (--dataset toyworld)"
+            "--roles-control oracle needs roles with ground-truth decoding skills; entropy.py "
+            "writes them only for the toy world (--dataset toyworld)"
         )
 
     n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
-    n_gen = sum(
-        e["role"] in ("generalization", "specialist") for _, _, e in heads
-    )  # both masked alike
+    # both masked alike
+    n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)
     order = sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])  # most specialised first
     out = {block: [None] * len(entries) for block, entries in roles.items()}
     for rank, (block, h, entry) in enumerate(order):
@@ -568,35 +587,38 @@ def control_roles(roles, control: str, seed: int):
 
 
 def write_outputs(doc, out_dir):
-    """roles.json, roles.md and roles.png in out_dir (each written atomically); returns the JSON path."""
+    """roles.json, roles.md and roles.png in out_dir (each written atomically);
+    returns the JSON path."""
     path = os.path.join(out_dir, "roles.json")
     write_atomic(os.path.join(out_dir, "roles.md"), render_markdown(doc))
     render_png(doc, os.path.join(out_dir, "roles.png"))
-    write_atomic(
-        path, json.dumps(doc, indent=1) + "\n"
-    )  # last: its presence means the set is complete
+    # last: its presence means the set is complete
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
     return path
 
 
 def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=None):
-    """Read and validate a roles file; returns {1-based block: [one dict per head, in head order]}, each dict
-    with "role", "attribute" (None unless an attribute head), "entropy", for specialists "concept", and where the
-    file has them (toy world) the ground-truth decoding "skill" per factor.
+    """Read and validate a roles file; returns {1-based block: [one dict per head, in head order]},
+    each dict with "role", "attribute" (None unless an attribute head), "entropy", for specialists
+    "concept", and where the file has them (toy world) the ground-truth decoding "skill" per factor.
 
-    model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks the
-    caller needs, all of which must be in the file. Raises RolesError with what is wrong and what to do: a
-    damaged file (unreadable, wrong format, bad or missing entries) is to be deleted, so that the next run
-    computes it again (dear.py does for its cache); a sound file for another model or other blocks is to be
-    replaced by the right one."""
+    model_name, num_layers, num_heads: checked against the file when given; layers: 1-based blocks
+    the caller needs, all of which must be in the file. Raises RolesError with what is wrong and
+    what to do: a damaged file (unreadable, wrong format, bad or missing entries) is to be deleted,
+    so that the next run computes it again (dear.py does for its cache); a sound file for another
+    model or other blocks is to be replaced by the right one."""
     if not os.path.isfile(path):
         raise RolesError(
             f"roles file {path} does not exist; compute it with `python entropy.py ...` "
             "(dear.py does so itself without --roles) or pass the right file"
         )
-    other = "pass a roles file computed for this backbone and these blocks, or compute one with `python entropy.py`"
+    other = (
+        "pass a roles file computed for this backbone and "
+        "these blocks, or compute one with `python entropy.py`"
+    )
     hint = (
-        f"delete {path} (a cached roles file is then computed again on the next run) or pass a roles file "
-        "written by entropy.py"
+        f"delete {path} (a cached roles file is then computed again on the next run) or pass a "
+        "roles file written by entropy.py"
     )  # a damaged file
     try:
         with open(path, encoding="utf-8") as f:
@@ -622,11 +644,13 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             )
     if not isinstance(doc["num_heads"], int) or doc["num_heads"] < 1:
         raise RolesError(
-            f"roles file {path}: 'num_heads' must be a positive number, got {doc['num_heads']!r}; {hint}"
+            f"roles file {path}: 'num_heads' must be a "
+            f"positive number, got {doc['num_heads']!r}; {hint}"
         )
     if not isinstance(doc["layers"], list) or not all(isinstance(l, int) for l in doc["layers"]):
         raise RolesError(
-            f"roles file {path}: 'layers' must be a list of block numbers, got {doc['layers']!r}; {hint}"
+            f"roles file {path}: 'layers' must be a list of "
+            f"block numbers, got {doc['layers']!r}; {hint}"
         )
     if not isinstance(doc["heads"], list) or not all(isinstance(e, dict) for e in doc["heads"]):
         bad = (
@@ -635,8 +659,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
             else next(e for e in doc["heads"] if not isinstance(e, dict))
         )
         raise RolesError(
-            f"roles file {path}: 'heads' must be a list of objects (one per head, with layer, head, "
-            f"role, attribute), found {json.dumps(bad)[:60]}; {hint}"
+            f"roles file {path}: 'heads' must be a list of objects (one per head, with layer, "
+            f"head, role, attribute), found {json.dumps(bad)[:60]}; {hint}"
         )
     H, file_layers = doc["num_heads"], list(doc["layers"])
     missing = [l for l in (layers or []) if l not in file_layers]
@@ -689,7 +713,8 @@ def load_roles(path, model_name=None, num_layers=None, num_heads=None, layers=No
 
 
 def layers_tag(layers, num_layers=None):
-    """'9-12' for a contiguous run of blocks, else '9_11'. num_layers: the backbone's depth, checked when given."""
+    """'9-12' for a contiguous run of blocks, else '9_11'. num_layers: the backbone's depth,
+    checked when given."""
     layers = parse_layers(layers, num_layers) if num_layers is not None else sorted(layers)
     if not layers:
         raise EntropyError(
@@ -707,8 +732,8 @@ def _safe(name):
 
 
 def pool_sha256(pool, texts_file=None):
-    """SHA256 of the text pool's content: the built-in pool `pool` ("default" or "toy"), plus the --texts
-    file when given (its unlabelled lines are labelled by that built-in pool)."""
+    """SHA256 of the text pool's content: the built-in pool `pool` ("default" or "toy"), plus the
+    --texts file when given (its unlabelled lines are labelled by that built-in pool)."""
     if pool not in ("default", "toy"):
         raise EntropyError(f"unknown pool {pool!r}; use default or toy (or --texts FILE)")
     h = hashlib.sha256()
@@ -728,8 +753,8 @@ def pool_sha256(pool, texts_file=None):
 
 
 def texts_per_head(pool):
-    """TextSpan's N when none is given: 20, as TextSpan, or toyworld.TEXTS_PER_HEAD with the toy pool (whose few
-    words span only about 13 directions of the toy CLIP's 64)."""
+    """TextSpan's N when none is given: 20, as TextSpan, or toyworld.TEXTS_PER_HEAD with the toy
+    pool (whose few words span only about 13 directions of the toy CLIP's 64)."""
     return toyworld.TEXTS_PER_HEAD if pool == "toy" else 20
 
 
@@ -747,12 +772,13 @@ def roles_inputs(
     max_images=None,
     seed=0,
 ):
-    """Everything that changes the roles `run` computes, as a dict (recorded in roles.json as "inputs").
+    """Everything that changes the roles `run` computes,
+    as a dict (recorded in roles.json as "inputs").
 
-    model: the loaded CLIP (its .name and .sha256); layers: 1-based blocks; dataset: a data.py name (a named
-    dataset is the same set under any --root) or folder:PATH (resolved to an absolute path); pool None: the
-    default for the model (see load_pool); n None: the pool's (texts_per_head); low/high None: the tertiles
-    (recorded as null)."""
+    model: the loaded CLIP (its .name and .sha256); layers: 1-based blocks; dataset: a data.py name
+    (a named dataset is the same set under any --root) or folder:PATH (resolved to an absolute
+    path); pool None: the default for the model (see load_pool); n None: the pool's
+    (texts_per_head); low/high None: the tertiles (recorded as null)."""
     name = getattr(model, "name", None) or "unknown"
     layers = parse_layers(layers, model.visual.layers)
     if split not in SPLITS:
@@ -793,9 +819,10 @@ def default_roles_path(
     max_images=None,
     seed=0,
 ):
-    """Where `run` caches roles: <cache_dir>/roles/<model>_L<blocks>_<probe>-<split>_<key>/roles.json, where
-    <key> is a short hash of everything that changes the roles (roles_inputs: backbone name and checkpoint
-    SHA256, blocks, probe dataset and split, pool content, n, rank, thresholds, max_images, seed)."""
+    """Where `run` caches roles:
+    <cache_dir>/roles/<model>_L<blocks>_<probe>-<split>_<key>/roles.json, where <key> is a short
+    hash of everything that changes the roles (roles_inputs: backbone name and checkpoint SHA256,
+    blocks, probe dataset and split, pool content, n, rank, thresholds, max_images, seed)."""
     inputs = roles_inputs(
         model,
         layers,
@@ -824,7 +851,8 @@ def default_roles_path(
 
 
 def parse_layers(spec, num_layers):
-    """'9-12', '9,10,11,12' or None (the last four blocks, or all if fewer) -> sorted 1-based blocks."""
+    """'9-12', '9,10,11,12' or None (the last four blocks,
+    or all if fewer) -> sorted 1-based blocks."""
     if spec is None:
         return list(range(max(1, num_layers - 3), num_layers + 1))
     if isinstance(spec, str):
@@ -841,9 +869,9 @@ def parse_layers(spec, num_layers):
         layers = set(int(l) for l in spec)
     if not layers:  # e.g. dear.py's blocks J..L with J beyond the depth
         raise EntropyError(
-            f"no blocks in {spec!r}: the backbone has {num_layers} blocks (1..{num_layers}); choose "
-            f"blocks within that range, e.g. {max(1, num_layers - 3)}-{num_layers} (so a first "
-            f"block J of at most {num_layers})"
+            f"no blocks in {spec!r}: the backbone has {num_layers} blocks (1..{num_layers}); "
+            f"choose blocks within that range, e.g. {max(1, num_layers - 3)}-{num_layers} (so a "
+            f"first block J of at most {num_layers})"
         )
     if min(layers) < 1 or max(layers) > num_layers:
         raise EntropyError(
@@ -862,9 +890,9 @@ def check_thresholds(low, high):
 
 
 def load_pool(model, pool=None, texts_file=None):
-    """(texts, labels, name): a built-in pool, or a user file whose unlabelled lines get the label of the
-    nearest concept centroid of the built-in pool `pool` in CLIP text space. pool None: "toy" for the toy
-    CLIP (model.name == "toy"), else "default"."""
+    """(texts, labels, name): a built-in pool, or a user file whose unlabelled lines get the label
+    of the nearest concept centroid of the built-in pool `pool` in CLIP text space. pool None: "toy"
+    for the toy CLIP (model.name == "toy"), else "default"."""
     pool = pool or ("toy" if getattr(model, "name", None) == "toy" else "default")
     if pool not in ("default", "toy"):
         raise EntropyError(f"unknown pool {pool!r}; use default or toy (or --texts FILE)")
@@ -886,10 +914,11 @@ def load_pool(model, pool=None, texts_file=None):
 
 @torch.no_grad()
 def collect_statistics(model, loader, layers, total, keep=False):
-    """Stream the probe images through the model: (GramStatistics of every head [nL, H], fp64 on the model's
-    device; the contributions [N, nL, H, E] fp32 on the CPU if keep, else None). Memory is bounded by the
-    statistics (nL H E^2 x 8 bytes: 100 MB for 4 blocks of ViT-B/16) and one batch, whatever the number of
-    images; keep (the toy world's ground-truth probes) stores every image's contributions besides."""
+    """Stream the probe images through the model: (GramStatistics of every head [nL, H], fp64 on the
+    model's device; the contributions [N, nL, H, E] fp32 on the CPU if keep, else None). Memory is
+    bounded by the statistics (nL H E^2 x 8 bytes: 100 MB for 4 blocks of ViT-B/16) and one batch,
+    whatever the number of images; keep (the toy world's ground-truth probes) stores every image's
+    contributions besides."""
     device = next(model.parameters()).device
     stats = GramStatistics(
         (len(layers), model.visual.heads), model.visual.output_dim, device=device
@@ -929,19 +958,21 @@ def compute_roles(
     factors=None,
     caller=None,
 ):
-    """Concept Entropy for the heads of `layers` (1-based) -> roles.json (+ .md, .png) in out_dir; its path.
+    """Concept Entropy for the heads of `layers` (1-based) -> roles.json
+    (+ .md, .png) in out_dir; its path.
 
-    items: probe images as data.py lists them, (path, label, classname): all of them (max_images None, the
-    default, as TextSpan reads all of ImageNet val), or, if there are more than max_images, a seeded random
-    sample of max_images of them (in their original order). The images are streamed: per head only the
-    statistics TextSpan needs are kept (GramStatistics), so memory does not grow with the number of images.
-    texts / text_concepts: the
-    text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and 2/3
-    quantiles over the analysed heads). probe: what roles.json records of the probe set (dataset, split);
-    inputs: roles_inputs(...), recorded as is. factors: None, or a function of the probe images' paths giving
-    their known factors (e.g. toyworld.factor_labels); each head then also gets the held-out accuracy with which
-    each factor can be decoded from it (probe_factors), the ground truth beside its role. The model runs on the
-    device of its parameters. caller: who gets the advice of an error (see check_textspan)."""
+    items: probe images as data.py lists them, (path, label, classname): all of them (max_images
+    None, the default, as TextSpan reads all of ImageNet val), or, if there are more than
+    max_images, a seeded random sample of max_images of them (in their original order). The images
+    are streamed: per head only the statistics TextSpan needs are kept (GramStatistics), so memory
+    does not grow with the number of images. texts / text_concepts: the
+    text pool and one concept per text. low / high: entropy thresholds in bits (None: the 1/3 and
+    2/3 quantiles over the analysed heads). probe: what roles.json records of the probe set
+    (dataset, split); inputs: roles_inputs(...), recorded as is. factors: None, or a function of the
+    probe images' paths giving their known factors (e.g. toyworld.factor_labels); each head then
+    also gets the held-out accuracy with which each factor can be decoded from it (probe_factors),
+    the ground truth beside its role. The model runs on the device of its parameters. caller: who
+    gets the advice of an error (see check_textspan)."""
     visual = model.visual
     layers = parse_layers(layers, visual.layers)
     check_thresholds(low, high)
@@ -990,9 +1021,8 @@ def compute_roles(
             )
             progress("heads", len(heads), len(layers) * visual.heads, start)
     auto_low, auto_high = default_thresholds([h["entropy"] for h in heads])
-    low = round(
-        auto_low if low is None else low, 4
-    )  # rounded as stored, so the file reproduces the roles
+    # rounded as stored, so the file reproduces the roles
+    low = round(auto_low if low is None else low, 4)
     high = round(auto_high if high is None else high, 4)
     check_thresholds(low, high)
     for head in heads:
@@ -1060,11 +1090,12 @@ def run(
 ):
     """Load CLIP and the probe set, compute the roles, return roles.json's path.
 
-    split: "test" (the default: ImageNet val, as TextSpan) or "train" (all training images of a training
-    dataset, never its few-shot subset; what dear.py uses when no ImageNet is present, so that the roles never
-    come from the test images the model is evaluated on). out_dir None: beside the checkpoint cache, at
-    default_roles_path(...), a folder named by everything that changes the roles. max_images None: every
-    image of the split. caller: "entropy.py", "dear.py" or None (both): whose options an error suggests."""
+    split: "test" (the default: ImageNet val, as TextSpan) or "train" (all training images of a
+    training dataset, never its few-shot subset; what dear.py uses when no ImageNet is present, so
+    that the roles never come from the test images the model is evaluated on). out_dir None: beside
+    the checkpoint cache, at default_roles_path(...), a folder named by everything that changes the
+    roles. max_images None: every image of the split. caller: "entropy.py", "dear.py" or None
+    (both): whose options an error suggests."""
     check_thresholds(low, high)
     if split not in SPLITS:
         raise EntropyError(f"unknown probe split {split!r}; use one of {', '.join(SPLITS)}")
@@ -1130,11 +1161,12 @@ def run(
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description="Concept Entropy: describe every attention head of CLIP's last blocks with TextSpan (each head's "
-        "direct contribution as TextSpan's PRS logger computes it; texts picked inside the top singular "
-        "directions of the uncentred contributions), label the descriptions with concepts, and sort "
-        "heads into attribute / generalization / mixed / other specialist roles by the entropy of their "
-        "concepts. Writes roles.json, roles.md, roles.png."
+        description="Concept Entropy: describe every attention head of CLIP's last blocks with "
+        "TextSpan (each head's direct contribution as TextSpan's PRS logger computes it; texts "
+        "picked inside the top singular directions of the uncentred contributions), label the "
+        "descriptions with concepts, and sort heads into attribute / generalization / mixed / "
+        "other specialist roles by the entropy of their concepts. Writes roles.json, roles.md, "
+        "roles.png."
     )
     p.add_argument(
         "--backbone",

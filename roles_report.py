@@ -1,9 +1,9 @@
-"""The readable forms of a roles file: roles.md (a blocks x heads table, every head's concept shares and texts,
-and the ground-truth table where the probe images have known factors) and roles.png (a map: colour = role,
-letter = attribute, entropy in every cell).
+"""The readable forms of a roles file: roles.md (a blocks x heads table, every head's concept shares
+and texts, and the ground-truth table where the probe images have known factors) and roles.png (a
+map: colour = role, letter = attribute, entropy in every cell).
 
-Used by entropy.py, which writes roles.json and calls these; reads nothing but the roles document (a dict in
-the roles.json format) and imports only util.py.
+Used by entropy.py, which writes roles.json and calls these; reads nothing but the roles document (a
+dict in the roles.json format) and imports only util.py.
 """
 
 import io
@@ -12,7 +12,8 @@ from util import write_atomic
 
 
 def best_factor(skills):
-    """The factor with the highest skill and its margin over the runner-up: (name, margin); skills {name: s}."""
+    """The factor with the highest skill and its margin over the runner-up: (name, margin);
+    skills {name: s}."""
     ranked = sorted(skills.items(), key=lambda kv: -kv[1])
     return ranked[0][0], ranked[0][1] - (ranked[1][1] if len(ranked) > 1 else 0.0)
 
@@ -35,8 +36,8 @@ def render_markdown(doc):
         f"# Head roles of {doc['model']} (blocks {', '.join(map(str, doc['layers']))})",
         "",
         f"Probe: {probe.get('dataset')} {probe.get('split')}, {probe.get('images')} images. "
-        f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. "
-        f"Thresholds: low {doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.",
+        f"TextSpan: {doc['texts_per_head']} texts per head, rank {doc['rank']}. Thresholds: low "
+        f"{doc['thresholds']['low']:.3f} bits, high {doc['thresholds']['high']:.3f} bits.",
         "",
         "A = attribute head (its attribute), G = generalization, M = mixed, S = other specialist "
         "(its concept); the number is the concept entropy in bits.",
@@ -63,8 +64,8 @@ def render_markdown(doc):
                 f"{f} {100 * a:.0f}%" for f, a in h["decoding"].items()
             )
         lines += [
-            f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} bits "
-            f"({share}).{truth}",
+            f"**Block {h['layer']}, head {h['head']}**: {short_role(h)}, H = {h['entropy']:.3f} "
+            f"bits ({share}).{truth}",
             "",
             "; ".join(h["texts"]),
             "",
@@ -73,18 +74,19 @@ def render_markdown(doc):
 
 
 def decoding_markdown(doc):
-    """The ground-truth table of roles.md: per head, the held-out probe accuracy of every known factor."""
+    """The ground-truth table of roles.md: per head,
+    the held-out probe accuracy of every known factor."""
     H, chance = doc["num_heads"], doc["decoding"]["chance"]
     by_pos = {(h["layer"], h["head"]): h for h in doc["heads"]}
     lines = [
         "",
         "## Ground truth: what each head's contribution encodes",
         "",
-        f"Held-out accuracy (%) of a linear probe ({doc['decoding']['probe']}) that reads each known factor "
-        "from the head's direct contribution; chance: "
+        f"Held-out accuracy (%) of a linear probe ({doc['decoding']['probe']}) that reads each "
+        "known factor from the head's direct contribution; chance: "
         + ", ".join(f"{f} {100 * c:.0f}%" for f, c in chance.items())
-        + ". Best = the factor with the highest skill, (accuracy - chance) / (1 - chance), and its lead in "
-        "skill over the runner-up.",
+        + ". Best = the factor with the highest skill, (accuracy - chance) / (1 - chance), and its "
+        "lead in skill over the runner-up.",
         "",
         "| block | head | role | " + " | ".join(chance) + " | best (lead) |",
         "|---" * (len(chance) + 4) + "|",
@@ -117,8 +119,9 @@ def cell_origin(row, col):
 
 def render_png(doc, path):
     """roles.png: analysed blocks (rows) x heads (columns); colour = role, letter = attribute,
-    the entropy in bits in every cell, a legend below (Pillow's default font). Where the file has ground truth
-    (toy world), each cell also shows its two best-decoded factors with their held-out accuracy, e.g. "C97%"."""
+    the entropy in bits in every cell, a legend below (Pillow's default font). Where the file has
+    ground truth (toy world), each cell also shows its two best-decoded factors with their held-out
+    accuracy, e.g. "C97%"."""
     from PIL import Image, ImageDraw, ImageFont
 
     H, layers = doc["num_heads"], doc["layers"]
@@ -144,7 +147,8 @@ def render_png(doc, path):
             if "skill" not in head:
                 draw.text((x0 + 5, y0 + 28), f"{head['entropy']:.2f}", fill="black", font=font)
                 continue
-            # ground truth: the best-decoded factor's initial and its held-out accuracy, and the runner-up's
+            # ground truth: the best-decoded factor's initial and its held-out accuracy,
+            # and the runner-up's
             ranked = sorted(head["skill"], key=lambda f: -head["skill"][f])
             draw.text((x0 + 5, y0 + 16), f"{head['entropy']:.2f}", fill="black", font=font)
             for k, f in enumerate(ranked[:2]):

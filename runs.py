@@ -1,28 +1,30 @@
 """Runs: one run of a method from its Config to results.json, in a folder that is its identity.
 
-`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder, stop
-or reuse if it is taken, load the backbone, the head roles and the datasets, build the model, train it
-(train.train, with the method's loss), evaluate every split of the protocol and write results.json.
-The method itself is handed in from above (dear.py: `make_model` builds the DeAR model of a config,
-`make_loss` gives its loss in train.train's form), so this file knows nothing of tokens or masks.
+`run(cfg, make_model, make_loss)` is the whole of a run: resolve the config, name the run folder,
+stop or reuse if it is taken, load the backbone, the head roles and the datasets, build the model,
+train it (train.train, with the method's loss), evaluate every split of the protocol and write
+results.json. The method itself is handed in from above (dear.py: `make_model` builds the DeAR model
+of a config, `make_loss` gives its loss in train.train's form), so this file knows nothing of tokens
+or masks.
 
-A run folder is a run's identity. Everything that changes a result must either change the folder's name
-or stop the run before it reuses, resumes or mixes someone else's work:
+A run folder is a run's identity. Everything that changes a result must either change the folder's
+name or stop the run before it reuses, resumes or mixes someone else's work:
 
-  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the defaults
-    and the short hashes of the inputs that flags do not spell out.
-  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the content
-    hash of a --roles file; all of them are recorded in config.json.
-  - `check_same`: a finished or interrupted run is reused only if its config.json matches the current
-    one field by field (the precisions used included: amp is fp16 on CUDA, fp32 on a CPU);
+  - `run_dir` / `variant_name`: the folder is named after the method flags that differ from the
+    defaults and the short hashes of the inputs that flags do not spell out.
+  - `inputs`: those inputs - the resolved dataset folder, the backbone checkpoint's SHA256, the
+    content hash of a --roles file; all of them are recorded in config.json.
+  - `check_same`: a finished or interrupted run is reused only if its config.json matches the
+    current one field by field (the precisions used included: amp is fp16 on CUDA, fp32 on a CPU);
     otherwise the run stops and names the differences.
   - `RunLock`: one process writes a run folder at a time; a second one stops and names the first.
-  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256 and
-    probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds later.
+  - `pin_roles`: the head roles a run used are copied into its folder (roles.json) with their SHA256
+    and probe, so --eval-only and --resume use the run's own roles, whatever the roles cache holds
+    later.
 
-It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the head
-roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and the datasets
-of its protocol (`build_eval_sets`, every one checked before anything is written).
+It also holds what a run reads besides its flags: the backbone (`load_clip`, "toy" included), the
+head roles (`load_roles`: --roles, or the cache, where entropy.py computes them on first use) and
+the datasets of its protocol (`build_eval_sets`, every one checked before anything is written).
 
 Used by dear.py; imports clip, config, data, entropy, toyworld, train and util.
 """
@@ -98,13 +100,15 @@ def short(digest: str) -> str:
 
 
 def dataset_folder(name: str, root: str) -> str:
-    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too): its identity."""
+    """The folder a dataset is read from (data.dataset_folder), resolved (symlinks too):
+    its identity."""
     return os.path.realpath(data.dataset_folder(name, root))
 
 
 def backbone_sha256(backbone: str) -> str:
-    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from the
-    recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a file."""
+    """The checkpoint's SHA256: from the download URL for OpenAI's names (clip.load checks it), from
+    the recipe's file name for the toy CLIP (the recipe fixes its weights), from the content for a
+    file."""
     if backbone in clip.MODELS:
         return clip.MODELS[backbone].split("/")[-2]
     if backbone == toyworld.BACKBONE:
@@ -112,8 +116,8 @@ def backbone_sha256(backbone: str) -> str:
     path = os.path.expanduser(backbone)
     if not os.path.isfile(path):
         raise RunError(
-            f"--backbone {backbone!r} is neither one of {clip.available_models() + [toyworld.BACKBONE]} "
-            "nor a checkpoint file"
+            f"--backbone {backbone!r} is neither one of "
+            f"{clip.available_models() + [toyworld.BACKBONE]} nor a checkpoint file"
         )
     return file_sha256(path)
 
@@ -127,7 +131,8 @@ def roles_sha256(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Naming: one folder per distinct run
 
-# The Config fields that name a variant when they differ from the defaults of the dataset and protocol.
+# The Config fields that name a variant when they differ from the defaults of the dataset and
+# protocol.
 VARIANT_FIELDS = (
     "backbone",
     "J",
@@ -158,8 +163,9 @@ ZEROSHOT_IGNORES = tuple(f for f in VARIANT_FIELDS if f not in ZEROSHOT_FIELDS) 
 
 
 def variant_name(c: Config) -> str:
-    """A short name for the non-default method flags, so each ablation gets its own run folder. Files are
-    named by content: a checkpoint or a roles file gets the first 8 hex digits of its SHA256 in the name."""
+    """A short name for the non-default method flags, so each ablation gets its own run folder.
+    Files are named by content: a checkpoint or a roles file gets the first 8 hex digits of its
+    SHA256 in the name."""
     c, base = resolve(c), resolve(Config(dataset=c.dataset, protocol=c.protocol))
     fields = ZEROSHOT_FIELDS if c.method == "zeroshot" else VARIANT_FIELDS
     parts = [f"{f}-{getattr(c, f)}" for f in fields if getattr(c, f) != getattr(base, f)]
@@ -189,8 +195,8 @@ def run_dir(c: Config) -> str:
 
 
 def dataset_tag(name: str) -> str:
-    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short hash
-    of its resolved path, so two folders with the same last name never share runs."""
+    """A folder name for a dataset; "folder:PATH" datasets are named after their folder and a short
+    hash of its resolved path, so two folders with the same last name never share runs."""
     if name.startswith("folder:"):
         path = dataset_folder(name, None)
         return f"folder-{os.path.basename(path)}-{short(hashlib.sha256(path.encode()).hexdigest())}"
@@ -198,7 +204,8 @@ def dataset_tag(name: str) -> str:
 
 
 def inputs(cfg, targets=()) -> dict:
-    """What the run reads that its flags do not spell out. `targets`: the xd target dataset names."""
+    """What the run reads that its flags do not spell out. `targets`:
+    the xd target dataset names."""
     found = {
         "dataset_folder": dataset_folder(cfg.dataset, cfg.root),
         "backbone_sha256": backbone_sha256(cfg.backbone),
@@ -269,8 +276,8 @@ class RunLock:
             self.lock.acquire()
         except util.LockHeld as e:
             raise RunError(
-                f"{os.path.dirname(self.path)} is being written by {e.holder}; wait for it to finish "
-                "(a second identical run would only repeat it)"
+                f"{os.path.dirname(self.path)} is being written by {e.holder}; wait for it to "
+                "finish (a second identical run would only repeat it)"
             ) from None
         return self
 
@@ -323,17 +330,17 @@ def load_clip(backbone, device, log=None):
     try:
         if backbone == toyworld.BACKBONE and log is not None:  # pretrain (once) into the run's log
             toyworld.ensure_pretrained(clip.cache_dir(), log=log)
-        return toyworld.load_clip(
-            backbone, device=device
-        )  # clip.load, plus "toy" (the toy world's tiny CLIP)
+        # clip.load, plus "toy" (the toy world's tiny CLIP)
+        return toyworld.load_clip(backbone, device=device)
     except (RuntimeError, ValueError, OSError) as e:
         raise RunError(f"cannot load the CLIP backbone {backbone!r}: {e}") from e
 
 
 def load_roles(cfg, model, device, log):
-    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache, where
-    entropy.py computes them once (probe images: ImageNet's test split if present under --root, as TextSpan
-    does, else all training images of the run's dataset: never the test images a run is evaluated on)."""
+    """The roles of every head of blocks J..L, and the file they came from: --roles, or the cache,
+    where entropy.py computes them once (probe images: ImageNet's test split if present under
+    --root, as TextSpan does, else all training images of the run's dataset: never the test images a
+    run is evaluated on)."""
     L = model.visual.transformer.layers
     layers = list(range(cfg.J, L + 1))
     path = cfg.roles
@@ -343,9 +350,8 @@ def load_roles(cfg, model, device, log):
             def cached(
                 probe, split
             ):  # the cache folder is named by everything that changes the roles
-                pool = (
-                    "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
-                )  # the toy CLIP knows toy words
+                # the toy CLIP knows toy words
+                pool = "toy" if toyworld.BACKBONE in (model.name, probe[:3]) else None
                 return entropy.default_roles_path(
                     model, layers, clip.cache_dir(), probe, split=split, pool=pool
                 ), pool
@@ -365,8 +371,8 @@ def load_roles(cfg, model, device, log):
                     path, pool = cached(probe, split)
             if not os.path.exists(path):  # entropy.run writes there too
                 log(
-                    f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them once with "
-                    f"entropy.py on the {split} images of {probe!r} -> {path}"
+                    f"no head roles cached for {model.name} blocks {cfg.J}..{L}: computing them "
+                    f"once with entropy.py on the {split} images of {probe!r} -> {path}"
                 )
                 path = entropy.run(
                     cfg.backbone,
@@ -415,8 +421,9 @@ def read_roles(path, model, layers):
 
 
 def build_dataset(name, root, *args):
-    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A dataset that is
-    not there at all gets the command that downloads it and the offline quick start."""
+    """data.build_dataset; the toy world (data.py only reads it) is generated on first use. A
+    dataset that is not there at all gets the command that downloads it and the offline quick
+    start."""
     if name == "toyworld":
         toyworld.ensure_dataset(root)
     try:
@@ -424,8 +431,9 @@ def build_dataset(name, root, *args):
     except data.DataError as e:
         if name in data.DATASETS and not os.path.isdir(dataset_folder(name, root)):
             raise RunError(
-                f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR offline "
-                "first:  python dear.py --dataset toyworld  (a generated toy world, minutes on a CPU)"
+                f"{e}\nGet it with:  python data.py download {name} --root {root}\nOr try DeAR "
+                "offline first:  python dear.py --dataset toyworld  (a generated toy world, "
+                "minutes on a CPU)"
             ) from e
         raise
 
@@ -451,8 +459,8 @@ def split_targets(values) -> list:
 
 
 def build_eval_sets(cfg):
-    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up front so a missing
-    dataset stops the run before any long work."""
+    """(train dataset or None, [(dataset, logits rule)]) for the protocol; reads every split up
+    front so a missing dataset stops the run before any long work."""
     if cfg.protocol == "b2n":
         base = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "base")
         novel = build_dataset(cfg.dataset, cfg.root, cfg.shots, cfg.seed, "novel")
@@ -600,7 +608,8 @@ RUN_FILES = (
 
 
 def retire(rdir: str):
-    """--force: delete what the folder's run wrote, results first, before anything new is written."""
+    """--force: delete what the folder's run wrote, results first,
+    before anything new is written."""
     for name in RUN_FILES:
         if os.path.exists(os.path.join(rdir, name)):
             os.remove(os.path.join(rdir, name))
@@ -652,8 +661,8 @@ def load_trained(model, load: str, device):
 
 
 def export_roles(cfg: Config) -> str:
-    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png to
-    <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
+    """--roles-only: compute (or find) the head roles a run would use and copy roles.json/.md/.png
+    to <out>/roles/J<J or "default">/, the folder the tables read. Returns that folder."""
     try:
         cfg = resolve(cfg)
     except ValueError as e:
@@ -786,8 +795,8 @@ def _run_locked(
 
     try:
         log(
-            f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} | "
-            f"{device} -> {rdir}"
+            f"{cfg.method} | {cfg.protocol} | {cfg.dataset} | {cfg.shots} shots | seed {cfg.seed} "
+            f"| {device} -> {rdir}"
         )
         clip_model, _ = load_clip(cfg.backbone, device, log=log)
         L = clip_model.visual.transformer.layers
@@ -811,9 +820,8 @@ def _run_locked(
             roles_used = pin_roles(source, rdir)
         if roles is not None and cfg.roles_control != "none":
             roles = control_roles(roles, cfg, log)
-        seed_everything(
-            cfg.seed
-        )  # here, after anything that may draw random numbers (pretraining, roles)
+        # here, after anything that may draw random numbers (pretraining, roles)
+        seed_everything(cfg.seed)
         try:
             model = make_model(clip_model, roles, cfg).to(device)
         except ValueError as e:
@@ -830,9 +838,9 @@ def _run_locked(
         t0, stats = time.time(), None  # stats: train.train's report (None: no training, or none)
         if cfg.method == "dear" and not cfg.eval_only:
             log(
-                f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {cfg.epochs} "
-                f"epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg {cfg.lambda_reg}, J {cfg.J}, "
-                f"mask {cfg.mask}"
+                f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, "
+                f"{cfg.epochs} epochs, batch {cfg.batch_size}, beta {cfg.beta}, lambda_reg "
+                f"{cfg.lambda_reg}, J {cfg.J}, mask {cfg.mask}"
             )
             stats = train_checked(model, train_ds, cfg, device, rdir, log, make_loss(cfg), ckpt)
             model_pt = os.path.join(rdir, "model.pt")
@@ -865,9 +873,8 @@ def _run_locked(
                 "per_class": counts,
             }
         datasets = [ds for ds in [train_ds] + [e[0] for e in evals] if ds is not None]
-        results["warnings"] = list(
-            dict.fromkeys(w for ds in datasets for w in ds.warnings)
-        )  # each once
+        # each once
+        results["warnings"] = list(dict.fromkeys(w for ds in datasets for w in ds.warnings))
         for ds, split, rule in evals:
             beta = eval_beta(cfg, ds.name)  # xd targets: MMRL++'s test-time beta
             model.set_beta(beta)
@@ -926,7 +933,8 @@ def train_checked(model, train_ds, cfg, device, rdir, log, loss_fn, ckpt):
 
 
 def control_roles(roles, cfg, log):
-    """--roles-control random | oracle: the roles a control run uses instead (entropy.control_roles)."""
+    """--roles-control random | oracle: the roles a control run uses instead
+    (entropy.control_roles)."""
     try:
         roles = entropy.control_roles(roles, cfg.roles_control, cfg.seed)
     except ValueError as e:

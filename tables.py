@@ -95,7 +95,8 @@ SOURCES = {
     "summary": (
         "s",
         "a summary of the DeAR paper",
-        "public summaries of the DeAR paper; not confirmed against its tables, which could not be read",
+        "public summaries of the DeAR paper; not confirmed "
+        "against its tables, which could not be read",
     ),
     "readme": (
         "m",
@@ -115,7 +116,8 @@ SOURCES = {
     "checked": (
         "c",
         "recalled, checked against summaries",
-        "recalled from the MMRL paper and checked against public summaries (of the DeAR and VaMP papers)",
+        "recalled from the MMRL paper and checked against "
+        "public summaries (of the DeAR and VaMP papers)",
     ),
     "recalled": (
         "r",
@@ -132,7 +134,8 @@ SOURCES = {
 
 
 class Ref(NamedTuple):
-    """One reference number: where it sits in the tables, its text as its source prints it, its source."""
+    """One reference number: where it sits in the tables, its text as its source prints it,
+    its source."""
 
     row: str  # row label (CLIP_PUB, MMRL_PUB, PAPER_DEAR)
     protocol: str  # "b2n" (metric base/novel/hm) or "dg"/"xd" (metric "acc")
@@ -140,9 +143,8 @@ class Ref(NamedTuple):
     metric: str
     text: str  # e.g. "83.9": the value, with the source's precision
     source: str  # a key of SOURCES
-    remark: str = (
-        ""  # printed under the table (how a derived number was made, a known inconsistency)
-    )
+    # printed under the table (how a derived number was made, a known inconsistency)
+    remark: str = ""
 
     @property
     def value(self):
@@ -155,8 +157,9 @@ class Ref(NamedTuple):
 
 CLIP_PUB, MMRL_PUB = "CLIP (published)", "MMRL (published)"
 PUBLISHED = [
-    # DeAR, base-to-novel: average base and two per-dataset bases (the paper's table on wizwand.com),
-    # average HM (summaries); average novel derived from the summaries' "+1.83 novel over MMRL".
+    # DeAR, base-to-novel: average base and two per-dataset bases (the paper's table on
+    # wizwand.com), average HM (summaries); average novel derived from the summaries' "+1.83 novel
+    # over MMRL".
     Ref(PAPER_DEAR, "b2n", AVG, "base", "85.94", "paper_table"),
     Ref(
         PAPER_DEAR,
@@ -165,8 +168,9 @@ PUBLISHED = [
         "novel",
         "78.99",
         "derived",
-        "DeAR's average novel 78.99 = MMRL's 77.16 + the \"+1.83 novel over MMRL\" of the summaries. "
-        "HM(85.94, 78.99) = 82.32, not the 82.72 the summaries give: one of them is off; both are printed as given.",
+        "DeAR's average novel 78.99 = MMRL's 77.16 + the \"+1.83 novel over MMRL\" of the "
+        "summaries. HM(85.94, 78.99) = 82.32, not the 82.72 the summaries give: one of them is "
+        "off; both are printed as given.",
     ),
     Ref(PAPER_DEAR, "b2n", AVG, "hm", "82.72", "summary"),
     Ref(PAPER_DEAR, "b2n", "dtd", "base", "83.9", "paper_table"),
@@ -183,12 +187,13 @@ PUBLISHED = [
         "acc",
         "67.25",
         "derived",
-        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a summary of "
-        "the VaMP paper gives them.",
+        "MMRL's cross-dataset average 67.25 = VaMP's 67.74 less its \"+0.49 over MMRL\", both as a "
+        "summary of the VaMP paper gives them.",
     ),
 ]
-# CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm"; each is
-# recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in an issue).
+# CLIP zero-shot and MMRL, base-to-novel (CoCoOp and MMRL papers): dataset -> "base / novel / hm";
+# each is recalled except the rows in _B2N_SOURCE (CLIP's average in two READMEs, MMRL's EuroSAT in
+# an issue).
 _B2N_REFERENCE = {
     CLIP_PUB: {
         "imagenet": "72.43 / 68.14 / 70.22",
@@ -246,8 +251,8 @@ for _row, _table in _B2N_REFERENCE.items():
                     _REMARKS.get((_row, _ds, _metric), ""),
                 )
             )
-# Domain generalisation, all classes: CLIP (CoCoOp / MaPLe tables; ImageNet-A confirmed by a benchmark
-# listing), MMRL (the MMRL paper).
+# Domain generalisation, all classes: CLIP (CoCoOp / MaPLe tables; ImageNet-A confirmed by a
+# benchmark listing), MMRL (the MMRL paper).
 for _ds, _clip, _mmrl in zip(
     ("imagenet",) + DG_TARGETS,
     ("66.73", "60.83", "46.15", "47.77", "73.96"),
@@ -277,7 +282,8 @@ def published_rows(protocol):
 
 
 def reference_notes(rows):
-    """Notes for the reference cells in `rows`: what each source letter used means, then the remarks."""
+    """Notes for the reference cells in `rows`: what each source letter used means,
+    then the remarks."""
     refs = [c.ref for row in rows for c in row if isinstance(c, Cell) and c.ref is not None]
     used = {r.source for r in refs}
     notes = [f"[{letter}] {long}" for key, (letter, _, long) in SOURCES.items() if key in used]
@@ -291,8 +297,8 @@ def reference_notes(rows):
 
 
 class Cell:
-    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a reference number
-    (ref: its Ref), printed as its source prints it, with the source's letter."""
+    """One table cell: mean over seeds, std over seeds (ddof=0), number of seeds; or a reference
+    number (ref: its Ref), printed as its source prints it, with the source's letter."""
 
     def __init__(self, mean, std=None, n=None, ref=None):
         self.mean, self.std, self.n, self.ref = mean, std, n, ref
@@ -334,7 +340,8 @@ def hm_cell(base, novel):
 
 def average_by_seed(tables):
     """[{seed: acc} per dataset] -> {seed: mean over datasets} for the seeds every dataset has.
-    Returns None when a dataset has no value at all (an average over fewer datasets is not shown)."""
+    Returns None when a dataset has no value at all (an average over fewer datasets is not
+    shown)."""
     if not tables or any(not t for t in tables):
         return None
     seeds = set.intersection(*(set(t) for t in tables))
@@ -662,7 +669,8 @@ def table_b2n(runs, backbone):
 
 
 def _transfer_table(runs, backbone, protocol, targets, title, source_col):
-    """Shared by DG and XD: columns = (source,) + targets + average of the targets; all from xd runs."""
+    """Shared by DG and XD: columns = (source,) + targets + average of the targets;
+    all from xd runs."""
     zs = accuracies(runs, "xd", "zeroshot", backbone=backbone)
     de = accuracies(runs, "xd", "dear", shots=TABLE_SHOTS, backbone=backbone)
     sources = sorted(
@@ -726,15 +734,16 @@ def _transfer_table(runs, backbone, protocol, targets, title, source_col):
     )  # folder:PATH datasets by their folder's name
     notes = [
         f"Average = mean over the {len(cols)} targets, shown only when every target has a result.",
-        "The DeAR model is trained once per seed on the source (16 shots, all classes) and evaluated "
-        "on every target without further training.",
+        "The DeAR model is trained once per seed on the source (16 shots, all classes) and "
+        "evaluated on every target without further training.",
     ]
     notes += reference_notes(rows)
     return title, header, rows, notes
 
 
 def _published_row(label, protocol, sources, cols):
-    """Published cells for a DG/XD row; the target average is computed when all targets are known."""
+    """Published cells for a DG/XD row; the target average is computed when all targets are
+    known."""
     cells = [_published_cell(label, protocol, s, "acc") for s in sources]
     tgt = [_published_cell(label, protocol, d, "acc") for d in cols]
     avg = _published_cell(label, protocol, AVG, "acc")
@@ -835,7 +844,8 @@ ABLATION_NAMES = {
 
 
 def variant_label(key):
-    """A readable name for an ablation key (see method_key); the key itself when not in ABLATION_NAMES."""
+    """A readable name for an ablation key (see method_key);
+    the key itself when not in ABLATION_NAMES."""
     return ABLATION_NAMES.get(
         key, key.replace("_", ", ").replace("-", " = ", 1) if key.count("-") == 1 else key
     )
@@ -883,7 +893,8 @@ def table_ablations(runs, backbone):
         rows,
         [
             "Base/Novel/HM: averages over the ablation datasets (HM of the averages).",
-            "A variant is named after the dear.py flags that differ from the defaults (its run folder).",
+            "A variant is named after the dear.py flags "
+            "that differ from the defaults (its run folder).",
         ],
     )
 
@@ -950,7 +961,8 @@ def csv_text(title, header, rows, backbone):
 
 
 def roles_section(out, tables_dir):
-    """Table 6: the roles.md files that entropy.py wrote under <out>/roles, with a link to roles.png."""
+    """Table 6: the roles.md files that entropy.py wrote under <out>/roles,
+    with a link to roles.png."""
     found = []
     for folder, dirs, files in os.walk(os.path.join(out, "roles")):
         dirs.sort()
@@ -973,9 +985,9 @@ def roles_section(out, tables_dir):
 
 
 REFERENCE_HEADER = (
-    f"Beside ours, for {PAPER_BACKBONE} only: reference numbers of zero-shot CLIP, MMRL and DeAR. Not all of them "
-    "could be read in a published table: each is printed with the precision of its source and a letter saying "
-    "where it comes from ("
+    f"Beside ours, for {PAPER_BACKBONE} only: reference numbers of zero-shot CLIP, MMRL and DeAR. "
+    "Not all of them could be read in a published table: each is printed with the precision of "
+    "its source and a letter saying where it comes from ("
     + "; ".join(f"[{letter}] {short}" for letter, short, _ in SOURCES.values())
     + "); the notes under each table say more."
 )
@@ -1107,8 +1119,8 @@ def main(argv=None):
     ap.add_argument(
         "--baseline",
         default="default",
-        help="dear.py variant of the full-method runs (e.g. J-3 for the toy world, whose CLIP has 4 "
-        "blocks); runs that add flags to it are ablations (default: default)",
+        help="dear.py variant of the full-method runs (e.g. J-3 for the toy world, whose CLIP has "
+        "4 blocks); runs that add flags to it are ablations (default: default)",
     )
     ap.add_argument("--print", action="store_true", help="also print the Markdown to stdout")
     args = ap.parse_args(argv)

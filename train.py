@@ -4,12 +4,12 @@ Nothing here is specific to DeAR's idea; dear.py holds the method (tokens, masks
 hands its model and loss to `train`. Read top to bottom:
 
   1. The learning-rate schedule (closed form of Dassl's constant warm-up + per-epoch cosine)
-  2. Devices, precision (--precision, the frozen weights kept in the autocast dtype), seeds, the seeded epoch
-     order and augmentation
+  2. Devices, precision (--precision, the frozen weights kept in the autocast dtype), seeds, the
+     seeded epoch order and augmentation
   3. train: AdamW, autocast, one train_step, the GradScaler's skipped steps, checkpoints inside and
      between epochs, --resume
-  4. evaluate: top-1 accuracy of the fused (or class-only) logits, per true class too, in fp32 unless
-     asked
+  4. evaluate: top-1 accuracy of the fused (or class-only) logits, per true class too, in fp32
+     unless asked
 
 Precision (MMRL's PREC "amp"): the model's parameters stay fp32; in training the frozen towers run
 under torch.autocast, fp16 with a GradScaler by default on CUDA, bf16 or fp32 when asked; the final
@@ -41,8 +41,9 @@ from util import fmt_time, write_atomic, write_json_atomic
 
 
 def lr_at(epoch: int, cfg) -> float:
-    """Learning rate of a 0-based epoch: warm-up epochs at a constant warmup_lr, then cosine stepped once per
-    epoch, lr * (1 + cos(pi * (e - W) / E)) / 2 (Dassl's ConstantWarmupScheduler + CosineAnnealingLR)."""
+    """Learning rate of a 0-based epoch: warm-up epochs at a constant warmup_lr, then cosine stepped
+    once per epoch, lr * (1 + cos(pi * (e - W) / E)) / 2 (Dassl's ConstantWarmupScheduler +
+    CosineAnnealingLR)."""
     if epoch < cfg.warmup_epochs:
         return cfg.warmup_lr
     return cfg.lr * (1 + math.cos(math.pi * (epoch - cfg.warmup_epochs) / cfg.epochs)) / 2
@@ -89,7 +90,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def autocast_dtype(device: torch.device, precision: str = "amp"):
-    """The autocast dtype of a precision on device: torch.float16, torch.bfloat16, or None (fp32, no autocast)."""
+    """The autocast dtype of a precision on device: torch.float16, torch.bfloat16, or None (fp32,
+    no autocast)."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[
         resolve_precision(precision, device)
     ]
@@ -101,9 +103,9 @@ def autocast(device: torch.device, dtype):
 
 
 def matmul_weights(clip_model):
-    """The frozen CLIP tensors that only ever enter autocast's low-precision ops (linear, conv, matmul):
-    Linear and Conv weights and biases, the attention in_proj, proj and text_projection. Not
-    LayerNorms,
+    """The frozen CLIP tensors that only ever enter autocast's low-precision ops (linear, conv,
+    matmul): Linear and Conv weights and biases, the attention in_proj, proj and text_projection.
+    Not LayerNorms,
     embeddings or logit_scale, which stay fp32."""
     for m in clip_model.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
@@ -117,8 +119,9 @@ def matmul_weights(clip_model):
 
 @contextlib.contextmanager
 def frozen_weights_in(dtype, clip_model):
-    """Inside the block, the frozen CLIP's matmul weights are stored in the autocast dtype; the fp32 originals
-    come back on exit (so the fp32 path, checkpoints and anything after train/evaluate see fp32).
+    """Inside the block, the frozen CLIP's matmul weights are stored in the autocast dtype; the fp32
+    originals come back on exit (so the fp32 path, checkpoints and anything after train/evaluate see
+    fp32).
 
     Autocast casts a weight at every op unless it requires grad (its cache holds only trainable
     leaves), so a frozen ViT-B/16 has about 160 tensors recast at every step. Casting them once
@@ -145,9 +148,9 @@ def seed_everything(seed: int):
 
 
 class Augmented(torch.utils.data.Dataset):
-    """Training items with augmentations seeded per (epoch seed, item): an epoch is the same on any machine,
-    with any number of workers, and a resumed epoch replays exactly. Items are asked for by (epoch
-    seed, index),
+    """Training items with augmentations seeded per (epoch seed, item): an epoch is the same on any
+    machine, with any number of workers, and a resumed epoch replays exactly. Items are asked for by
+    (epoch seed, index),
     so workers that live across epochs (persistent) get each epoch's seed with every item."""
 
     def __init__(self, items, transform):
@@ -163,8 +166,8 @@ class Augmented(torch.utils.data.Dataset):
 
 
 class EpochSampler:
-    """The batch sampler of the one training DataLoader: train() sets `batches` (lists of (epoch seed, index))
-    before every epoch, and the loader's persistent workers load them."""
+    """The batch sampler of the one training DataLoader: train() sets `batches` (lists of
+    (epoch seed, index)) before every epoch, and the loader's persistent workers load them."""
 
     def __init__(self):
         self.batches = []
@@ -177,7 +180,8 @@ class EpochSampler:
 
 
 def epoch_batches(n: int, batch_size: int, seed: int):
-    """The shuffled batches of one epoch (index lists); the last partial batch is dropped as in Dassl."""
+    """The shuffled batches of one epoch (index lists);
+    the last partial batch is dropped as in Dassl."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     if n >= batch_size:
         order = order[: n - n % batch_size]
@@ -185,7 +189,8 @@ def epoch_batches(n: int, batch_size: int, seed: int):
 
 
 def atomic_save(obj, path: str, as_json=False):
-    """A JSON file or a torch checkpoint, written to a temporary file and renamed (never half a file)."""
+    """A JSON file or a torch checkpoint, written to a temporary file and renamed (never half a
+    file)."""
     if as_json:
         return write_json_atomic(path, obj, indent=2)
     buffer = io.BytesIO()
@@ -198,18 +203,17 @@ def atomic_save(obj, path: str, as_json=False):
 
 
 def train_step(model, images, labels, loss_fn, opt, scaler, amp):
-    """One optimisation step: the model under autocast (amp: its dtype, None: fp32), the loss outside it (the
-    model's head and loss_fn compute in fp32), backward through the GradScaler (enabled for fp16
-    only), AdamW.
+    """One optimisation step: the model under autocast (amp: its dtype, None: fp32), the loss
+    outside it (the model's head and loss_fn compute in fp32), backward through the GradScaler
+    (enabled for fp16 only), AdamW.
     Returns (loss, parts, out), all on the device: nothing here waits for the device."""
     with autocast(images.device, amp):
         out = model(images, with_frozen=True)
     loss, parts = loss_fn(model, out, labels)
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    scaler.unscale_(
-        opt
-    )  # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
+    # .grad holds the true gradients (fp16: the step is skipped if any is inf or nan)
+    scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
     return loss, parts, out
@@ -275,7 +279,8 @@ def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):
     params = [p for p in model.trainable() if p.requires_grad]
     if not params:
         log(
-            "no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP"
+            "no trainable parameters (no attribute tokens): "
+            "nothing to train, the model is frozen CLIP"
         )
         return {"steps": 0, "skipped_steps": 0, "final_scale": None}
     model.set_classes(ds.classnames, ds.template)  # fp32, before the frozen weights change dtype

@@ -1,11 +1,11 @@
-"""Small helpers shared by every script above clip/: atomic writes, JSON reads, the duration format and
-the progress line of long loops.
+"""Small helpers shared by every script above clip/: atomic writes, JSON reads, the duration format
+and the progress line of long loops.
 
-Used by data.py, download.py, toyworld.py, entropy.py, dear.py, train.py, tables.py and bench.py. This is
-the bottom of the project (it imports nothing from it); the vendored clip/ package sits beside it and
-does not use it, so that clip/ stays a stand-alone copy of OpenAI's package. Byte downloads with a
-checksum live in clip/ (`clip.stream`, the one download loop), which download.py reuses for the dataset
-archives.
+Used by data.py, download.py, toyworld.py, entropy.py, dear.py, train.py, tables.py and bench.py.
+This is the bottom of the project (it imports nothing from it); the vendored clip/ package sits
+beside it and does not use it, so that clip/ stays a stand-alone copy of OpenAI's package. Byte
+downloads with a checksum live in clip/ (`clip.stream`, the one download loop), which download.py
+reuses for the dataset archives.
 """
 
 import errno
@@ -26,9 +26,9 @@ def _umask() -> int:
 
 
 def write_atomic(path, payload):
-    """Write bytes or text to a temporary file beside `path`, then rename: a reader never sees half a file.
-    The file gets the user's normal permissions (0666 less the umask), like a file opened with open().
-    A full disk (or quota) raises DiskFull, naming `path` and the bytes it needed."""
+    """Write bytes or text to a temporary file beside `path`, then rename: a reader never sees half
+    a file. The file gets the user's normal permissions (0666 less the umask), like a file opened
+    with open(). A full disk (or quota) raises DiskFull, naming `path` and the bytes it needed."""
     data = payload.encode("utf-8") if isinstance(payload, str) else payload
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None

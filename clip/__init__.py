@@ -10,9 +10,9 @@ or $CLIP_CACHE) and checked against the SHA256 that is part of their URL. Both t
 archives that OpenAI publishes (only their state dict is read) and plain state dicts load.
 OpenAI CLIP (model architecture, vocabulary, checkpoints) is released under the MIT licence.
 
-Like OpenAI's package, clip/ imports nothing of the project around it. Its users: toyworld.py, entropy.py,
-dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives through `stream`,
-the project's one download loop.
+Like OpenAI's package, clip/ imports nothing of the project around it. Its users: toyworld.py,
+entropy.py, dear.py and bench.py (models, tokenize), and download.py, which fetches dataset archives
+through `stream`, the project's one download loop.
 """
 
 import errno
@@ -37,7 +37,8 @@ from .tokenizer import tokenize
 
 __all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP"]
 
-# name -> URL; the second-to-last path component is the file's SHA256. Tests point this at 127.0.0.1.
+# name -> URL; the second-to-last path component is the file's SHA256. Tests point this at
+# 127.0.0.1.
 MODELS = {
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
     "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
@@ -79,8 +80,8 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
     if total:
         eta = (total - done) / speed if speed > 0 else 0.0
         msg = (
-            f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB ({100 * done / total:.0f}%), "
-            f"{speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
+            f"\rdownloading {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB "
+            f"({100 * done / total:.0f}%), {speed / 2**20:.1f} MiB/s, ETA {eta:.0f}s"
         )
     else:
         msg = f"\rdownloading {name}: {done / 2**20:.1f} MiB, {speed / 2**20:.1f} MiB/s"
@@ -89,9 +90,10 @@ def _progress(done: int, total: int, start: float, name: str, final: bool = Fals
 
 
 def stream(response, out, hasher, name: str):
-    """Copy an HTTP response into the open file `out` in 1 MiB chunks, feeding `hasher`, with one progress
-    line on stderr. Returns (bytes copied, hasher). A broken connection raises OSError saying how far it got.
-    The one download loop of the project: download.py fetches the dataset archives through it too."""
+    """Copy an HTTP response into the open file `out` in 1 MiB chunks, feeding `hasher`, with one
+    progress line on stderr. Returns (bytes copied, hasher). A broken connection raises OSError
+    saying how far it got. The one download loop of the project: download.py fetches the dataset
+    archives through it too."""
     total = int(response.headers.get("Content-Length") or 0)
     done, start, last = 0, time.time(), 0.0
     while True:
@@ -216,10 +218,10 @@ def read_state_dict(path: str) -> dict:
     return dict(sd)
 
 
-# CLIP's preprocessing. OpenAI's `_transform` is torchvision's Resize(n_px, bicubic), CenterCrop(n_px),
-# RGB, ToTensor and Normalize. On PIL images those are a few lines of PIL and torch, written out here:
-# importing torchvision (it loads torch._dynamo) costs a process about as much CPU time as importing
-# torch. tests/test_clip.py checks them bit for bit against torchvision's own transforms.
+# CLIP's preprocessing. OpenAI's `_transform` is torchvision's Resize(n_px, bicubic),
+# CenterCrop(n_px), RGB, ToTensor and Normalize. On PIL images those are a few lines of PIL and
+# torch, written out here: importing torchvision (it loads torch._dynamo) costs a process about as
+# much CPU time as importing torch. tests/test_clip.py checks them bit for bit against torchvision.
 
 
 def resize(image, size):
@@ -247,7 +249,8 @@ def to_tensor(image, mean=MEAN, std=STD):
 
 
 class Preprocess:
-    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), center crop, RGB, mean/std."""
+    """CLIP's test-time preprocessing: shorter side to n_px (bicubic), centre crop, RGB,
+    mean/std."""
 
     def __init__(self, n_px):
         self.n_px = n_px

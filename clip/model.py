@@ -10,9 +10,10 @@ Differences from OpenAI's reference code, all numerically neutral:
   broadcastable to [batch, heads, L, L], so every head can get its own mask;
 - the towers expose seams (embed / run_blocks / head and embed_text / run_text_blocks /
   text_head); `encode_image` and `encode_text` are these seams composed;
-- exact savings: the last block computes only the rows that are read (`rows`: CLS, or EOT), and texts
-  run in groups of similar length padded only to the group's longest (`length_buckets`); a block can
-  also attend to `past` positions shared by a whole batch of texts (DeAR's common template start).
+- exact savings: the last block computes only the rows that are read (`rows`: CLS, or EOT), and
+  texts run in groups of similar length padded only to the group's longest (`length_buckets`); a
+  block can also attend to `past` positions shared by a whole batch of texts (DeAR's common template
+  start).
 
 Blocks are counted from 0 here; `run_blocks(x, start, end)` runs blocks start..end-1.
 """
@@ -62,7 +63,8 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"width {d_model} is not divisible by the number of heads {n_head}")
         self.d_model = d_model
         self.n_head = n_head
-        # rows [0:D) project to queries, [D:2D) to keys, [2D:3D) to values; head h owns rows h*hs..(h+1)*hs-1
+        # rows [0:D) project to queries, [D:2D) to keys, [2D:3D) to values;
+        # head h owns rows h*hs..(h+1)*hs-1
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
         self.out_proj = nn.Linear(d_model, d_model)
@@ -76,10 +78,11 @@ class MultiheadAttention(nn.Module):
         rows: Rows = None,
         past: Optional[torch.Tensor] = None,
     ):
-        """x [B, L, D] -> [B, R, D]. rows: None (every position, R = L) or the positions whose output is wanted
-        (a slice or 1-D index): keys and values still come from all of x, queries only from those rows.
-        past [1 or B, P, D]: positions that precede x (already layer-normed); they give keys and values only,
-        and mask columns count them first (the mask is [.., R, P + L])."""
+        """x [B, L, D] -> [B, R, D]. rows: None (every position, R = L) or the positions whose
+        output is wanted (a slice or 1-D index): keys and values still come from all of x, queries
+        only from those rows. past [1 or B, P, D]: positions that precede x (already layer-normed);
+        they give keys and values only, and mask columns count them first (the mask is
+        [.., R, P + L])."""
         B, L, D = x.shape
         H = self.n_head
         hs = D // H
@@ -88,9 +91,8 @@ class MultiheadAttention(nn.Module):
             q, k, v = F.linear(x, W, b).split(D, dim=-1)  # 3 x [B, L, D]
         else:
             k, v = F.linear(x, W[D:], b[D:]).split(D, dim=-1)  # 2 x [B, L, D]
-            q = F.linear(
-                x if rows is None else x[:, rows], W[:D], b[:D]
-            )  # [B, R, D]: only the rows read later
+            # [B, R, D]: only the rows read later
+            q = F.linear(x if rows is None else x[:, rows], W[:D], b[:D])
             if past is not None:  # the shared positions before x: their keys and values go first
                 kp, vp = F.linear(past, W[D:], b[D:]).split(D, dim=-1)  # 2 x [1 or B, P, D]
                 k = torch.cat([kp.expand(B, -1, -1), k], dim=1)  # [B, P + L, D]
@@ -152,9 +154,10 @@ class ResidualAttentionBlock(nn.Module):
         rows: Rows = None,
         past: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x [B, L, D] -> [B, R, D]. rows: compute only these output positions (the attention still reads
-        every position; the MLP runs on the rows alone). past [1 or B, P, D]: this block's input at P positions
-        that precede x, shared by the batch; x attends to them (see MultiheadAttention)."""
+        """x [B, L, D] -> [B, R, D]. rows: compute only these output positions (the attention still
+        reads every position; the MLP runs on the rows alone). past [1 or B, P, D]: this block's
+        input at P positions that precede x, shared by the batch; x attends to them (see
+        MultiheadAttention)."""
         h = self.ln_1(x)
         hp = None if past is None else self.ln_1(past)
         x = (x if rows is None else x[:, rows]) + self.attn(
@@ -185,8 +188,9 @@ class Transformer(nn.Module):
         """Run blocks start..end-1 (0-based) on x [B, L, D].
 
         attn_mask: None, one tensor used by every block, or a list with one entry (tensor or None)
-        per block that runs. rows: the positions of the output that will be read (None: all); the last
-        block computes only those (its keys and values still need every position), giving [B, R, D].
+        per block that runs. rows: the positions of the output that will be read (None: all); the
+        last block computes only those (its keys and values still need every position), giving
+        [B, R, D].
         """
         end = self.layers if end is None else end
         if not 0 <= start <= end <= self.layers:
@@ -243,8 +247,9 @@ class VisionTransformer(nn.Module):
         """Images [B, 3, R, R] -> tokens [B, 1+P, D]: patches, class token, positions, ln_pre."""
         if images.dim() != 4 or images.shape[-2:] != (self.input_resolution, self.input_resolution):
             raise ValueError(
-                f"expected images of shape [B, 3, {self.input_resolution}, {self.input_resolution}], "
-                f"got {list(images.shape)}; use the model's preprocess transform"
+                f"expected images of shape [B, 3, {self.input_resolution}, "
+                f"{self.input_resolution}], got {list(images.shape)}; use the model's preprocess "
+                "transform"
             )
         x = self.conv1(images.to(self.conv1.weight.dtype))  # [B, D, grid, grid]
         x = x.flatten(2).transpose(1, 2)  # [B, P, D]
@@ -257,8 +262,8 @@ class VisionTransformer(nn.Module):
         self, x: torch.Tensor, start: int, end: int, attn_mask: Mask = None, rows: Rows = None
     ) -> torch.Tensor:
         """Run blocks start..end-1 (0-based) on tokens [B, L, D]; L may exceed 1+P (extra tokens).
-        rows: the output positions that will be read, e.g. slice(0, 1) for CLS: the last block computes only
-        those, [B, R, D] (Transformer.forward)."""
+        rows: the output positions that will be read, e.g. slice(0, 1) for CLS: the last block
+        computes only those, [B, R, D] (Transformer.forward)."""
         return self.transformer(x, attn_mask=attn_mask, start=start, end=end, rows=rows)
 
     def head(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -266,9 +271,8 @@ class VisionTransformer(nn.Module):
         return self.ln_post(tokens) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.run_blocks(
-            self.embed(images), 0, self.layers, rows=slice(0, 1)
-        )  # [B, 1, D]: only CLS is read
+        # [B, 1, D]: only CLS is read
+        x = self.run_blocks(self.embed(images), 0, self.layers, rows=slice(0, 1))
         return self.head(x[:, 0])  # the CLS token -> [B, E]
 
 
@@ -329,8 +333,9 @@ class CLIP(nn.Module):
         return self.visual.conv1.weight.dtype
 
     def causal_mask(self, n: int, past: int = 0) -> torch.Tensor:
-        """[n, past + n] additive mask: 0 where a key is not later than the query, -inf after it (a token sees
-        only its past). past: that many earlier positions come first among the keys (all of them visible)."""
+        """[n, past + n] additive mask: 0 where a key is not later than the query, -inf after it (a
+        token sees only its past). past: that many earlier positions come first among the keys (all
+        of them visible)."""
         device = self.positional_embedding.device
         return torch.full((n, past + n), float("-inf"), device=device).triu(past + 1)
 
@@ -354,15 +359,15 @@ class CLIP(nn.Module):
         past: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run text blocks start..end-1 on x [C, T', W]; attn_mask None means causal over T'.
-        rows: output positions the last block computes (None: all), e.g. slice(T'-1, T') for an EOT at the end.
-        past [1, P, W]: block `start`'s input at P positions that come before x and are the same for every text
-        (a shared template start); x attends to them causally. One block only, as past changes with the block."""
+        rows: output positions the last block computes (None: all), e.g. slice(T'-1, T') for an EOT
+        at the end. past [1, P, W]: block `start`'s input at P positions that come before x and are
+        the same for every text (a shared template start); x attends to them causally. One block
+        only, as past changes with the block."""
         if past is not None:
             if end != start + 1:
                 raise ValueError(f"past states belong to one block; got blocks {start}..{end - 1}")
-            mask = (
-                self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask
-            )  # [T', P + T']
+            # [T', P + T']
+            mask = self.causal_mask(x.shape[1], past.shape[1]) if attn_mask is None else attn_mask
             return self.transformer.resblocks[start](x, attn_mask=mask, rows=rows, past=past)
         if attn_mask is None:
             attn_mask = self.causal_mask(x.shape[1])
@@ -379,20 +384,18 @@ class CLIP(nn.Module):
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [C, T] -> text features [C, E], read at each text's EOT.
-        Texts run in groups of similar length, padded only to their group's longest (the causal mask never lets
-        padding reach EOT; length_buckets), and the last block computes only the EOT positions: same features,
-        far fewer FLOPs."""
-        eot = tokens.argmax(
-            dim=-1
-        )  # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        Texts run in groups of similar length, padded only to their group's longest (the causal mask
+        never lets padding reach EOT; length_buckets), and the last block computes only the EOT
+        positions: same features, far fewer FLOPs."""
+        # EOT (49407) is the largest id, so argmax finds it; padding is 0
+        eot = tokens.argmax(dim=-1)
         feats, order = [], []
         for n, idx, rows, pick in length_buckets(
             eot
         ):  # EOTs at rows (<= n); text i reads row pick[i]
             x = self.embed_text(tokens[idx, : n + 1])  # [c, n + 1, W]
-            x = self.run_text_blocks(
-                x, 0, self.transformer.layers, rows=rows
-            )  # [c, r, W]: EOT rows only
+            # [c, r, W]: EOT rows only
+            x = self.run_text_blocks(x, 0, self.transformer.layers, rows=rows)
             feats.append(self.text_head(x, pick))  # [c, E]
             order.append(idx)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`
@@ -404,23 +407,25 @@ class CLIP(nn.Module):
         return logits_per_image, logits_per_image.t()
 
 
-# What running one more group of texts costs, in padded token positions (see length_buckets). CPU: measured
-# at ViT-B/16's text width on one thread, one more group costs about as much as 35 more positions (every matmul
-# reads its weights once per group, worth 20-25 rows, plus the other ops), so a few short texts are cheaper
-# padded into their neighbours' group. CUDA: every group adds about 20 kernel launches per block, worth
-# thousands of positions on a GPU, so texts mostly run as one padded batch (an estimate, not measured).
+# What running one more group of texts costs, in padded token positions (see length_buckets). CPU:
+# measured at ViT-B/16's text width on one thread, one more group costs about as much as 35 more
+# positions (every matmul reads its weights once per group, worth 20-25 rows, plus the other ops),
+# so a few short texts are cheaper padded into their neighbours' group. CUDA: every group adds about
+# 20 kernel launches per block, worth thousands of positions on a GPU, so texts mostly run as one
+# padded batch (an estimate, not measured).
 GROUP_COST = {"cpu": 40, "cuda": 4096}
 
 
 def length_buckets(eot: torch.Tensor, group_cost: Optional[int] = None):
-    """Group texts to run padded only to their group's longest: [(n, indices [c], rows [r], pick [c])] with
-    n = the group's largest EOT position, rows = its distinct EOT positions (the rows the last block computes)
-    and pick = the row of each text in rows; groups of ever longer texts.
+    """Group texts to run padded only to their group's longest: [(n, indices [c], rows [r], pick
+    [c])] with n = the group's largest EOT position, rows = its distinct EOT positions (the rows the
+    last block computes) and pick = the row of each text in rows; groups of ever longer texts.
 
-    Padding comes after a text's EOT, so under the causal mask it never reaches the EOT: exact. Which lengths
-    share a group is the cheapest split for cost = sum over groups of (texts x (n + 1) + group_cost): one group
-    per length when group_cost is 0, all texts padded to the longest when it is large. group_cost None:
-    GROUP_COST of the device. Dynamic programming over the sorted lengths (at most 77 of them)."""
+    Padding comes after a text's EOT, so under the causal mask it never reaches the EOT: exact.
+    Which lengths share a group is the cheapest split for cost = sum over groups of (texts x (n + 1)
+    + group_cost): one group per length when group_cost is 0, all texts padded to the longest when
+    it is large. group_cost None: GROUP_COST of the device. Dynamic programming over the sorted
+    lengths (at most 77 of them)."""
     if group_cost is None:
         group_cost = GROUP_COST.get(eot.device.type, GROUP_COST["cuda"])
     lengths, counts = eot.unique(return_counts=True)  # sorted EOT positions, texts at each
@@ -485,7 +490,8 @@ def head_count(sd: dict, key: str, width: int) -> int:
 
 
 def infer_config(state_dict: dict) -> dict:
-    """Read every size of a ViT CLIP from the tensors of its state dict (CLIP constructor arguments)."""
+    """Read every size of a ViT CLIP from the tensors of its state dict (CLIP constructor
+    arguments)."""
     sd = state_dict
     if "visual.proj" not in sd:
         if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in sd):

@@ -53,7 +53,8 @@ def get_pairs(word: tuple) -> set:
 
 def clean_text(text: str) -> str:
     """ftfy repair (which also unescapes HTML, unless the text contains "<"), HTML unescape twice
-    (web text is often escaped more than once), whitespace collapsed to single spaces, lower-case."""
+    (web text is often escaped more than once), whitespace collapsed to single spaces,
+    lower-case."""
     text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text))
     text = regex.sub(r"\s+", " ", text).strip()
@@ -64,18 +65,16 @@ class SimpleTokenizer:
     def __init__(self, bpe_path: str = VOCAB_PATH):
         with gzip.open(bpe_path, "rt", encoding="utf-8") as f:
             lines = f.read().split("\n")
-        merges = [
-            tuple(line.split()) for line in lines[1 : NUM_MERGES + 1]
-        ]  # line 0 is a version header
+        # line 0 is a version header
+        merges = [tuple(line.split()) for line in lines[1 : NUM_MERGES + 1]]
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         symbols = list(self.byte_encoder.values())
         vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [SOT, EOT]
         self.encoder = {tok: i for i, tok in enumerate(vocab)}
         self.decoder = {i: tok for tok, i in self.encoder.items()}
-        self.bpe_ranks = {
-            pair: rank for rank, pair in enumerate(merges)
-        }  # lower rank = merged first
+        # lower rank = merged first
+        self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}
         self.cache = {SOT: SOT, EOT: EOT}
         self.sot_token, self.eot_token = self.encoder[SOT], self.encoder[EOT]
         # words: the two specials, contractions, letter runs, single digits, runs of other symbols
@@ -89,9 +88,8 @@ class SimpleTokenizer:
         """Apply the merges to one word; returns its symbols joined by spaces."""
         if token in self.cache:
             return self.cache[token]
-        word = tuple(token[:-1]) + (
-            token[-1] + "</w>",
-        )  # the last symbol carries the end-of-word marker
+        # the last symbol carries the end-of-word marker
+        word = tuple(token[:-1]) + (token[-1] + "</w>",)
         while len(word) > 1:
             # merge the adjacent pair that was learned first, everywhere it occurs
             best = min(get_pairs(word), key=lambda p: self.bpe_ranks.get(p, float("inf")))
@@ -120,9 +118,8 @@ class SimpleTokenizer:
     def decode(self, ids) -> str:
         """Token ids back to text; each end of word becomes a space. Padding zeros decode as "!"."""
         symbols = "".join(self.decoder[int(i)] for i in ids)
-        data = bytearray(
-            self.byte_decoder[c] for c in symbols
-        )  # "</w>" is itself made of byte symbols
+        # "</w>" is itself made of byte symbols
+        data = bytearray(self.byte_decoder[c] for c in symbols)
         return data.decode("utf-8", errors="replace").replace("</w>", " ")
 
 

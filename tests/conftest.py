@@ -102,7 +102,8 @@ def pytest_configure(config):
 
 @pytest.fixture
 def tiny_model():
-    """The default tiny CLIP: ViT 4 blocks x 4 heads, width 64, 32x32 images, patch 8; text 2 blocks."""
+    """The default tiny CLIP: ViT 4 blocks x 4 heads, width 64, 32x32 images, patch 8;
+    text 2 blocks."""
     return tiny_clip()
 
 
@@ -147,8 +148,9 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def toy_pretraining(tmp_path_factory):
-    """(cache folder, log lines): the toy CLIP, pretrained once per test session with the default recipe (what
-    `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what pretraining logged."""
+    """(cache folder, log lines): the toy CLIP, pretrained once per test session with the default
+    recipe (what `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what
+    pretraining logged."""
     if not _pretraining:  # not started at collection (a plugin or a direct call): pretrain here
         import toyworld
 

@@ -1,4 +1,5 @@
-"""bench.py runs end to end on the tiny model and writes a table with every row (no timing asserts)."""
+"""bench.py runs end to end on the tiny model and writes a table with every row (no timing
+asserts)."""
 
 import os
 import re
@@ -26,7 +27,8 @@ def table_rows(text):
 def test_tiny_bench_writes_every_row(tmp_path):
     out = tmp_path / "bench.md"
     # one intra-op thread: the test suite shares a small machine, where spinning threads only slow
-    # it down. In this process (command line, main() and all): a subprocess adds only torch's start-up.
+    # it down. In this process (command line, main() and all): a subprocess adds only torch's
+    # start-up.
     threads = torch.get_num_threads()
     try:
         bench.main(
@@ -64,10 +66,10 @@ def test_tiny_bench_writes_every_row(tmp_path):
     for rid in expected:  # every timing row has its FLOP limit and measured / limit
         if rid[0] in "abcd" and "agree" not in rid:
             assert float(rows[rid][5]) > 0 and float(rows[rid][6]) > 0, rows[rid]
-    assert (
-        float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3
-    )  # the naive step does far more work
-    # the frozen forward with every position in its last blocks: the same predictions, more FLOPs than the pruned one
+    # the naive step does far more work
+    assert float(rows[f"c.C{settings[0][0]}xB{settings[0][1]}"][5]) > 3
+    # the frozen forward with every position in its last blocks: the same predictions,
+    # more FLOPs than the pruned one
     tag = "C{}xB{}".format(*settings[0])
     assert float(rows[f"b.rows.agree.{tag}"][2]) < 1e-3
     assert float(rows[f"b.rows.{tag}"][5]) < float(rows[f"b.{tag}"][5])
@@ -105,14 +107,16 @@ def test_reference_has_openai_layout_and_loads_the_same_weights():
 
 
 def block_flops(n, r, D):
-    """FLOPs (2 per multiply-add) of one pre-LN block on one sequence, written out by hand: keys and values of
-    all n positions, queries, attention, output projection and MLP (4x wide) of the r rows computed."""
+    """FLOPs (2 per multiply-add) of one pre-LN block on one sequence, written out by hand: keys and
+    values of all n positions, queries, attention, output projection and MLP (4x wide) of the r rows
+    computed."""
     return 2 * (n * D * 2 * D + r * D * D + 2 * r * n * D + r * D * D + r * D * 8 * D)
 
 
 def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
-    """bench.count_flops reads every matmul the code runs; on encode_image and on DeAR's image side it equals
-    the FLOPs counted by hand with the last block computing only the rows read (CLS; CLS + K tokens)."""
+    """bench.count_flops reads every matmul the code runs; on encode_image and on DeAR's image side
+    it equals the FLOPs counted by hand with the last block computing only the rows read
+    (CLS; CLS + K tokens)."""
     import torch
     from conftest import tiny_clip
     from dear import K, DeAR
@@ -139,8 +143,9 @@ def test_flop_count_equals_a_hand_count_of_the_cut_last_block():
 
 
 def test_every_row_baseline_computes_every_position_of_the_last_blocks():
-    """b.rows' frozen forward: the same logits as the pruned one, and exactly the FLOPs of the last image block on
-    all N rows instead of CLS, plus the last text block on all T positions instead of EOT, counted by hand."""
+    """b.rows' frozen forward: the same logits as the pruned one, and exactly the FLOPs of the last
+    image block on all N rows instead of CLS, plus the last text block on all T positions instead of
+    EOT, counted by hand."""
     import torch
     from conftest import tiny_clip
     import clip

@@ -94,9 +94,8 @@ def test_features_equal_plain_reference_and_state_dict_round_trips():
     model = build_model(sd)
     images = _images()
     tokens = clip.tokenize(["a photo of a cat.", "a red striped circle in the top left", "", ""])
-    tokens[3, :6] = torch.tensor(
-        [49406, 0, 0, 320, 0, 49407]
-    )  # id 0 ("!") inside a text: EOT is the argmax
+    # id 0 ("!") inside a text: EOT is the argmax
+    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])
     with torch.no_grad():
         ours_i = F.normalize(model.encode_image(images), dim=-1)
         ours_t = F.normalize(model.encode_text(tokens), dim=-1)
@@ -109,9 +108,8 @@ def test_features_equal_plain_reference_and_state_dict_round_trips():
     weights = {k: v for k, v in sd.items() if k not in ("vision_heads", "text_heads")}
     assert set(out) == set(weights)
     assert all(torch.equal(out[k], weights[k]) for k in weights)
-    build_model(
-        {**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)}
-    )  # strict again
+    # strict again
+    build_model({**out, "vision_heads": torch.tensor(4), "text_heads": torch.tensor(4)})
     # logits are exp(logit_scale) * cosine
     logits, logits_t = model(images, tokens)
     assert torch.allclose(logits, model.logit_scale.exp() * ours_i @ ours_t.t(), atol=1e-4)
@@ -145,9 +143,8 @@ def test_masked_attention_equals_explicit_per_head_softmax(per_image):
     shape = (B, H, L, L) if per_image else (H, L, L)
     mask = torch.randn(shape)  # a different additive mask for every head
     mask = mask.masked_fill(torch.rand(shape) < 0.3, float("-inf"))
-    mask = mask.masked_fill(
-        torch.eye(L, dtype=torch.bool), 0.0
-    )  # every query keeps at least itself
+    # every query keeps at least itself
+    mask = mask.masked_fill(torch.eye(L, dtype=torch.bool), 0.0)
     full = mask.expand(B, H, L, L)
     expected, expected_w = _explicit_attention(attn, x, full)
     out_fast = attn(x, attn_mask=mask)
@@ -363,8 +360,8 @@ def test_vit_b16_sized_state_dict_loads_strictly_and_runs():
 
 
 def test_tokenizer_known_ids_padding_and_dtype():
-    # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c at</w>" -> 2368;
-    # byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
+    # ids read off the merges file by hand: id = 512 + (line number of the merge - 1), e.g. "c
+    # at</w>" -> 2368; byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
     t = clip.tokenize(["a photo of a cat.", "Hello   World!"])
     assert t.shape == (2, 77) and t.dtype == torch.int32
     assert t[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407]
@@ -381,12 +378,10 @@ def test_tokenizer_known_ids_padding_and_dtype():
 def test_tokenizer_unicode_and_html():
     tok = get_tokenizer()
     assert tok.encode("fish &amp; chips") == tok.encode("fish & chips") == [2759, 261, 8855]
-    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode(
-        "fish & chips"
-    )  # ftfy unescapes ...
-    assert tok.encode("x < y &amp;amp; z") == tok.encode(
-        "x < y & z"
-    )  # ... but not beside "<": unescape twice
+    # ftfy unescapes ...
+    assert tok.encode("fish &amp;amp;amp; chips") == tok.encode("fish & chips")
+    # ... but not beside "<": unescape twice
+    assert tok.encode("x < y &amp;amp; z") == tok.encode("x < y & z")
     assert tok.encode("café") == [15304]  # UTF-8 bytes of é are symbols "Ã©"
     assert tok.encode("cafÃ©") == tok.encode("café")  # ftfy repairs mojibake
     assert tok.decode(tok.encode("naïve 東京 ❤")) == "naïve 東京 ❤ "  # any text round-trips
@@ -410,7 +405,8 @@ def test_tokenize_too_long_raises_or_truncates():
 
 
 class _Archive(nn.Module):
-    """Holds a CLIP's weights under the same names plus the JIT extras, the way OpenAI's archives do."""
+    """Holds a CLIP's weights under the same names plus the JIT extras,
+    the way OpenAI's archives do."""
 
     def __init__(self, model):
         super().__init__()
@@ -582,7 +578,7 @@ def test_cache_dir_and_available_models(tmp_path, monkeypatch):
     ]  # OpenAI's, no "toy"
 
 
-# ---------------------------------------------------------------- exact savings: rows and shared past
+# -------------------------------------------------------------- exact savings: rows and shared past
 
 
 def _block_and_input(seed=0, B=2, L=9, D=64, H=4):
@@ -593,8 +589,9 @@ def _block_and_input(seed=0, B=2, L=9, D=64, H=4):
 
 
 def test_rows_equal_the_full_block_read_at_those_rows():
-    """rows: the block computes only some output positions; outputs and input gradients equal the full block
-    read at those rows, with a per-head mask whose rows differ (each row must get its own mask row)."""
+    """rows: the block computes only some output positions; outputs and input gradients equal the
+    full block read at those rows, with a per-head mask whose rows differ (each row must get its own
+    mask row)."""
     block, x = _block_and_input()
     H, L = 4, x.shape[1]
     torch.manual_seed(1)
@@ -618,14 +615,14 @@ def test_rows_equal_the_full_block_read_at_those_rows():
     assert torch.allclose(
         m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6
     )
-    assert torch.allclose(
-        m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2]
-    )  # no block: a cut
+    # no block: a cut
+    assert torch.allclose(m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])
 
 
 def test_past_equals_running_the_whole_sequence():
-    """A text block on a suffix that attends to shared past positions equals the block on [past, suffix]
-    under the causal mask, read after the past; gradients reach the past through its keys and values."""
+    """A text block on a suffix that attends to shared past positions equals the block on
+    [past, suffix] under the causal mask, read after the past; gradients reach the past through its
+    keys and values."""
     m = tiny_clip(text_layers=2)
     torch.manual_seed(2)
     past = torch.randn(1, 4, 64, requires_grad=True)  # shared by every text
@@ -636,9 +633,8 @@ def test_past_equals_running_the_whole_sequence():
     ]
     out = m.run_text_blocks(suffix, 1, 2, past=past)
     assert torch.allclose(out, ref, atol=1e-6)
-    last = m.run_text_blocks(
-        suffix, 1, 2, past=past, rows=slice(-1, None)
-    )  # only the last position
+    # only the last position
+    last = m.run_text_blocks(suffix, 1, 2, past=past, rows=slice(-1, None))
     assert torch.allclose(last, ref[:, -1:], atol=1e-6)
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), (past, suffix))
@@ -651,9 +647,10 @@ def test_past_equals_running_the_whole_sequence():
 
 @pytest.mark.parametrize("group_cost", [0, 10**6])
 def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatch):
-    """Prompts of several lengths come back in their own order and equal the plain reference computed on the
-    padded tokens: one group per length (group cost 0), and one group padded to the longest whose EOTs sit at
-    three positions (a large group cost; each text must be read at its own EOT)."""
+    """Prompts of several lengths come back in their own order and equal the plain reference
+    computed on the padded tokens: one group per length (group cost 0), and one group padded to the
+    longest whose EOTs sit at three positions (a large group cost; each text must be read at its own
+    EOT)."""
     monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     m = tiny_clip()
     sd = m.state_dict()
@@ -674,10 +671,10 @@ def test_encode_text_groups_by_length_and_keeps_the_order(group_cost, monkeypatc
 
 
 def test_length_buckets_pick_the_cheapest_split():
-    """Ten texts with EOT at 3, one at 4, ten at 20. Cost = texts x (longest EOT + 1) + group cost, by hand:
-    group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329 (cheapest);
-    {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group per length;
-    a huge one: a single group."""
+    """Ten texts with EOT at 3, one at 4, ten at 20. Cost = texts x (longest EOT + 1) + group cost,
+    by hand: group cost 32: {3},{4},{20} = 40 + 5 + 210 + 96 = 351; {3,4},{20} = 55 + 210 + 64 = 329
+    (cheapest); {3},{4,20} = 40 + 231 + 64 = 335; {3,4,20} = 441 + 32 = 473. Group cost 0: one group
+    per length; a huge one: a single group."""
     eot = torch.tensor([3] * 10 + [4] + [20] * 10)[
         torch.randperm(21, generator=torch.Generator().manual_seed(0))
     ]
@@ -690,9 +687,8 @@ def test_length_buckets_pick_the_cheapest_split():
     groups = clip.model.length_buckets(eot, 32)
     n, idx, rows, pick = groups[0]
     assert rows.tolist() == [3, 4] and torch.equal(rows[pick], eot[idx])  # each text's own EOT row
-    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(
-        range(21)
-    )  # every text once
+    # every text once
+    assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -714,10 +710,10 @@ def test_build_model_copies_never_aliases_the_state_dict(dtype):
 
 
 def test_preprocess_equals_openais_torchvision_pipeline():
-    """clip.load's preprocess is OpenAI's _transform (torchvision's Resize(n, bicubic), CenterCrop(n),
-    RGB, ToTensor, Normalize) written with PIL and torch: bit for bit on noise images whose resized
-    side truncates (44x40 -> 35.2 -> 35, not 36) and whose crop margin is odd (round(1.5) = 2), in
-    RGB, L and RGBA (converted to RGB after the crop, as OpenAI's order)."""
+    """clip.load's preprocess is OpenAI's _transform (torchvision's Resize(n, bicubic),
+    CenterCrop(n), RGB, ToTensor, Normalize) written with PIL and torch: bit for bit on noise images
+    whose resized side truncates (44x40 -> 35.2 -> 35, not 36) and whose crop margin is odd
+    (round(1.5) = 2), in RGB, L and RGBA (converted to RGB after the crop, as OpenAI's order)."""
     from PIL import Image
     from torchvision import transforms as TV
 

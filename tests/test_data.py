@@ -1,6 +1,7 @@
-"""data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot subsets
-equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit images), loaders, bad
-input, downloads from a local HTTP server, and archives built to each path-escape attack."""
+"""data.py and download.py: every CoOp reader on tiny fake datasets in the real layouts, few-shot
+subsets equal to Dassl's, base/novel, folder datasets and their kept split, transforms (16-bit
+images), loaders, bad input, downloads from a local HTTP server, and archives built to each
+path-escape attack."""
 
 import collections
 import hashlib
@@ -32,7 +33,8 @@ def make_image(path, seed=0, size=(12, 10)):
 
 
 def write_split(path, image_dir, entries):
-    """entries: {split: [(relative path, label, classname)]}; writes the images and the JSON (indent 4, as Dassl)."""
+    """entries: {split: [(relative path, label, classname)]};
+    writes the images and the JSON (indent 4, as Dassl)."""
     for n, (rel, _, _) in enumerate(e for items in entries.values() for e in items):
         make_image(os.path.join(image_dir, rel), seed=n)
     with open(path, "w") as f:
@@ -40,7 +42,8 @@ def write_split(path, image_dir, entries):
 
 
 def interleave(per_class):
-    """Items of several classes in a mixed order (labels not grouped), as in the real split files."""
+    """Items of several classes in a mixed order (labels not grouped),
+    as in the real split files."""
     out, rng = [], random.Random(0)
     for items in per_class:
         out += items
@@ -48,12 +51,14 @@ def interleave(per_class):
     return out
 
 
-# ------------------------------------------------------------------------------------------- layouts
-# One builder per CoOp layout. Each returns (classnames as the model sees them, (n_train, n_val, n_test)).
+# ------------------------------------------------------------------------------------------ layouts
+# One builder per CoOp layout. Each returns (classnames as the model sees them, (n_train, n_val,
+# n_test)).
 
 SIZES = {"train": 5, "val": 3, "test": 2}
 
-JSON_LAYOUTS = {  # name: (raw classnames as stored in the split JSON, relative path of image i of class c)
+# name: (raw classnames as stored in the split JSON, relative path of image i of class c)
+JSON_LAYOUTS = {
     "caltech101": (
         ["accordion", "Leopards", "yin_yang"],
         lambda c, s, i: f"{c}/image_{s}{i:04d}.jpg",
@@ -211,7 +216,8 @@ def test_reader_gives_classnames_counts_template(tmp_path, name):
 
 
 def test_label_order_follows_split_json_not_folder_names(tmp_path):
-    # EuroSAT labels come from the JSON: class 2 is "Sea or Lake" even though the JSON stores its raw folder name
+    # EuroSAT labels come from the JSON: class 2 is "Sea or Lake" even though the JSON stores its
+    # raw folder name
     build_json_layout(str(tmp_path), "eurosat")
     ds = data.build_dataset("eurosat", str(tmp_path))
     assert [c for _, y, c in ds.test if y == 2][0] == "Sea or Lake"
@@ -240,7 +246,7 @@ def test_imagenet_fewshot_samples_train_only(tmp_path):
     assert len(ds.train) == 6 and ds.val == ds.test and len(ds.test) == 6
 
 
-# ------------------------------------------------------------------------------------------- few-shot
+# ----------------------------------------------------------------------------------------- few-shot
 
 
 def dassl_fewshot(train, val, k, seed):
@@ -386,7 +392,7 @@ def test_fewshot_leaves_global_random_alone(tmp_path):
     assert random.random() == expected
 
 
-# ------------------------------------------------------------------------------------------- base / novel
+# ------------------------------------------------------------------------------------- base / novel
 
 
 def test_base_novel_split_and_relabel(tmp_path):
@@ -398,14 +404,12 @@ def test_base_novel_split_and_relabel(tmp_path):
     assert {y for _, y, _ in novel.train + novel.val + novel.test} == {0, 1}  # relabelled from 0
     assert [p for p, _, _ in novel.test] == [p for p, y, _ in full.test if y >= 3]
     assert len(base.train) + len(novel.train) == len(full.train)
-    assert (
-        data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test
-    )  # CoOp's name
+    # CoOp's name
+    assert data.build_dataset("dtd", str(tmp_path), subsample="new").test == novel.test
     fs_base = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1, subsample="base")
     fs_all = data.build_dataset("dtd", str(tmp_path), shots=4, seed=1)
-    assert fs_base.train == [
-        it for it in fs_all.train if it[1] < 3
-    ]  # few-shot first, then the class split
+    # few-shot first, then the class split
+    assert fs_base.train == [it for it in fs_all.train if it[1] < 3]
 
 
 def test_base_novel_on_test_only_set(tmp_path):
@@ -414,7 +418,7 @@ def test_base_novel_on_test_only_set(tmp_path):
     assert novel.classnames == ["great white shark"] and len(novel.test) == 3 and novel.train == []
 
 
-# ------------------------------------------------------------------------------------------- custom and toyworld
+# ------------------------------------------------------------------------------ custom and toyworld
 
 
 def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
@@ -432,9 +436,8 @@ def test_custom_folder_split_is_deterministic_and_kept(tmp_path):
     assert (tmp_path / "one" / "split_folder.json").exists() and a.split_file == str(
         tmp_path / "one" / "split_folder.json"
     )
-    again = data.build_dataset(
-        f"folder:{tmp_path / 'one'}", None, shots=2
-    )  # later runs reuse the written split
+    # later runs reuse the written split
+    again = data.build_dataset(f"folder:{tmp_path / 'one'}", None, shots=2)
     assert len(again.train) == 6 and sum(len(s) for s in (a.train, a.val, a.test)) == 30
     assert data.build_dataset(f"folder:{tmp_path / 'one'}", None).test == a.test
 
@@ -490,9 +493,8 @@ def test_folder_that_changed_since_its_split_is_refused(tmp_path, change, words)
         "Restore",
     ]:
         assert w in msg, (w, msg)
-    assert (
-        "CoOp" not in msg and "download" not in msg and "github" not in msg
-    )  # not advice for CoOp's datasets
+    # not advice for CoOp's datasets
+    assert "CoOp" not in msg and "download" not in msg and "github" not in msg
     if change == "class gone":  # restoring the folder brings the kept split back, unchanged
         shutil.move(str(tmp_path / "plum"), str(tmp_path / "fruit" / "plum"))
         assert data.build_dataset(name, None).test == first.test
@@ -532,14 +534,12 @@ def test_read_only_folder_keeps_its_split_in_the_cache(tmp_path, monkeypatch, ca
         )
         err = capsys.readouterr().err
         assert f"its split is kept in {want}" in err and "could not cache" not in err
-        assert (
-            data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test
-        )  # reused
+        # reused
+        assert data.build_dataset(name, None).test == data.build_dataset(name, None, shots=1).test
         split_files.append(want)
     assert split_files[0] != split_files[1]  # two folders named pets keep two splits
-    make_image(
-        str(tmp_path / "a" / "pets" / "pear" / "99.png")
-    )  # the cached split is checked like any other
+    # the cached split is checked like any other
+    make_image(str(tmp_path / "a" / "pets" / "pear" / "99.png"))
     with pytest.raises(data.DataError, match="no longer matches its split " + split_files[0]):
         data.build_dataset(f"folder:{locked[0]}", None)
 
@@ -555,9 +555,8 @@ def test_split_and_fewshot_files_get_the_users_permissions(tmp_path):
         tmp_path / "fruit" / "split_folder.json",
         tmp_path / "fruit" / "split_fewshot" / "shot_1-seed_1.json",
     ):
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, (
-            path
-        )  # 0666 less the umask, as open() would
+        # 0666 less the umask, as open() would
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path
 
 
 def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
@@ -568,7 +567,8 @@ def test_one_class_base_to_novel_and_one_class_splits(tmp_path, capsys):
         ):
             data.build_dataset(one, None, subsample=part)
     assert data.build_dataset(one, None).warnings == [
-        f"{one} has only one class (pear): every prediction is that class, so its accuracy is 100% by construction"
+        f"{one} has only one class (pear): every prediction is "
+        "that class, so its accuracy is 100% by construction"
     ]
     three = fruit_folder(tmp_path / "three", n=4)  # base: pear, plum; novel: red apple alone
     novel = data.build_dataset(three, None, subsample="novel")
@@ -587,14 +587,14 @@ def test_shots_above_what_a_class_has_warn_and_real_shots_are_kept(tmp_path):
         "all they have, as in CoOp, so the real shots per class are 1..8"
     ]
     assert data.build_dataset("dtd", str(tmp_path), shots=1, seed=1).warnings == []
-    novel = data.build_dataset(
-        "dtd", str(tmp_path), shots=6, seed=1, subsample="novel"
-    )  # bubbly 5, bumpy 9
+    # bubbly 5, bumpy 9
+    novel = data.build_dataset("dtd", str(tmp_path), shots=6, seed=1, subsample="novel")
     assert novel.shots_per_class == [5, 6] and "1 of 2 classes (novel classes)" in novel.warnings[0]
 
 
 def test_toyworld_is_read_through_the_json_machinery(tmp_path):
-    """data.py only reads the toy world (toyworld.py writes it); until then it names the command that makes it."""
+    """data.py only reads the toy world (toyworld.py writes it);
+    until then it names the command that makes it."""
     root = tmp_path / "new_root"
     with pytest.raises(data.DataError, match="python toyworld.py dataset"):
         data.build_dataset("toyworld", str(root), shots=2, seed=1)
@@ -616,7 +616,7 @@ def test_toyworld_is_read_through_the_json_machinery(tmp_path):
     assert (root / "toyworld" / "split_fewshot" / "shot_2-seed_1.json").exists()
 
 
-# ------------------------------------------------------------------------------------------- transforms, loaders
+# ------------------------------------------------------------------------------ transforms, loaders
 
 
 def test_transforms_shapes_normalisation_and_determinism():
@@ -742,9 +742,8 @@ def test_loader_shuffle_is_seeded_and_batches_have_shape(tmp_path):
         y.tolist() for _, y in data.make_loader(items, data.test_transform(16), 4, True, seed=seed)
     ]
     assert order(0) == order(0) and order(0) != order(1)
-    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(
-        range(10)
-    )  # drop_last on train, as Dassl
+    # drop_last on train, as Dassl
+    assert len(order(0)) == 2 and sorted(sum(order(0), [])) != list(range(10))
     batches = list(data.make_loader(items, data.test_transform(16), 4, shuffle=False))
     assert [b[0].shape[0] for b in batches] == [4, 4, 2] and batches[0][0].shape == (4, 3, 16, 16)
     assert torch.cat([b[1] for b in batches]).tolist() == list(range(10))
@@ -774,17 +773,15 @@ def test_corrupt_image_raises_data_error_naming_the_file(tmp_path, damage):
         assert str(err.value) == str(here.value) and str(here.value).startswith(
             f"cannot read image {path} ("
         )
-        assert "\n" not in str(err.value) and "Traceback" not in str(
-            err.value
-        )  # one line, not the worker's traceback
+        # one line, not the worker's traceback
+        assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
 
 
 def test_too_large_image_names_the_file(tmp_path, monkeypatch):
     path = tmp_path / "huge.png"
     make_image(str(path), size=(20, 16))  # 320 pixels
-    monkeypatch.setattr(
-        Image, "MAX_IMAGE_PIXELS", 100
-    )  # PIL refuses above twice this: a decompression bomb
+    # PIL refuses above twice this: a decompression bomb
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(
         data.DataError, match=f"image {path} is too large to open safely .*320 pixels"
     ):
@@ -792,9 +789,8 @@ def test_too_large_image_names_the_file(tmp_path, monkeypatch):
 
 
 def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
-    levels = np.array(
-        [[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16
-    )  # 8-bit: 0, 100, 255, 50
+    # 8-bit: 0, 100, 255, 50
+    levels = np.array([[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16)
     want = np.array([[0, 100], [255, 50]], dtype=np.uint8)
     path = tmp_path / "deep.png"
     Image.fromarray(levels).save(path)
@@ -804,13 +800,12 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert rgb.shape == (2, 2, 3) and all((rgb[..., k] == want).all() for k in range(3))
     wide = Image.fromarray(levels.astype(np.int32))  # mode "I", as older PIL opens 16-bit PNGs
     assert wide.mode == "I" and (np.asarray(data.to_rgb(wide))[..., 0] == want).all()
-    small = Image.fromarray(
-        np.array([[0, 100], [255, 50]], dtype=np.int32)
-    )  # "I" holding 8-bit levels
+    # "I" holding 8-bit levels
+    small = Image.fromarray(np.array([[0, 100], [255, 50]], dtype=np.int32))
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
-# ------------------------------------------------------------------------------------------- bad input
+# ---------------------------------------------------------------------------------------- bad input
 
 
 def test_bad_input_each_stops_with_one_clear_error(tmp_path):
@@ -856,15 +851,13 @@ def test_malformed_split_and_missing_image(tmp_path):
 
 
 def test_large_splits_check_a_sample_then_fail_at_load(tmp_path, monkeypatch):
-    build_json_layout(
-        str(tmp_path), "food101"
-    )  # 15 train items: checks items 0, 7, 14 with a limit of 2
+    # 15 train items: checks items 0, 7, 14 with a limit of 2
+    build_json_layout(str(tmp_path), "food101")
     monkeypatch.setattr(data, "CHECK_LIMIT", 2)
     ds = data.build_dataset("food101", str(tmp_path))
     os.remove(ds.train[3][0])
-    ds = data.build_dataset(
-        "food101", str(tmp_path)
-    )  # not in the checked sample: building still works
+    # not in the checked sample: building still works
+    ds = data.build_dataset("food101", str(tmp_path))
     with pytest.raises(data.DataError, match="missing on disk"):
         data.ImageList(ds.train)[3]
     os.remove(ds.train[7][0])
@@ -907,9 +900,8 @@ def test_cli_check_opens_every_image(tmp_path, capsys):
     bad = ds.test[-1][0]
     with open(bad, "wb") as f:
         f.write(b"not an image")
-    assert (
-        data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0
-    )  # the lists alone look fine
+    # the lists alone look fine
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--no-images"]) == 0
     capsys.readouterr()
     assert data.main(["check", "eurosat", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -1013,8 +1005,8 @@ def test_images_in_sub_folders_are_named(tmp_path, capsys):
     with pytest.raises(data.DataError) as err:
         data.build_dataset(f"folder:{tmp_path / 'more'}", None)
     assert (
-        f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are in "
-        f"sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
+        f"class folder {tmp_path / 'more' / 'kiwi'} holds no images directly; its 3 image(s) are "
+        "in sub-folders (2020/0.png, 2020/1.png, 2020/2.png): move them up" in str(err.value)
     )
 
 
@@ -1107,7 +1099,7 @@ def test_cli_refuses_shots_below_one_like_dear_py(tmp_path, capsys):
     assert "train 15 | val 9 | test 6" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------------------------------- downloads
+# ---------------------------------------------------------------------------------------- downloads
 
 
 class Server:
@@ -1214,9 +1206,8 @@ def test_download_eurosat_end_to_end(tmp_path, server):
     )
     ds = data.build_dataset("eurosat", str(tmp_path), shots=2)
     assert ds.classnames == ["Annual Crop Land", "Forest"] and len(ds.test) == 4
-    assert (
-        os.listdir(tmp_path / ".downloads") == []
-    )  # archive removed after unpacking, no .part left
+    # archive removed after unpacking, no .part left
+    assert os.listdir(tmp_path / ".downloads") == []
     server.routes.clear()  # a second run finds everything present and downloads nothing
     download.download_dataset(
         data.DATASETS["eurosat"], str(tmp_path), sources=sources, gdrive_url=drive
@@ -1286,9 +1277,8 @@ def test_cut_off_unpack_is_not_taken_for_a_finished_download(tmp_path, server, m
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", cut_off)
     with pytest.raises(KeyboardInterrupt):
         download.fetch_source(src, str(tmp_path))
-    assert (
-        len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()
-    )  # nothing half-done in place
+    # nothing half-done in place
+    assert len(calls) == 6 and not (tmp_path / "eurosat" / "2750").exists()
     monkeypatch.setattr(zipfile.ZipFile, "_extract_member", real)
     download.fetch_source(src, str(tmp_path))  # the rerun unpacks again, from scratch
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "eurosat" / "2750") for f in fs]
@@ -1305,9 +1295,8 @@ def test_unpack_merges_into_existing_folders_and_moves(tmp_path, server):
         tar_bytes({"fgvc-2013b/data/variants.txt": b"3", "fgvc-2013b/evaluation.m": b"4"}),
     )
     (tmp_path / "dtd").mkdir()
-    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(
-        "{}"
-    )  # already there: kept
+    # already there: kept
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text("{}")
     download.fetch_source(
         download.Source(url=server.url + "/files/dtd.tar.gz", extract_to=".", creates="dtd/images"),
         str(tmp_path),
@@ -1340,7 +1329,8 @@ def test_cut_off_download_is_rejected(tmp_path, server):
 
 
 def zip_with_symlink(name, target):
-    """A zip whose member carries the symlink mode bits (as `zip --symlinks` writes), body = the link target."""
+    """A zip whose member carries the symlink mode bits (as `zip --symlinks` writes),
+    body = the link target."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("ok.txt", b"1")
@@ -1351,7 +1341,8 @@ def zip_with_symlink(name, target):
 
 
 def tar_members(entries):
-    """A tar from (name, kind, body or link target) in order; kind: file | dir | sym | hard | fifo."""
+    """A tar from (name, kind, body or link target) in order; kind:
+    file | dir | sym | hard | fifo."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as t:
         for name, kind, arg in entries:
@@ -1371,8 +1362,9 @@ def tar_members(entries):
     return buf.getvalue()
 
 
-# Each attack: (archive bytes given the test folder, the expected refusal). The target folder is T/x, so
-# T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it for inside.
+# Each attack: (archive bytes given the test folder, the expected refusal). The target folder is
+# T/x, so T/xy is a sibling whose path starts with the target's: a plain string-prefix test takes it
+# for inside.
 ATTACKS = {
     "zip-dotdot": (
         lambda T: zip_bytes({"ok.txt": b"1", "../evil.txt": b"2"}),
@@ -1407,8 +1399,9 @@ ATTACKS = {
         lambda T: tar_bytes({"ok.txt": b"1"}, links=[("link", f"{T}/xy")]),
         r"link link -> /.*/xy has an absolute path",
     ),
-    # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent: x/xy/evil.txt
-    # would be written outside. The check refuses the link that steps through another link.
+    # y -> "." and x -> "y/.." both look inside by name, but on disk x is the target's parent:
+    # x/xy/evil.txt would be written outside. The check refuses the link that steps through another
+    # link.
     "tar-symlink-chain": (
         lambda T: tar_members(
             [
@@ -1450,7 +1443,8 @@ ATTACKS = {
 
 @pytest.mark.parametrize("kind", sorted(ATTACKS))
 def test_escaping_archive_is_refused_by_its_own_check(tmp_path, monkeypatch, kind):
-    """Refused by name, before anything is unpacked: the stdlib's extraction (and its own filter) never runs."""
+    """Refused by name, before anything is unpacked:
+    the stdlib's extraction (and its own filter) never runs."""
     make, refusal = ATTACKS[kind]
     (tmp_path / "xy").mkdir()
     (tmp_path / "xy" / "secret.txt").write_bytes(b"secret")
@@ -1508,10 +1502,10 @@ def test_safe_extract_keeps_an_honest_tar(tmp_path):
 
 def test_google_drive_confirm_page_then_file(tmp_path, server):
     page = (
-        '<html><form id="download-form" action="/drive2" method="get">'
-        '<input type="hidden" name="id" value="BIG"><input type="hidden" name="export" value="download">'
-        '<input type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" value="u-1&amp;2">'
-        '</form></html>'
+        '<html><form id="download-form" action="/drive2" method="get"><input type="hidden" '
+        'name="id" value="BIG"><input type="hidden" name="export" value="download"><input '
+        'type="hidden" name="confirm" value="t"><input type="hidden" name="uuid" '
+        'value="u-1&amp;2"></form></html>'
     )
     server.routes["/drive?id=BIG"] = ("text/html; charset=utf-8", page.encode())
     server.routes["/drive2?id=BIG"] = ("application/octet-stream", b"the big file")

@@ -24,7 +24,8 @@ def roles_all(role, attribute=None, layers=range(1, 5)):
 
 
 def mixed_roles():
-    """Block roles with one head of each kind: generalization, color attribute, mixed, other specialist."""
+    """Block roles with one head of each kind: generalization, color attribute, mixed,
+    other specialist."""
     block = [
         {"role": "generalization", "attribute": None},
         {"role": "attribute", "attribute": "color"},
@@ -70,9 +71,8 @@ def test_mask_variants():
     roles = mixed_roles()[1]
     full = role_mask(roles, P, "role")
     gen_only = role_mask(roles, P, "generalization-only")
-    assert torch.equal(gen_only[0], full[0]) and torch.equal(
-        gen_only[3], full[3]
-    )  # gen + specialist kept
+    # gen + specialist kept
+    assert torch.equal(gen_only[0], full[0]) and torch.equal(gen_only[3], full[3])
     assert (gen_only[1] == 0).all()  # attribute head acts as mixed
     assert (role_mask(roles, P, "none") == 0).all()
     assert full.shape == (H, 1 + K + P, 1 + K + P)
@@ -92,7 +92,8 @@ def test_block_masks_one_per_block_with_the_variant():
 
 
 def test_mask_none_equals_plain_insertion():
-    """--mask none and an all-mixed role table give the same features as inserting tokens with no mask."""
+    """--mask none and an all-mixed role table give the same features as inserting tokens with no
+    mask."""
     clip_model = tiny_clip(text_layers=3)
     torch.manual_seed(0)
     a = DeAR(clip_model, roles_all("mixed"), J=2, mask="role")
@@ -105,7 +106,8 @@ def test_mask_none_equals_plain_insertion():
 
 
 def test_generalization_heads_isolate_cls_from_tokens():
-    """Every head a generalization head: the CLS output equals frozen CLIP's and gets no gradient from R."""
+    """Every head a generalization head: the CLS output equals frozen CLIP's and gets no gradient
+    from R."""
     clip_model = tiny_clip(text_layers=3)
     model = DeAR(clip_model, roles_all("generalization"), J=2)
     images = torch.randn(3, 3, 32, 32)
@@ -125,9 +127,8 @@ def test_attribute_head_lets_its_token_reach_cls():
     grad = torch.autograd.grad(f_cls.sum(), model.tokens.R)[0]  # [K, rep_dim]
     color = ATTRIBUTES.index("color")
     assert grad[color].abs().max() > 0
-    assert (
-        grad[[i for i in range(K) if i != color]].abs().max() == 0
-    )  # other tokens cannot reach CLS
+    # other tokens cannot reach CLS
+    assert grad[[i for i in range(K) if i != color]].abs().max() == 0
 
 
 def test_without_tokens_equals_frozen_clip():
@@ -146,8 +147,8 @@ def test_without_tokens_equals_frozen_clip():
 
 
 def test_text_tokens_after_sot_and_eot_shift():
-    """encode_classes equals a by-hand run: K tokens inserted after SOT at block J, beta mixing after it,
-    a causal mask of length T + K, features read at EOT + K."""
+    """encode_classes equals a by-hand run: K tokens inserted after SOT at block J, beta mixing
+    after it, a causal mask of length T + K, features read at EOT + K."""
     clip_model = tiny_clip(text_layers=4)  # both towers 4 blocks; J = 3: tokens in blocks 3 and 4
     model = DeAR(clip_model, roles_all("mixed"), J=3, beta=0.25)
     model.set_classes(["cat"], "a photo of a {}.")
@@ -170,10 +171,11 @@ def test_text_tokens_after_sot_and_eot_shift():
     assert not torch.allclose(model.encode_classes(), model.t0, atol=1e-3)  # the tokens do change t
 
 
-# ---------------------------------------------------------------------------------------------- the vision side by hand
+# -------------------------------------------------------------------------- the vision side by hand
 
-# A different role layout in each of blocks J..L (J = 2 of the tiny CLIP's 4): giving a block another block's
-# roles changes the output. Every head kind appears, and every attribute in some block.
+# A different role layout in each of blocks J..L (J = 2 of the tiny CLIP's 4): giving a block
+# another block's roles changes the output. Every head kind appears, and every attribute in some
+# block.
 LAYOUTS = {
     2: [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)],
     3: [
@@ -203,9 +205,8 @@ def hand_allowed(role, attribute, n):
         for k in range(n):
             q_token, k_token = 1 <= q <= K, 1 <= k <= K
             if role == "mixed" or q == k or not (q_token or k_token):
-                allowed[q, k] = (
-                    True  # mixed: anything; everyone sees itself; originals see originals
-                )
+                # mixed: anything; everyone sees itself; originals see originals
+                allowed[q, k] = True
             elif role == "attribute" and q_token != k_token:
                 allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (
                     q,
@@ -219,9 +220,8 @@ def hand_block(block, x, allowed=None):
     allowed: [H, n, n] bool or None (no mask)."""
     attn, D = block.attn, x.shape[-1]
     hs = D // H
-    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(
-        D, dim=-1
-    )  # [B, n, D] each
+    # [B, n, D] each
+    q, k, v = (block.ln_1(x) @ attn.in_proj_weight.t() + attn.in_proj_bias).split(D, dim=-1)
     heads = []
     for h in range(H):
         c = slice(h * hs, (h + 1) * hs)
@@ -234,9 +234,10 @@ def hand_block(block, x, allowed=None):
 
 
 def hand_vision(clip_model, model, images, J, beta, layouts):
-    """f_cls, f_attr by hand: blocks 1..J-1 untouched; F^J(R) inserted after CLS at the input of block J; before
-    every later block l the token slots become beta * F^l(R) + (1 - beta) * (their output of block l-1); block l
-    masked by its own layout (None: no mask); f_cls through the frozen proj, f_attr through P_attr."""
+    """f_cls, f_attr by hand: blocks 1..J-1 untouched; F^J(R) inserted after CLS at the input of
+    block J; before every later block l the token slots become beta * F^l(R) + (1 - beta) * (their
+    output of block l-1); block l masked by its own layout (None: no mask); f_cls through the frozen
+    proj, f_attr through P_attr."""
     v = clip_model.visual
     blocks, L, B = v.transformer.resblocks, v.transformer.layers, images.shape[0]
     x = v.conv1(images).flatten(2).transpose(1, 2)  # [B, P, D]
@@ -246,9 +247,8 @@ def hand_vision(clip_model, model, images, J, beta, layouts):
         x = hand_block(blocks[l - 1], x)
     for i, l in enumerate(range(J, L + 1)):
         aligner = model.tokens.F_v[i]
-        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(
-            B, K, -1
-        )  # F^l(R): [B, K, D]
+        # F^l(R): [B, K, D]
+        fresh = (model.tokens.R @ aligner.weight.t() + aligner.bias).expand(B, K, -1)
         if l == J:
             x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # [B, 1+K+P, D]
         else:
@@ -267,8 +267,9 @@ def hand_vision(clip_model, model, images, J, beta, layouts):
 
 
 def vision_model(roles, mask):
-    """The tiny CLIP (vision 4 blocks, text 3) with J = 2, beta 0.3, and tokens and P_attr moved off their
-    initial values so that every path matters: tokens as large as the residual stream, P_attr != proj."""
+    """The tiny CLIP (vision 4 blocks, text 3) with J = 2, beta 0.3, and tokens and P_attr moved off
+    their initial values so that every path matters: tokens as large as the residual stream, P_attr
+    != proj."""
     clip_model = tiny_clip(text_layers=3)
     torch.manual_seed(1)
     model = DeAR(clip_model, roles, J=2, beta=0.3, mask=mask)
@@ -279,7 +280,8 @@ def vision_model(roles, mask):
 
 
 def test_vision_forward_by_hand_with_a_role_layout_per_block():
-    """encode_images equals the by-hand forward: tokens at block J, beta mixing from J+1, each block its own roles."""
+    """encode_images equals the by-hand forward: tokens at block J, beta mixing from J+1,
+    each block its own roles."""
     clip_model, model, images = vision_model(layout_roles(), "role")
     f_cls, f_attr, f0 = model.encode_images(images, with_frozen=True)
     with torch.no_grad():
@@ -300,8 +302,8 @@ def test_mask_none_by_hand():
 
 
 def test_every_trainable_part_gets_a_gradient():
-    """The classification loss alone (lambda_reg = lambda_fusion = 0) reaches P_attr, R, every aligner F_v^l and
-    F_t^l, and the fusion weights w; the frozen CLIP gets no gradient."""
+    """The classification loss alone (lambda_reg = lambda_fusion = 0) reaches P_attr, R, every
+    aligner F_v^l and F_t^l, and the fusion weights w; the frozen CLIP gets no gradient."""
     _, model, images = vision_model(layout_roles(), "role")
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     out = model(images, with_frozen=True)
@@ -322,7 +324,8 @@ def test_every_trainable_part_gets_a_gradient():
 
 
 def test_text_tower_shallower_than_vision():
-    """Text 3 blocks, vision 4, J = 3: the tokens live in the last two blocks of each tower (text blocks 2 and 3)."""
+    """Text 3 blocks, vision 4, J = 3: the tokens live in the last two blocks of each tower (text
+    blocks 2 and 3)."""
     clip_model = tiny_clip(text_layers=3)
     model = DeAR(clip_model, roles_all("mixed", layers=(3, 4)), J=3, beta=0.25)
     with torch.no_grad():
@@ -345,17 +348,16 @@ def test_text_tower_shallower_than_vision():
 
 
 def test_loss_terms_on_hand_set_features():
-    """Features at known angles: 1 - cos is known, so every term and the total are numbers computed here."""
+    """Features at known angles: 1 - cos is known, so every term and the total are numbers computed
+    here."""
     e = torch.eye(4)
     c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
     out = {
         "f0": torch.stack([e[0], e[1]]),
-        "f_cls": torch.stack(
-            [c60 * e[0] + s60 * e[2], e[3]]
-        ),  # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
-        "t": torch.stack(
-            [0.8 * e[0] + 0.6 * e[3], e[1]]
-        ),  # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+        # 60 and 90 degrees from f0: 1 - cos = 0.5, 1
+        "f_cls": torch.stack([c60 * e[0] + s60 * e[2], e[3]]),
+        # cos 0.8 and 1 with t0: 1 - cos = 0.2, 0
+        "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]),
         "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]]),
     }
     t0 = torch.stack([e[0], e[1]])
@@ -399,9 +401,8 @@ def test_loss_regularisers_are_cosines_per_row():
 
 
 def test_harmonic_mean_by_hand():
-    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(
-        68.5714286, abs=1e-6
-    )  # 2 * 80 * 60 / 140
+    # 2 * 80 * 60 / 140
+    assert runs.harmonic_mean(80.0, 60.0) == pytest.approx(68.5714286, abs=1e-6)
     assert runs.harmonic_mean(90.0, 10.0) == pytest.approx(18.0)
     assert runs.harmonic_mean(100.0, 0.0) == 0.0 and runs.harmonic_mean(0.0, 0.0) == 0.0
 
@@ -429,13 +430,11 @@ def test_fusion_weights_and_loss_terms():
     )
     labels = torch.tensor([0, 1, 2, 0])
     total, parts = dear.dear_loss(out, labels, model.t0, alpha, lambda_reg=2.0, lambda_fusion=0.5)
-    reg_img = (
-        (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()
-    )  # unit vectors: cos is the dot product
+    # unit vectors: cos is the dot product
+    reg_img = (1 - (out["f_cls"] * out["f0"]).sum(-1)).mean().item()
     reg_txt = (1 - (out["t"] * model.t0).sum(-1)).mean().item()
-    assert (
-        reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4
-    )  # generalization heads: f_cls == f^0
+    # generalization heads: f_cls == f^0
+    assert reg_img == pytest.approx(0.0, abs=1e-6) and reg_txt > 1e-4
     assert parts["reg_txt"] == pytest.approx(reg_txt, rel=1e-4)  # ... while the text tokens move t
     ce = F.cross_entropy(out["fused"], labels).item()
     assert total.item() == pytest.approx(
@@ -444,14 +443,14 @@ def test_fusion_weights_and_loss_terms():
 
 
 def test_head_is_fp32_under_bf16_autocast(monkeypatch):
-    """DeAR.forward under CPU bf16 autocast, fed bf16 features (as the towers give them): the logits and the
-    fused logits equal an fp64 computation by hand from the same features, and every top-1 matches it, on 100
-    close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64) tie or swap about 13% of them."""
+    """DeAR.forward under CPU bf16 autocast, fed bf16 features (as the towers give them): the logits
+    and the fused logits equal an fp64 computation by hand from the same features, and every top-1
+    matches it, on 100 close classes where logits computed in bf16 (steps of 0.125-0.25 at 16-64)
+    tie or swap about 13% of them."""
     g = torch.Generator().manual_seed(0)
     B, C, E = 128, 100, 64
-    t = F.normalize(
-        torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1
-    )  # close classes
+    # close classes
+    t = F.normalize(torch.randn(1, E, generator=g) + 0.1 * torch.randn(C, E, generator=g), dim=-1)
     center = t.mean(0, keepdim=True)
     f_cls = F.normalize(center + 0.5 * torch.randn(B, E, generator=g), dim=-1).bfloat16()
     f_attr = F.normalize(center + 0.5 * torch.randn(B, K, E, generator=g), dim=-1).bfloat16()
@@ -485,7 +484,8 @@ def test_head_is_fp32_under_bf16_autocast(monkeypatch):
 
 
 def test_aligners_start_identical_and_R_init_unchanged():
-    """As MMRL: one aligner of each kind initialised and copied to every block; R is still N(0, 0.02), drawn first."""
+    """As MMRL: one aligner of each kind initialised and copied to every block; R is still
+    N(0, 0.02), drawn first."""
     torch.manual_seed(7)
     tokens = dear.AttributeTokens(4, 16, 24, 20)
     torch.manual_seed(7)
@@ -496,9 +496,8 @@ def test_aligners_start_identical_and_R_init_unchanged():
                 a.bias, aligners[0].bias
             )
             assert a.weight.data_ptr() != aligners[0].weight.data_ptr()  # copies, trained apart
-    assert not torch.equal(
-        tokens.F_v[0].weight[:20], tokens.F_t[0].weight
-    )  # vision and text: separate draws
+    # vision and text: separate draws
+    assert not torch.equal(tokens.F_v[0].weight[:20], tokens.F_t[0].weight)
     bound = 1 / math.sqrt(16)  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in))
     assert tokens.F_v[0].weight.abs().max() <= bound and tokens.F_v[0].weight.std() > bound / 3
 
@@ -610,12 +609,12 @@ def test_schedule_values():
             lam,
         )
         assert train.lr_at(1, fs) == 2e-3 and train.lr_at(0, fs) == 1e-5
-    assert (
-        dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4
-    )  # --lr wins
+    # --lr wins
+    assert dear.resolve(dear.Config(dataset="dtd", protocol="fewshot", lr=5e-4)).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot", "--lr", "5e-4"]).lr == 5e-4
     assert dear.parse_args(["--protocol", "fewshot"]).lr is None  # None: the protocol's default
-    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3; the toy world keeps its tables' recipe
+    # base-to-novel (ImageNet too) and cross-dataset: lr 1e-3;
+    # the toy world keeps its tables' recipe
     for c in (
         dict(dataset="dtd"),
         dict(dataset="imagenet"),
@@ -628,8 +627,8 @@ def test_schedule_values():
 
 
 def test_resolve_fills_only_what_is_missing(monkeypatch):
-    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in the
-    table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
+    """resolve's defaults where nothing is given (ViT-B/16 outside the toy world; a dataset not in
+    the table: beta 0.9, lambda_reg 1.0; crop scale 0.5, the toy world's 1.0), and given values kept
     where the table says otherwise (dtd's lambda_reg is 7.0, the toy world's crop scale 1.0); data
     loader workers min(4, CPUs) unless given."""
     assert dear.resolve(dear.Config(dataset="dtd")).backbone == "ViT-B/16"
@@ -649,16 +648,16 @@ def test_resolve_fills_only_what_is_missing(monkeypatch):
 
 
 def test_refusals_name_the_flag_and_its_choices():
-    """A bad name of a field with an underscore: the message names its flag (dashes) and the choices,
-    exactly."""
+    """A bad name of a field with an underscore: the message names its flag (dashes) and the
+    choices, exactly."""
     with pytest.raises(ValueError) as err:
         dear.resolve(dear.Config(novel_logits="attr"))
     assert str(err.value) == "unknown --novel-logits 'attr'; choose fused, cls"
 
 
 def test_default_J_and_eval_beta_off_the_common_cases():
-    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n run
-    on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
+    """default_J on a depth not divisible by 4 (6 blocks: 5, an int, not 4.5); eval_beta of a b2n
+    run on a dataset that has an xd target beta keeps the run's beta (0.35, not the table's 0.5)."""
     assert config.default_J(6) == 5 and isinstance(config.default_J(6), int)
     b2n = dear.resolve(dear.Config(dataset="imagenet", beta=0.35))
     assert config.eval_beta(b2n, "dtd") == 0.35
@@ -689,14 +688,13 @@ def test_variant_names_separate_ablations():
 def test_epoch_batches_are_seeded_and_drop_last():
     a, b = train.epoch_batches(10, 4, 3), train.epoch_batches(10, 4, 3)
     assert a == b and len(a) == 2 and all(len(x) == 4 for x in a)
-    small = train.epoch_batches(
-        3, 4, 0
-    )  # fewer items than a batch: one partial batch, nothing dropped
+    # fewer items than a batch: one partial batch, nothing dropped
+    small = train.epoch_batches(3, 4, 0)
     assert len(small) == 1 and sorted(small[0]) == [0, 1, 2]
     assert train.epoch_batches(10, 4, 4) != a
 
 
-# ---------------------------------------------------------------------------------------------- the real CLI
+# ------------------------------------------------------------------------------------- the real CLI
 
 COLORS = [
     (220, 40, 40),
@@ -756,7 +754,8 @@ def cli(world, out, *extra):
 
 
 def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
-    """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs, base/novel/HM written."""
+    """The real CLI on a tiny CLIP: roles computed once through entropy.py, 2 epochs,
+    base/novel/HM written."""
     import json
 
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
@@ -769,16 +768,14 @@ def test_cli_b2n_end_to_end(world, tmp_path, monkeypatch, capsys):
     ]  # 6 test images x 3 classes
     base, novel = (e["accuracy"] for e in results["evals"])
     assert results["hm"] == pytest.approx(runs.harmonic_mean(base, novel))
-    w = torch.load(rdir / "model.pt")[
-        "w"
-    ]  # the trained fusion weights: alpha = softmax(w), by hand here
+    # the trained fusion weights: alpha = softmax(w), by hand here
+    w = torch.load(rdir / "model.pt")["w"]
     assert list(results["fusion_weights"]) == ["cls", *ATTRIBUTES]
     assert list(results["fusion_weights"].values()) == pytest.approx(
         (w.exp() / w.exp().sum()).tolist(), abs=1e-6
     )
-    assert results["fusion_weights"]["cls"] != pytest.approx(
-        0.7, abs=1e-4
-    )  # trained away from the start
+    # trained away from the start
+    assert results["fusion_weights"]["cls"] != pytest.approx(0.7, abs=1e-4)
     sha = runs.file_sha256(world[1])[:8]  # a checkpoint file is named with its content hash
     assert results["config"]["J"] == 3 and results["variant"] == f"backbone-tiny-{sha}_J-3_epochs-2"
     assert (rdir / "model.pt").exists() and not (rdir / "checkpoint.pt").exists()
@@ -927,9 +924,10 @@ def test_bad_roles_file_and_device_stop_with_a_message(world, tmp_path, capsys):
 
 
 def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatch, capsys):
-    """xd: the source is evaluated with its own beta and a target with MMRL++'s test-time beta (here a folder
-    target given a table entry); results.json says which; --target-beta source evaluates it with the source's.
-    config.json records the precision used (fp32 on a CPU by default, bf16 when asked; fp16 is refused)."""
+    """xd: the source is evaluated with its own beta and a target with MMRL++'s test-time beta (here
+    a folder target given a table entry); results.json says which; --target-beta source evaluates it
+    with the source's. config.json records the precision used (fp32 on a CPU by default, bf16 when
+    asked; fp16 is refused)."""
     import json
     import shutil
 
@@ -967,9 +965,8 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
         (f"folder:{target}", 0.3),
     ]
     assert seen == [0.9, 0.3]
-    assert (
-        json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"
-    )  # amp on a CPU
+    # amp on a CPU
+    assert json.loads((rdir / "config.json").read_text())["resolved"]["precision"] == "fp32"
     dear.main(
         args
         + ["--eval-only", "--load", str(rdir), "--target-beta", "source", "--precision", "bf16"]
@@ -980,9 +977,8 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
     ] == [0.9, 0.9]
     assert json.loads((again.parent / "config.json").read_text())["precision"] == "bf16"
     dear.main(args + ["--precision", "fp16"])  # CUDA's default path, GradScaler included, on a CPU
-    (half,) = [
-        d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir
-    ]  # its own folder
+    # its own folder
+    (half,) = [d for d in (tmp_path / "runs" / "xd").glob("*/dear-*") if d != rdir]
     assert json.loads((half / "config.json").read_text())["resolved"]["precision"] == "fp16"
     done = json.loads((half / "results.json").read_text())
     assert (
@@ -992,10 +988,10 @@ def test_cli_xd_records_the_beta_of_every_evaluation(world, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
-    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast standing
-    in for CUDA's) with the frozen weights in half precision, the stream entering blocks J..L with the
-    tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix and the f^0 path keep
-    the half-precision stream they had."""
+    """As MMRL, whose fp32 tokens promote the vision residual stream: under autocast (CPU autocast
+    standing in for CUDA's) with the frozen weights in half precision, the stream entering blocks
+    J..L with the tokens is fp32, and so is ln_post's input for f_cls and f_attr; the frozen prefix
+    and the f^0 path keep the half-precision stream they had."""
     torch.manual_seed(0)
     model = DeAR(tiny_clip(text_layers=3), mixed_roles(), J=3)  # tokens in blocks 3 and 4 of 4
     seen = []
@@ -1045,7 +1041,8 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 # - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
 #   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
 # - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
-# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats every
-#   variant other than "none" and "generalization-only" as "role" (resolve refuses other names).
+# - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats
+#   every variant other than "none" and "generalization-only" as "role" (resolve refuses other
+#   names).
 # - dear.py role_mask 85: torch.zeros(L, L) broadcasts to [H, L, L] in masked_fill; 95: "-INF" is
 #   float("-inf").

@@ -1,4 +1,5 @@
-"""Tests of entropy.py: the head decomposition, TextSpan, concept entropy, roles, the roles file and the CLI."""
+"""Tests of entropy.py: the head decomposition, TextSpan, concept entropy, roles,
+the roles file and the CLI."""
 
 import json
 import math
@@ -15,7 +16,7 @@ import roles_report
 from entropy import CONCEPTS, EntropyError, RolesError
 
 
-# ---------------------------------------------------------------------------------------------- decomposition
+# ------------------------------------------------------------------------------------ decomposition
 
 
 def perturb_ln_post(model, seed=0):
@@ -59,11 +60,11 @@ def test_head_contributions_are_in_units_of_the_normalised_embedding(tiny_model)
 
 
 def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
-    """Block 3 (1-based), head 1 of a tiny CLIP, computed by hand from the description of TextSpan's PRS logger:
-    the head's attention at CLS through its out_proj columns, plus out_proj.bias / H; minus mean(r) / ((2L+1) H)
-    with L = 4, all blocks of the model (only blocks 2-3 are analysed); times ln_post.weight / std(r); plus
-    ln_post.bias / ((2L+1) H); @ proj; divided by the norm of the image embedding. And that block's MLP: the same
-    with a share 1 / (2L+1)."""
+    """Block 3 (1-based), head 1 of a tiny CLIP, computed by hand from the description of TextSpan's
+    PRS logger: the head's attention at CLS through its out_proj columns, plus out_proj.bias / H;
+    minus mean(r) / ((2L+1) H) with L = 4, all blocks of the model (only blocks 2-3 are analysed);
+    times ln_post.weight / std(r); plus ln_post.bias / ((2L+1) H); @ proj; divided by the norm of
+    the image embedding. And that block's MLP: the same with a share 1 / (2L+1)."""
     model = perturb_ln_post(tiny_model)
     g = torch.Generator().manual_seed(1)
     visual = model.visual
@@ -85,9 +86,8 @@ def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
         q, k, v = (
             y @ W[i * D : (i + 1) * D][cols].T + c[i * D : (i + 1) * D][cols] for i in range(3)
         )  # [B, T, hs]
-        a = torch.softmax(
-            (q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1
-        )  # CLS row [B, T]
+        # CLS row [B, T]
+        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)
         head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[
             :, cols
         ].T + block.attn.out_proj.bias / H
@@ -111,11 +111,11 @@ def test_one_heads_contribution_by_hand_as_textspans_prs_logger(tiny_model):
 
 
 def plant_heads(model, layers=(3, 4), seed=0):
-    """Make every head of `layers` (1-based) write along two known directions of the embedding space and nothing
-    else write anything: the MLPs and the other blocks' attention outputs are zeroed, biases are zero, ln_post is
-    the identity and proj's columns have mean 0 (so the heads' writes have mean 0 and r's mean stays 0).
-    Returns the 2 * H * len(layers) orthonormal directions [K, E]: head (layers[i], h) writes along rows
-    2 (i H + h) and 2 (i H + h) + 1."""
+    """Make every head of `layers` (1-based) write along two known directions of the embedding space
+    and nothing else write anything: the MLPs and the other blocks' attention outputs are zeroed,
+    biases are zero, ln_post is the identity and proj's columns have mean 0 (so the heads' writes
+    have mean 0 and r's mean stays 0). Returns the 2 * H * len(layers) orthonormal directions
+    [K, E]: head (layers[i], h) writes along rows 2 (i H + h) and 2 (i H + h) + 1."""
     g = torch.Generator().manual_seed(seed)
     visual = model.visual
     D, H, E = visual.width, visual.heads, visual.output_dim
@@ -125,9 +125,8 @@ def plant_heads(model, layers=(3, 4), seed=0):
         visual.ln_post.bias.zero_()
         visual.proj.copy_(torch.randn(D, E, generator=g))
         visual.proj.sub_(visual.proj.mean(0))
-        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[
-            : 2 * H * len(layers)
-        ]  # [K, E]
+        # [K, E]
+        directions = torch.linalg.qr(torch.randn(E, E, generator=g))[0].T[: 2 * H * len(layers)]
         writes = directions @ torch.linalg.pinv(visual.proj)  # [K, D]: writes @ proj = directions
         for b, block in enumerate(visual.transformer.resblocks):
             block.mlp.c_proj.weight.zero_()
@@ -139,9 +138,8 @@ def plant_heads(model, layers=(3, 4), seed=0):
             i = list(layers).index(b + 1)
             for h in range(H):
                 k = 2 * (i * H + h)
-                mix = torch.randn(
-                    2, hs, generator=g
-                )  # what the head reads out of its 16 value dimensions
+                # what the head reads out of its 16 value dimensions
+                mix = torch.randn(2, hs, generator=g)
                 block.attn.out_proj.weight[:, h * hs : (h + 1) * hs] = writes[k : k + 2].T @ mix
     return directions
 
@@ -161,8 +159,8 @@ def test_planted_heads_are_credited_to_their_block_and_head(tiny_model):
 
 
 def test_roles_json_labels_planted_heads_at_their_block_and_head(tiny_model, tmp_path, monkeypatch):
-    """Each of the 8 heads of blocks 3-4 writes along two texts of its own concept (8 concepts, in order); the
-    roles file must name that concept at that block and head."""
+    """Each of the 8 heads of blocks 3-4 writes along two texts of its own concept (8 concepts, in
+    order); the roles file must name that concept at that block and head."""
     directions = plant_heads(tiny_model, layers=(3, 4))
     concepts = CONCEPTS[:8]
     texts = [f"{c} text {j}" for c in concepts for j in range(2)]  # texts[k] is directions[k]
@@ -203,7 +201,7 @@ def test_roles_json_labels_planted_heads_at_their_block_and_head(tiny_model, tmp
             assert roles[layer][h].get("concept", concept) == concept
 
 
-# ---------------------------------------------------------------------------------------------- TextSpan
+# ----------------------------------------------------------------------------------------- TextSpan
 
 
 def planted(
@@ -213,9 +211,8 @@ def planted(
     g = torch.Generator().manual_seed(seed)
     texts = torch.nn.functional.normalize(torch.randn(T, E, generator=g), dim=-1)
     coeffs = torch.randn(N, len(picks), generator=g) * torch.tensor(scales)  # [N, k]
-    contributions = (
-        coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0
-    )  # offset: centring
+    # offset: centring
+    contributions = coeffs @ texts[list(picks)] + noise * torch.randn(N, E, generator=g) + 5.0
     return contributions, texts
 
 
@@ -234,10 +231,11 @@ def test_textspan_never_picks_a_text_twice_and_starts_with_the_planted_ones():
 
 
 def textspan_by_hand(data, texts, n, rank, centre_first=False, deflate=True):
-    """TextSpan's `replace_with_iterative_removal`, restated in numpy from its description: SVD of the raw
-    contributions, texts projected onto the top-`rank` right singular vectors, then the contributions centred;
-    n times: pick the text whose projection has the largest std across images, remove its direction from the
-    contributions and from every text. centre_first / deflate=False: two plausible departures from it."""
+    """TextSpan's `replace_with_iterative_removal`, restated in numpy from its description: SVD of
+    the raw contributions, texts projected onto the top-`rank` right singular vectors, then the
+    contributions centred; n times: pick the text whose projection has the largest std across
+    images, remove its direction from the contributions and from every text. centre_first /
+    deflate=False: two plausible departures from it."""
     data, texts = np.asarray(data, dtype=np.float64), np.asarray(texts, dtype=np.float64)
     if centre_first:
         data = data - data.mean(0)
@@ -260,8 +258,8 @@ def textspan_by_hand(data, texts, n, rank, centre_first=False, deflate=True):
 
 
 def skewed(seed, N=60, E=12, T=40):
-    """Contributions with a sizeable mean (as real CLIP heads have) and unequal variances; random unit texts in
-    few dimensions, so they are far from orthogonal (|cos| ~ 0.25)."""
+    """Contributions with a sizeable mean (as real CLIP heads have) and unequal variances; random
+    unit texts in few dimensions, so they are far from orthogonal (|cos| ~ 0.25)."""
     g = np.random.default_rng(seed)
     contributions = (
         g.normal(size=(N, E))
@@ -291,10 +289,10 @@ def test_textspan_matches_a_restatement_of_textspans_iterative_removal():
 
 
 def test_textspan_takes_the_span_of_the_uncentred_contributions():
-    """By hand: the head has a large constant mean along e0 and variances 9, 4, 0.25 along e1, e2, e3. The top-2
-    span of the raw contributions is {e0, e1}, where text A = e2 has no component: TextSpan picks B =
-    (0.5 e1 + e3) / |.| (variance 9 * 0.25 / 1.25 = 1.8). Centring first would give the span {e1, e2} and A
-    (variance 4)."""
+    """By hand: the head has a large constant mean along e0 and variances 9, 4, 0.25 along e1, e2,
+    e3. The top-2 span of the raw contributions is {e0, e1}, where text A = e2 has no component:
+    TextSpan picks B = (0.5 e1 + e3) / |.| (variance 9 * 0.25 / 1.25 = 1.8). Centring first would
+    give the span {e1, e2} and A (variance 4)."""
     hadamard = torch.tensor(
         [
             [1.0, 1, 1, 1, 1, 1, 1, 1],
@@ -303,9 +301,8 @@ def test_textspan_takes_the_span_of_the_uncentred_contributions():
             [1, -1, -1, 1, 1, -1, -1, 1],
         ]
     ).T  # [8, 4], orthogonal columns; 1..3 have mean 0
-    contributions = hadamard * torch.tensor(
-        [10.0, 3.0, 2.0, 0.5]
-    )  # [8 images, E = 4]: e0 constant 10
+    # [8 images, E = 4]: e0 constant 10
+    contributions = hadamard * torch.tensor([10.0, 3.0, 2.0, 0.5])
     A, B = (
         torch.tensor([0.0, 0, 1, 0]),
         torch.nn.functional.normalize(torch.tensor([0.0, 0.5, 0, 1]), dim=0),
@@ -317,9 +314,9 @@ def test_textspan_takes_the_span_of_the_uncentred_contributions():
 
 
 def test_textspan_removes_each_pick_from_the_other_texts():
-    """By hand: variances 9 along e1 and 4 along e2; texts A = e1, B = (e1 + 0.2 e2) / |.|, C = e2. First pick A
-    (9 against 8.81 and 4). Removing e1 leaves B = 0.196 e2 (variance 0.15) against C (4): C is second. Without
-    the removal B (8.81) would come second."""
+    """By hand: variances 9 along e1 and 4 along e2; texts A = e1, B = (e1 + 0.2 e2) / |.|, C = e2.
+    First pick A (9 against 8.81 and 4). Removing e1 leaves B = 0.196 e2 (variance 0.15) against C
+    (4): C is second. Without the removal B (8.81) would come second."""
     hadamard = torch.tensor([[1.0, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]]).T  # [4, 3]
     contributions = hadamard * torch.tensor([1.0, 3.0, 2.0])  # E = 3: e0 constant, e1 and e2 vary
     texts = torch.nn.functional.normalize(
@@ -330,7 +327,8 @@ def test_textspan_removes_each_pick_from_the_other_texts():
 
 
 def stream(contributions, sizes):
-    """GramStatistics of contributions [N, ...] fed in batches of the given sizes (cycled), as the probe loader."""
+    """GramStatistics of contributions [N, ...] fed in batches of the given sizes (cycled),
+    as the probe loader."""
     stats = entropy.GramStatistics(contributions.shape[1:-1], contributions.shape[-1])
     i, k = 0, 0
     while i < len(contributions):
@@ -340,10 +338,10 @@ def stream(contributions, sizes):
 
 
 def test_streamed_statistics_are_the_count_mean_and_scatter_of_all_images():
-    """Uneven batches (7, 1, 13, 2) of contributions with a mean 1000x their spread: count, mean, the centred
-    scatter and the uncentred Gram C^T C equal numpy's fp64 on the whole matrix. Rules out a merge without the
-    between-batch term, one weighted by the wrong batch sizes, and sums kept in fp32 (relative error ~1e-4 on
-    the scatter here, against ~1e-12)."""
+    """Uneven batches (7, 1, 13, 2) of contributions with a mean 1000x their spread: count, mean,
+    the centred scatter and the uncentred Gram C^T C equal numpy's fp64 on the whole matrix. Rules
+    out a merge without the between-batch term, one weighted by the wrong batch sizes, and sums kept
+    in fp32 (relative error ~1e-4 on the scatter here, against ~1e-12)."""
     g = np.random.default_rng(3)
     C = g.normal(size=(61, 2, 3, 5)) * g.uniform(0.5, 2, size=5) + 1000 * g.normal(size=(2, 3, 5))
     stats = stream(torch.tensor(C, dtype=torch.float64), [7, 1, 13, 2])
@@ -360,10 +358,11 @@ def test_streamed_statistics_are_the_count_mean_and_scatter_of_all_images():
 
 
 def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored_matrix():
-    """The streamed path (statistics over uneven batches, then greedy picks on them) against TextSpan's
-    iterative removal run on the full, stored contribution matrix (textspan_by_hand: SVD of the raw matrix,
-    deflation of the data themselves). Heads with large means and unequal variances, where centring before the
-    SVD or skipping the deflation would pick otherwise (see the test above)."""
+    """The streamed path (statistics over uneven batches, then greedy picks on them) against
+    TextSpan's iterative removal run on the full, stored contribution matrix (textspan_by_hand: SVD
+    of the raw matrix, deflation of the data themselves). Heads with large means and unequal
+    variances, where centring before the SVD or skipping the deflation would pick otherwise (see the
+    test above)."""
     for seed in range(6):
         contributions, texts = skewed(seed)
         stats = stream(torch.tensor(contributions), [9, 4, 17])
@@ -374,9 +373,10 @@ def test_streamed_textspan_picks_what_the_official_algorithm_picks_on_the_stored
 def test_compute_roles_streamed_matches_the_stored_path_by_hand(
     tiny_model, tmp_path, monkeypatch, capsys
 ):
-    """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written here: every
-    image's head contributions in one array, TextSpan's iterative removal on each head's full matrix, concept
-    entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts, entropies and roles per head."""
+    """compute_roles on 23 images in batches of 5 (the last one short) against a stored path written
+    here: every image's head contributions in one array, TextSpan's iterative removal on each head's
+    full matrix, concept entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; same texts,
+    entropies and roles per head."""
     model = perturb_ln_post(tiny_model)
     g = np.random.default_rng(0)
     T, E = 40, model.visual.output_dim
@@ -416,9 +416,8 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(
                 [texts[j] for j in picks],
                 -sum(p * math.log2(p) for p in shares if p > 0),
             )
-    low, high = np.quantile(
-        [round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3]
-    )  # numpy's default: linear
+    # numpy's default: linear
+    low, high = np.quantile([round(H, 4) for _, H in want.values()], [1 / 3, 2 / 3])
     heads = {(e["layer"], e["head"]): e for e in doc["heads"]}
     assert doc["thresholds"] == {
         "low": round(float(low), 4),
@@ -437,14 +436,13 @@ def test_compute_roles_streamed_matches_the_stored_path_by_hand(
             top = max(CONCEPTS, key=lambda c: (P[c], -CONCEPTS.index(c)))
             role = "attribute" if top in entropy.ATTRIBUTES else "specialist"
         assert heads[key]["role"] == role, key
-    assert (
-        len({tuple(t) for t, _ in want.values()}) > 4
-    )  # the heads differ: the comparison means something
+    # the heads differ: the comparison means something
+    assert len({tuple(t) for t, _ in want.values()}) > 4
 
 
 def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
-    """Bad thresholds, labels or texts stop compute_roles before an image is read (the items here do not even
-    exist): each with its own message."""
+    """Bad thresholds, labels or texts stop compute_roles before an image is read (the items here do
+    not even exist): each with its own message."""
     items = [(str(tmp_path / "missing.png"), 0, "x")] * 30
     texts, labels = ["a", "b", "c"], ["color", "shape", "animal"]
     run = lambda **k: entropy.compute_roles(
@@ -480,9 +478,10 @@ def test_compute_roles_checks_its_inputs_before_any_work(tiny_model, tmp_path):
 def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
     tiny_model, tmp_path, monkeypatch
 ):
-    """max_images 12 of 30: the seeded sample random.Random(seed).sample, in the items' order (seen through the
-    factors hook, which gets the probe images' paths); given thresholds are recorded and used; a given low
-    above the automatic high stops; an error inside TextSpan advises the caller named."""
+    """max_images 12 of 30: the seeded sample random.Random(seed).sample, in the items' order (seen
+    through the factors hook, which gets the probe images' paths); given thresholds are recorded and
+    used; a given low above the automatic high stops; an error inside TextSpan advises the caller
+    named."""
     vectors = torch.nn.functional.normalize(
         torch.randn(6, 32, generator=torch.Generator().manual_seed(1)), dim=-1
     )
@@ -525,9 +524,8 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
     want = [items[i][0] for i in sorted(__import__("random").Random(3).sample(range(30), 12))]
     assert seen[0] == want and seen[1] != want and len(seen[1]) == 12
     assert doc["thresholds"] == {"low": 0.25, "high": 0.75} and doc["probe"]["images"] == 12
-    assert (
-        not hasattr(tiny_model, "name") and doc["model"] == "unknown"
-    )  # what roles.json records besides
+    # what roles.json records besides
+    assert not hasattr(tiny_model, "name") and doc["model"] == "unknown"
     assert doc["pool"] == {"name": None, "texts": 6} and doc["concepts"] == list(CONCEPTS)
     assert doc["decoding"] == {
         "probe": "ridge least-squares classifier, 2-fold cross-validation",
@@ -539,9 +537,8 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
     )
     with pytest.raises(EntropyError, match="--low 5.0 is above --high"):
         run("c", seed=3, low=5.0)
-    monkeypatch.setattr(
-        entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)]
-    )  # one direction
+    # one direction
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[0] * len(batch)])
     with pytest.raises(
         EntropyError,
         match="^the text pool spans only 1 directions inside this head's top-4 "
@@ -551,10 +548,10 @@ def test_compute_roles_samples_by_seed_and_keeps_the_given_thresholds(
 
 
 def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkeypatch):
-    """compute_roles without ground-truth factors: while TextSpan runs, no tensor holding more images than one
-    batch (5) of head contributions [*, 2 blocks, 4 heads, E] is alive; memory is the statistics (blocks x heads
-    x E x E doubles) and one batch, however many images. With factors (the toy world's probes) every image's
-    contributions are kept, and only then."""
+    """compute_roles without ground-truth factors: while TextSpan runs, no tensor holding more
+    images than one batch (5) of head contributions [*, 2 blocks, 4 heads, E] is alive; memory is
+    the statistics (blocks x heads x E x E doubles) and one batch, however many images. With factors
+    (the toy world's probes) every image's contributions are kept, and only then."""
     import gc
 
     seen, calls, original = [], [], entropy.textspan_from_statistics
@@ -607,19 +604,17 @@ def test_streaming_keeps_no_per_image_contributions(tiny_model, tmp_path, monkey
         rank=4,
         factors=factors,
     )
-    assert min(seen) == 23, (
-        seen
-    )  # the probes' copy: the control that the check sees stored contributions
+    # the probes' copy: the control that the check sees stored contributions
+    assert min(seen) == 23, seen
 
 
 def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
-    """TextSpan's defaults (w_ov_rank 80, 20 texts per head as its README runs): a text along the 81st right
-    singular vector has no component in the default span, so with it alone the pool spans no direction there;
-    rank 81 reaches it. With no n given, 20 texts are picked."""
+    """TextSpan's defaults (w_ov_rank 80, 20 texts per head as its README runs): a text along the
+    81st right singular vector has no component in the default span, so with it alone the pool spans
+    no direction there; rank 81 reaches it. With no n given, 20 texts are picked."""
     g = np.random.default_rng(0)
-    basis = np.linalg.qr(g.normal(size=(96, 96)))[
-        0
-    ]  # [E, E] orthonormal columns: the right singular vectors
+    # [E, E] orthonormal columns: the right singular vectors
+    basis = np.linalg.qr(g.normal(size=(96, 96)))[0]
     left = np.linalg.qr(g.normal(size=(200, 96)))[0]  # [N, E] orthonormal columns
     data = (
         left * np.linspace(10, 1, 96)
@@ -668,13 +663,13 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
         ),
         (
             (5, 4, 10, 100, 64),
-            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width 64; "
-            "raise --rank or lower --n",
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 4 and width "
+            "64; raise --rank or lower --n",
         ),
         (
             (5, 80, 10, 100, 4),
-            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width 4; "
-            "raise --rank or lower --n",
+            "n = 5 texts per head needs rank >= n and embedding width >= n, got rank 80 and width "
+            "4; raise --rank or lower --n",
         ),
         (
             (5, 80, 10, 5, 64),
@@ -685,8 +680,8 @@ def test_textspan_defaults_are_textspans_20_texts_in_a_rank_80_span():
     ],
 )
 def test_check_textspan_messages_and_their_bounds(args, message):
-    """Each limit, one past it: the whole message for entropy.py's user; for dear.py's, dear.py's own fix. At
-    the limit itself (n texts, rank n, width n, n + 1 images) nothing is raised."""
+    """Each limit, one past it: the whole message for entropy.py's user; for dear.py's, dear.py's
+    own fix. At the limit itself (n texts, rank n, width n, n + 1 images) nothing is raised."""
     with pytest.raises(EntropyError) as e:
         entropy.check_textspan(*args, caller="entropy.py")
     assert str(e.value) == message
@@ -697,8 +692,9 @@ def test_check_textspan_messages_and_their_bounds(args, message):
 
 
 def test_textspan_with_fewer_images_than_the_rank_keeps_only_their_span():
-    """N = 8 images in E = 12 dimensions with rank 10: the SVD has only 8 right singular vectors, and the texts
-    are projected onto those 8 (the Gram matrix's other eigenvectors, of eigenvalue 0, are arbitrary)."""
+    """N = 8 images in E = 12 dimensions with rank 10: the SVD has only 8 right singular vectors,
+    and the texts are projected onto those 8 (the Gram matrix's other eigenvectors, of eigenvalue 0,
+    are arbitrary)."""
     for seed in range(4):
         contributions, texts = skewed(seed, N=8, E=12, T=30)
         want = textspan_by_hand(contributions, texts, n=3, rank=10)
@@ -719,7 +715,7 @@ def test_textspan_stops_clearly_with_too_few_images():
         entropy.textspan(contributions, texts[:4], n=5, rank=8)
 
 
-# ---------------------------------------------------------------------------------------------- entropy, roles
+# ----------------------------------------------------------------------------------- entropy, roles
 
 
 def test_concept_entropy_of_known_distributions():
@@ -770,10 +766,11 @@ def test_default_thresholds_are_the_tertiles_of_the_heads_entropies():
 
 
 def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
-    """8 heads (as 2 blocks x 4), unsorted, unevenly spaced: the 1/3 and 2/3 quantiles sit at sorted positions
-    7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented): 1 + (3 - 1) / 3 = 5/3 and
-    4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher" (3, 4.5), "nearest" (1, 4.5),
-    "midpoint" (2, 4.25) and quantiles of the entropies in the order given (not sorted)."""
+    """8 heads (as 2 blocks x 4), unsorted, unevenly spaced: the 1/3 and 2/3 quantiles sit at sorted
+    positions 7/3 and 14/3. Linear interpolation (numpy's default, the rule implemented):
+    1 + (3 - 1) / 3 = 5/3 and 4 + 0.5 * 2/3 = 13/3. Rules out the "lower" rule (1, 4), "higher"
+    (3, 4.5), "nearest" (1, 4.5), "midpoint" (2, 4.25) and quantiles of the entropies in the order
+    given (not sorted)."""
     entropies = [4.5, 0.0, 7.0, 1.0, 8.0, 3.0, 0.5, 4.0]
     low, high = entropy.default_thresholds(entropies)
     assert (low, high) == pytest.approx((5 / 3, 13 / 3), abs=1e-12)
@@ -781,7 +778,7 @@ def test_default_thresholds_interpolate_linearly_between_the_heads_entropies():
         assert np.quantile(entropies, [1 / 3, 2 / 3], method=wrong) != pytest.approx((low, high))
 
 
-# ---------------------------------------------------------------------------------------------- text pools
+# --------------------------------------------------------------------------------------- text pools
 
 
 def test_builtin_pool_covers_the_12_concepts_with_unique_descriptions():
@@ -827,11 +824,12 @@ def test_user_texts_get_the_concept_of_the_nearest_centroid():
 
 
 def test_user_texts_take_the_nearest_normalised_centroid_with_unequal_concept_sizes():
-    """30 colour texts (one of them close to the query) against 3 widely spread scene texts. The query q has
-    cosine 0.6 with the colour direction e0 and 0.8 with the scene direction e1. Nearest normalised centroid
-    (the rule): scene (0.76 against 0.61). Rules out: the unnormalised sum of the embeddings (colour: 30 texts
-    outweigh 3), the unnormalised mean (the spread scene texts' mean has norm 0.75: 0.60 against 0.61, colour)
-    and the single nearest text (the colour text next to q)."""
+    """30 colour texts (one of them close to the query) against 3 widely spread scene texts. The
+    query q has cosine 0.6 with the colour direction e0 and 0.8 with the scene direction e1. Nearest
+    normalised centroid (the rule): scene (0.76 against 0.61). Rules out: the unnormalised sum of
+    the embeddings (colour: 30 texts outweigh 3), the unnormalised mean (the spread scene texts'
+    mean has norm 0.75: 0.60 against 0.61, colour) and the single nearest text (the colour text next
+    to q)."""
     g = torch.Generator().manual_seed(0)
     e = torch.eye(16)
     color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [
@@ -860,9 +858,10 @@ def _head(role, attribute=None, skill=None, entropy_=1.0, concept=None):
 
 
 def test_random_roles_shuffle_each_block_on_its_own():
-    """Two blocks of 8 heads with different role mixes; each head is marked by a distinct entropy. Every block
-    keeps its own multiset of roles (rules out one shuffle over all blocks pooled), the two blocks get different
-    permutations (rules out one permutation reused for every block), and another seed another shuffle."""
+    """Two blocks of 8 heads with different role mixes; each head is marked by a distinct entropy.
+    Every block keeps its own multiset of roles (rules out one shuffle over all blocks pooled), the
+    two blocks get different permutations (rules out one permutation reused for every block), and
+    another seed another shuffle."""
     mix = {
         3: [
             "attribute",
@@ -896,9 +895,8 @@ def test_random_roles_shuffle_each_block_on_its_own():
     perms = {}
     for b in roles:
         assert sorted(h["role"] for h in out[b]) == sorted(mix[b]), b  # the block's counts kept
-        perms[b] = [
-            int(h["entropy"]) - 10 * b for h in out[b]
-        ]  # which head of block b landed where
+        # which head of block b landed where
+        perms[b] = [int(h["entropy"]) - 10 * b for h in out[b]]
         assert sorted(perms[b]) == list(range(8)), b  # heads of block b only
     assert perms[3] != perms[4] and perms[3] != list(range(8)) and perms[4] != list(range(8))
     other = entropy.control_roles(roles, "random", 8)
@@ -907,12 +905,13 @@ def test_random_roles_shuffle_each_block_on_its_own():
 
 
 def test_oracle_roles_rank_across_blocks_and_count_specialists_as_masked_like_generalization():
-    """Concept Entropy found 2 attribute, 2 generalization, 1 specialist and 3 mixed heads over blocks 3-4. The
-    oracle ranks all 8 heads together by the lead of their best-decoded factor (by hand, below): the top 2 become
-    attribute heads of that factor, the bottom 3 (2 generalization + 1 specialist, masked alike) generalization,
-    the rest mixed. Rules out: a specialist left out of the masked count (bottom 2 only), the specialist role
-    kept, a ranking within each block (block 3 would keep an attribute head), and an attribute head turned
-    generalization (block 3 head 3) that keeps its attribute."""
+    """Concept Entropy found 2 attribute, 2 generalization, 1 specialist and 3 mixed heads over
+    blocks 3-4. The oracle ranks all 8 heads together by the lead of their best-decoded factor (by
+    hand, below): the top 2 become attribute heads of that factor, the bottom 3 (2 generalization +
+    1 specialist, masked alike) generalization, the rest mixed. Rules out: a specialist left out of
+    the masked count (bottom 2 only), the specialist role kept, a ranking within each block (block 3
+    would keep an attribute head), and an attribute head turned generalization (block 3 head 3) that
+    keeps its attribute."""
 
     def skills(best, lead, base=0.2):
         s = {f: base for f in ("color", "shape", "texture", "location")}
@@ -963,7 +962,7 @@ def test_control_roles_none_and_bad_controls():
         entropy.control_roles({4: [_head("mixed")]}, "oracle", 1)
 
 
-# ---------------------------------------------------------------------------------------------- roles file
+# --------------------------------------------------------------------------------------- roles file
 
 
 def make_doc(layers=(3, 4), H=4, model="tiny"):
@@ -1086,8 +1085,8 @@ def test_load_roles_on_a_missing_or_broken_file(tmp_path):
 
 @pytest.mark.parametrize("what", ["json", "format", "role", "head-missing", "attribute"])
 def test_a_damaged_roles_file_is_to_be_deleted_by_name(tmp_path, what):
-    """A cached roles file that cannot be read says to delete that file (a rerun computes it again), not to
-    recompute it with entropy.py (which writes elsewhere unless given the same --out)."""
+    """A cached roles file that cannot be read says to delete that file (a rerun computes it again),
+    not to recompute it with entropy.py (which writes elsewhere unless given the same --out)."""
     path = tmp_path / "cache" / "roles.json"
     path.parent.mkdir()
     path.write_text("{not json" if what == "json" else json.dumps(corrupt(make_doc(), what)))
@@ -1148,9 +1147,8 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == os.path.join(str(tmp_path), "roles")
     assert re.fullmatch(r"ViT-B-16_L3-4_imagenet-test_[0-9a-f]{12}", folder), folder
-    assert (
-        entropy.default_roles_path(tiny_model, **base) == path
-    )  # the same inputs, the same folder
+    # the same inputs, the same folder
+    assert entropy.default_roles_path(tiny_model, **base) == path
     changes = [
         dict(layers=[4]),
         dict(dataset="eurosat"),
@@ -1183,12 +1181,13 @@ def test_default_roles_path_is_keyed_by_everything_that_changes_the_roles(tiny_m
         entropy.default_roles_path(tiny_model, **{**base, "layers": [4, 5]})
 
 
-# ---------------------------------------------------------------------------------------------- command line
+# ------------------------------------------------------------------------------------- command line
 
 
 @pytest.fixture
 def fake_world(tmp_path, monkeypatch, tiny_model):
-    """A two-class image folder (12 test images after data.py's split) and clip.load returning the tiny model."""
+    """A two-class image folder (12 test images after data.py's split) and clip.load returning the
+    tiny model."""
     clip = pytest.importorskip("clip")
     pytest.importorskip("data")
     g = torch.Generator().manual_seed(0)
@@ -1256,9 +1255,8 @@ def test_cli_writes_roles_json_md_and_png(fake_world, capsys):
     roles = entropy.load_roles(
         str(out / "roles.json"), model_name="tiny", num_layers=4, num_heads=4
     )
-    assert (
-        sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1
-    )  # the top tertile
+    # the top tertile
+    assert sum(h["role"] == "generalization" for r in roles.values() for h in r) >= 1
 
 
 @pytest.mark.parametrize(
@@ -1301,9 +1299,9 @@ def test_cli_bad_input_exits_2_with_one_message(fake_world, capsys, extra, messa
 
 
 def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
-    """12 test images for n = 20: entropy.py's own command line suggests its flags; entropy.run as dear.py calls
-    it (no caller named) also says what a dear.py user can do, who has no --max-images or --n; caller "dear.py"
-    only that."""
+    """12 test images for n = 20: entropy.py's own command line suggests its flags; entropy.run as
+    dear.py calls it (no caller named) also says what a dear.py user can do, who has no --max-images
+    or --n; caller "dear.py" only that."""
     root, dataset = fake_world
     args = dict(out_dir=str(root / "out"), pool="default", device="cpu", n=20)
     with pytest.raises(EntropyError, match="at least n \\+ 1 = 21 probe images") as both:
@@ -1313,8 +1311,9 @@ def test_too_few_probe_images_advise_what_the_caller_can_change(fake_world):
     with pytest.raises(EntropyError) as cli:
         entropy.run("tiny", dataset, str(root), caller="entropy.py", **args)
     dear_fix = (
-        "dear.py probes ImageNet val when ImageNet is under --root, else all training images of --dataset: "
-        "put ImageNet under --root, or compute the roles with entropy.py and pass them with --roles"
+        "dear.py probes ImageNet val when ImageNet is under --root, else all training images of "
+        "--dataset: put ImageNet under --root, or compute the roles with entropy.py and pass them "
+        "with --roles"
     )
     assert dear_fix in str(both.value) and "--max-images" in str(both.value)
     assert dear_fix in str(dear.value) and "--max-images" not in str(dear.value)
@@ -1341,8 +1340,9 @@ def test_cli_without_images_exits_2(fake_world, capsys):
 
 
 def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, capsys):
-    """--split train: every training image of the dataset (20 here; its test split has 12), recorded in roles.json;
-    without --out the roles land in the CLIP cache at default_roles_path, which records all inputs."""
+    """--split train: every training image of the dataset (20 here; its test split has 12), recorded
+    in roles.json; without --out the roles land in the CLIP cache at default_roles_path, which
+    records all inputs."""
     root, dataset = fake_world
     args = [
         "--backbone",
@@ -1410,8 +1410,9 @@ def test_cli_probes_all_training_images_and_caches_by_its_inputs(fake_world, cap
 
 
 def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch):
-    """No --n: TextSpan's 20 with the default pool, toyworld.TEXTS_PER_HEAD with the toy pool (whose few words 20
-    texts would exhaust); the value used is the one recorded, and an explicit --n wins."""
+    """No --n: TextSpan's 20 with the default pool, toyworld.TEXTS_PER_HEAD with the toy pool (whose
+    few words 20 texts would exhaust); the value used is the one recorded, and an explicit --n
+    wins."""
     root, dataset = fake_world
     monkeypatch.setattr(entropy.toyworld, "TEXTS_PER_HEAD", 4)
     model = entropy.toyworld.load_clip("tiny")[0]
@@ -1441,28 +1442,32 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
     assert all(len(h["texts"]) == 4 for h in doc["heads"])
 
 
-# ---------------------------------------------------------------------------------------------- mutation testing
-# `./mutate.sh entropy.py` (mutmut, requirements-dev.txt). Surviving mutants judged equivalent, one line each:
-# label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or default: the same on 2-D.
-# head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same axis as -1.
-# textspan 6, 9: GramStatistics device None instead of the contributions' device: the same on the CPU.
-# textspan 10, textspan_from_statistics 7, 8: shape[+1] / shape[-2] of [N, E] or [E, E]: the same size.
-# textspan_from_statistics 37: min(rank, count) without E: a slice past E keeps all E columns anyway.
-# textspan_from_statistics 40: K = scatter * count instead of / count: a positive scale, the same argmax.
-# textspan_from_statistics 46: scores .sum(+1) on [T, E]: the same axis.
-# textspan_from_statistics 51: norm <= 1e-12 instead of <: only a norm of exactly 1e-12 differs.
-# textspan_from_statistics 66, 67, 68: signs in the update of K: every later text is orthogonal to u, so
-#   t K t is the same whatever multiple of u u^T, K u u^T or u u^T K is added (the deflated texts decide).
-# textspan_from_statistics 36: min(rank, E) without count (N < rank): the extra eigenvectors carry no
-#   variance; on the cases tried the picks agree (not proven equivalent; test_textspan_with_fewer_images...).
+# --------------------------------------------------------------------------------- mutation testing
+# `./mutate.sh entropy.py` (mutmut, requirements-dev.txt). Surviving mutants judged equivalent, one
+# line each: label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or
+# default: the same on 2-D. head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same
+# axis as -1. textspan 6, 9: GramStatistics device None instead of the contributions' device: the
+# same on the CPU. textspan 10, textspan_from_statistics 7, 8: shape[+1] / shape[-2] of [N, E] or
+# [E, E]: the same size. textspan_from_statistics 37: min(rank, count) without E: a slice past E
+# keeps all E columns anyway. textspan_from_statistics 40: K = scatter * count instead of / count: a
+# positive scale, the same argmax. textspan_from_statistics 46: scores .sum(+1) on [T, E]: the same
+# axis. textspan_from_statistics 51: norm <= 1e-12 instead of <: only a norm of exactly 1e-12
+# differs. textspan_from_statistics 66, 67, 68: signs in the update of K: every later text is
+# orthogonal to u, so
+#   t K t is the same whatever multiple of u u^T, K u u^T or u u^T K is added (the deflated texts
+#   decide).
+# textspan_from_statistics 36: min(rank, E) without count (N < rank): the extra eigenvectors carry
+# no
+#   variance; on the cases tried the picks agree (not proven equivalent;
+#   test_textspan_with_fewer_images...).
 # concept_entropy 13: > 1e-6 -> >= 1e-6: only a sum off by exactly 1e-6 differs.
-# default_thresholds 7, 9: asarray without dtype float64: entropies are Python floats (float64 anyway).
-# control_roles 10, 12: 1000 * seed - block / 1001 * seed + block: another seeding, still per seed and block.
-# compute_roles 1, 5, 66, 72: batch size 65, workers 1, shuffle None, default workers: the same images, order.
-# compute_roles 40: available >= max_images: sampling all of them keeps every image in order.
-# compute_roles 87, 90: device None: the CPU, where the tests run.
+# default_thresholds 7, 9: asarray without dtype float64: entropies are Python floats (float64
+# anyway). control_roles 10, 12: 1000 * seed - block / 1001 * seed + block: another seeding, still
+# per seed and block. compute_roles 1, 5, 66, 72: batch size 65, workers 1, shuffle None, default
+# workers: the same images, order. compute_roles 40: available >= max_images: sampling all of them
+# keeps every image in order. compute_roles 87, 90: device None: the CPU, where the tests run.
 # compute_roles 130: P rounded to 5 decimals: the shares in the tests are multiples of 1/4 and 1/2.
 # Not killed, not equivalent: compute_roles 191 (probe_factors' seed dropped: the tests use seed 0).
-# mutmut's trampoline keeps the original signature, so default-value mutants (textspan_from_statistics 2;
-# compute_roles 2, 3, 4) survive under mutmut although test_textspan_defaults_are... fails on each of them
-# planted by hand.
+# mutmut's trampoline keeps the original signature, so default-value mutants
+# (textspan_from_statistics 2; compute_roles 2, 3, 4) survive under mutmut although
+# test_textspan_defaults_are... fails on each of them planted by hand.

@@ -1,5 +1,5 @@
-"""The project's imports go one way, downwards, with no cycle (README.md, "Layout"); dear.py is the method
-and its command line, with no run orchestration in it.
+"""The project's imports go one way, downwards, with no cycle (README.md, "Layout"); dear.py is the
+method and its command line, with no run orchestration in it.
 
 Every import statement of every project file is read (also those inside functions), so a lazy import
 that climbs a layer is caught as well as one at the top of a file. Tests are users, not layers.
@@ -41,7 +41,8 @@ def project_files():
 
 
 def project_imports(path):
-    """The project modules a file imports (top-level name of every `import x` / `from x import y`)."""
+    """The project modules a file imports (top-level name of every `import x` / `from x import
+    y`)."""
     tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
     names = set()
     for node in ast.walk(tree):
@@ -96,7 +97,8 @@ def test_no_import_cycle():
 
 
 def test_the_checker_sees_a_planted_upward_import(tmp_path, monkeypatch):
-    """The check itself works: a lazy `import toyworld` inside a function of data.py is an upward import."""
+    """The check itself works: a lazy `import toyworld` inside a function of data.py is an upward
+    import."""
     planted = tmp_path / "data.py"
     planted.write_text("def f():\n    import toyworld\n    from util import read_json\n")
     assert project_imports(str(planted)) == {"toyworld", "util"}
@@ -115,8 +117,9 @@ def top_level_imports(path):
 
 
 def test_entry_scripts_ask_for_passive_waiting_before_torch_loads():
-    """OpenMP reads OMP_WAIT_POLICY once, when torch loads its thread pool: every script that loads torch
-    sets the default (with setdefault, so a user's own setting wins) before its first import that loads it."""
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads its thread pool: every script that loads
+    torch sets the default (with setdefault, so a user's own setting wins) before its first import
+    that loads it."""
     files = {m: paths[0] for m, paths in project_files().items() if m != "clip"}
     loads = {}
 
@@ -193,8 +196,9 @@ FILE_CALLS = {"open", "atomic_save", "write_atomic", "write_json_atomic", "read_
 
 
 def method_file_problems(path):
-    """What in a file is run orchestration: names it defines, modules it imports, file calls it makes.
-    torch.load and torch.save count; `clip.load` and `model.load_state_dict` are not file calls here."""
+    """What in a file is run orchestration: names it defines, modules it imports, file calls it
+    makes. torch.load and torch.save count; `clip.load` and `model.load_state_dict` are not file
+    calls here."""
     tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
     problems = []
     # `os` for one thing only: OpenMP's passive waiting, set before torch loads (BENCH.md)
@@ -236,8 +240,8 @@ def method_file_problems(path):
 
 
 def test_dear_py_is_the_method_and_its_command_line():
-    """dear.py defines no run orchestration, imports no file or clock module and opens no file: all of
-    that is runs.py's. It stays short enough to read in one sitting."""
+    """dear.py defines no run orchestration, imports no file or clock module and opens no file: all
+    of that is runs.py's. It stays short enough to read in one sitting."""
     assert method_file_problems("dear.py") == []
     lines = [line for line in open(os.path.join(ROOT, "dear.py")) if line.strip()]
     assert len(lines) <= 450, f"dear.py has {len(lines)} non-blank lines; the method fits in 450"
@@ -269,8 +273,8 @@ def test_the_orchestration_check_sees_planted_orchestration(tmp_path):
     ]
 
 
-# Documents that are not in this repository: a file must cite the official source itself (repository, file,
-# commit) instead of pointing a reader to notes they do not have.
+# Documents that are not in this repository: a file must cite the official source itself
+# (repository, file, commit) instead of pointing a reader to notes they do not have.
 ABSENT_DOCS = re.compile(r"anchors\.md|paper\.md|SPEC\.md|DESIGN\.md|research/|\.\./shared")
 
 

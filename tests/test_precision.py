@@ -1,7 +1,9 @@
-"""train.py: precision modes against fp32, the frozen weights kept in the autocast dtype, the training loop's
-bookkeeping (non-finite loss, persistent workers, exact resume), on a tiny random CLIP.
+"""train.py: precision modes against fp32, the frozen weights kept in the autocast dtype, the
+training loop's bookkeeping (non-finite loss, persistent workers, exact resume), on a tiny random
+CLIP.
 
-Tests marked `cuda` run only where CUDA is present (skipped elsewhere; `pytest -m cuda` selects them)."""
+Tests marked `cuda` run only where CUDA is present (skipped elsewhere;
+`pytest -m cuda` selects them)."""
 
 import dataclasses
 import math
@@ -27,11 +29,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # Tolerances of a precision against fp32 on the tiny CLIP: one training step from the same state
 # (|loss difference| / loss, |grad R - grad R fp32| / |grad R fp32|), and an evaluation (the share
 # of test images whose top-1 equals fp32's; all of them where fp32's top-1 leads by more than MARGIN
-# logits). Set with margin above the deviation measured on a CPU over 30 seeds (`python
-# tests/test_precision.py --spread 30` prints it):
-#                   loss median / max   grad R median / max   top-1 equal, min   max|dlogit|/max|logit|
-#   fp16 SAFE_SCALE  7.7e-4 / 2.4e-3     3.1e-3 / 8.7e-3       100%               1.9e-3 / 4.5e-3
-#   bf16             4.8e-3 / 1.4e-2     2.4e-2 / 1.0e-1       87.5%              1.7e-2 / 3.3e-2
+# logits). Set with margin above the deviation measured on a CPU over 30 seeds
+# (`python tests/test_precision.py --spread 30` prints it):
+#                   loss median / max  grad R median / max  top-1 equal, min  max|dlogit|/max|logit|
+#   fp16 SAFE_SCALE  7.7e-4 / 2.4e-3    3.1e-3 / 8.7e-3      100%              1.9e-3 / 4.5e-3
+#   bf16             4.8e-3 / 1.4e-2    2.4e-2 / 1.0e-1      87.5%             1.7e-2 / 3.3e-2
 # Tolerances: about twice the maximum (bench.py's agreement targets come from the same table).
 TOLERANCE = {
     "bf16": dict(loss=3e-2, grad=0.2, agree=0.85),
@@ -89,7 +91,7 @@ def images(tmp_path_factory):
     return items
 
 
-# ---------------------------------------------------------------------------------------------- precision
+# ---------------------------------------------------------------------------------------- precision
 
 
 def test_precision_names_and_devices():
@@ -114,8 +116,9 @@ def test_precision_names_and_devices():
 
 
 def test_frozen_weights_in_gives_autocast_exactly():
-    """Casting the frozen matmul weights once gives the very numbers autocast gives with fp32 weights; LayerNorm,
-    embeddings, logit_scale and every trainable parameter stay fp32; the fp32 originals come back after."""
+    """Casting the frozen matmul weights once gives the very numbers autocast gives with fp32
+    weights; LayerNorm, embeddings, logit_scale and every trainable parameter stay fp32; the fp32
+    originals come back after."""
     model = make_model()
     model.set_classes(CLASSES, "a photo of a {}.")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -228,8 +231,8 @@ def step_and_eval(precision, device, items):
 
 
 def labelled_by_fp32(images, device):
-    """The test items labelled by fp32's top-1 (a forward written out here, not train.evaluate), and the subset
-    where that top-1 leads the runner-up by more than MARGIN."""
+    """The test items labelled by fp32's top-1 (a forward written out here, not train.evaluate), and
+    the subset where that top-1 leads the runner-up by more than MARGIN."""
     model = make_model().to(device).eval()
     model.set_classes(CLASSES, "a photo of a {}.")
     x = torch.stack(
@@ -298,11 +301,12 @@ def test_fp16_fresh_scaler_skips_then_recovers():
     assert torch.isfinite(model.tokens.R).all() and torch.isfinite(model.tokens.R.grad).all()
 
 
-# ---------------------------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------------- the loop
 
 
 class Data:
-    """A training set of the noise images with real labels (the loop only needs .train, .classnames, .template)."""
+    """A training set of the noise images with real labels (the loop only needs .train,
+    .classnames, .template)."""
 
     def __init__(self, images, n=24):
         self.train = [(p, i % 3, CLASSES[i % 3]) for i, (p, _, _) in enumerate(images[:n])]
@@ -310,25 +314,24 @@ class Data:
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_path):
-    """A nan loss at epoch 2, step 3 (no check inside train_step): the run stops at the next check with the
-    exact step in the message, and checkpoint.pt still holds the end of epoch 1, all finite."""
+    """A nan loss at epoch 2, step 3 (no check inside train_step): the run stops at the next check
+    with the exact step in the message, and checkpoint.pt still holds the end of epoch 1, all
+    finite."""
     calls = []
 
     def poisoned(model, out, labels):
         loss, parts = loss_fn(model, out, labels)
         calls.append(1)
-        return (
-            (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)
-        )  # 6 steps per epoch
+        # 6 steps per epoch
+        return (loss * float("nan"), parts) if len(calls) == 6 + 3 else (loss, parts)
 
     model, logs = make_model(), []
     with pytest.raises(
         RunError, match=r"became nan at epoch 2, step 3 .*last good checkpoint is kept"
     ):
         train.train(model, Data(images), cfg(epochs=3), CPU, str(tmp_path), logs.append, poisoned)
-    assert not all(
-        torch.isfinite(p).all() for p in model.trainable()
-    )  # the nan did reach the parameters ...
+    # the nan did reach the parameters ...
+    assert not all(torch.isfinite(p).all() for p in model.trainable())
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert (state["epoch"], state["step"], state["precision"]) == (
         1,
@@ -336,14 +339,14 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(images, tmp_pat
         "fp32",
     )  # ... but not the checkpoint
     assert all(torch.isfinite(v).all() for v in state["model"].values())
-    assert (
-        sum("epoch 2/3" in line for line in logs) >= 1
-    )  # it ran on to a log line of epoch 2, then stopped
+    # it ran on to a log line of epoch 2, then stopped
+    assert sum("epoch 2/3" in line for line in logs) >= 1
 
 
 def test_persistent_workers_and_resume_replay_exactly(images, tmp_path, monkeypatch):
-    """Random crops and flips seeded per (epoch, item): two worker processes kept alive across epochs give the
-    same model as loading in the main process, and so does a run interrupted at epoch 2 and resumed."""
+    """Random crops and flips seeded per (epoch, item): two worker processes kept alive across
+    epochs give the same model as loading in the main process, and so does a run interrupted at
+    epoch 2 and resumed."""
     ds, c0, c2 = (
         Data(images),
         cfg(epochs=3, crop_scale=0.3, lr=5e-3),

@@ -1,7 +1,7 @@
-"""DeAR's shortcuts give DeAR's plain computation: the last block computes only the rows read (CLS and the
-K tokens; CLS for f^0), the text start shared by every prompt runs once, prompts run in groups of similar
-length, and blocks 1..J-1 run once. The reference is dear.reference_forward: every position, every block,
-prompts padded to 77 tokens, features read afterwards."""
+"""DeAR's shortcuts give DeAR's plain computation: the last block computes only the rows read
+(CLS and the K tokens; CLS for f^0), the text start shared by every prompt runs once, prompts run in
+groups of similar length, and blocks 1..J-1 run once. The reference is dear.reference_forward: every
+position, every block, prompts padded to 77 tokens, features read afterwards."""
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ H = 4  # heads per block of the tiny CLIP
 
 
 def varied_roles(layers=range(1, 5)):
-    """Per-head roles that differ from block to block, so every block has a different per-head mask."""
+    """Per-head roles that differ from block to block,
+    so every block has a different per-head mask."""
     kinds = [
         {"role": "generalization", "attribute": None},
         {"role": "attribute", "attribute": "color"},
@@ -43,9 +44,8 @@ def grads(model, value):
 
 def test_image_side_equals_the_plain_computation_with_per_head_masks():
     torch.manual_seed(0)
-    model = DeAR(
-        tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7
-    )  # tokens in blocks 2, 3, 4
+    # tokens in blocks 2, 3, 4
+    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7)
     with torch.no_grad():  # trained-looking tokens and P_attr, so every path carries signal
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -64,15 +64,15 @@ def test_image_side_equals_the_plain_computation_with_per_head_masks():
 
 @pytest.mark.parametrize("group_cost", [0, None])
 def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
-    """Class names of several lengths that also share a first word (the shared start then reaches into the
-    class names), in an order that is not sorted by length; one group per length (group cost 0) and all
-    prompts padded into one group whose EOTs sit at three positions (the CPU's group cost)."""
+    """Class names of several lengths that also share a first word (the shared start then reaches
+    into the class names), in an order that is not sorted by length; one group per length (group
+    cost 0) and all prompts padded into one group whose EOTs sit at three positions (the CPU's group
+    cost)."""
     if group_cost is not None:
         monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     torch.manual_seed(1)
-    model = DeAR(
-        tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6
-    )  # tokens in text blocks 3, 4
+    # tokens in text blocks 3, 4
+    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=3, beta=0.6)
     with torch.no_grad():
         for p in model.trainable():
             p.add_(0.3 * torch.randn_like(p))
@@ -81,9 +81,8 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths
             assert model.text_shared.shape[1] == 6
             assert len(model.text_groups) == (3 if group_cost == 0 else 1)
-            assert (
-                sum(len(g[2]) for g in model.text_groups) == 3
-            )  # the last block: three EOT rows in all
+            # the last block: three EOT rows in all
+            assert sum(len(g[2]) for g in model.text_groups) == 3
         t, t0 = reference_classes(model)
         assert torch.allclose(model.t0, t0, atol=1e-6)
         ours = model.encode_classes()
@@ -91,9 +90,8 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         w = torch.randn_like(t)
         for a, b in zip(grads(model, (w * ours).sum()), grads(model, (w * t).sum())):
             assert torch.allclose(a, b, atol=1e-6)
-    assert (
-        model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
-    )  # all but EOT
+    # all but EOT
+    assert model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
 
 
 def perturbed(model, seed):
@@ -107,9 +105,10 @@ def perturbed(model, seed):
 
 @pytest.mark.parametrize("attr_tokens", [True, False])
 def test_forward_equals_reference_forward(attr_tokens):
-    """The whole forward (Figure 2 with its four shortcuts) against the plain computation: class names of
-    several lengths whose prompts share a start, non-uniform images, beta 0.7, roles that differ per block
-    and per head, trained-looking weights; every output, t^0, and the gradients of the fused logits."""
+    """The whole forward (Figure 2 with its four shortcuts) against the plain computation: class
+    names of several lengths whose prompts share a start, non-uniform images, beta 0.7, roles that
+    differ per block and per head, trained-looking weights; every output, t^0, and the gradients of
+    the fused logits."""
     model = perturbed(
         DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7, attr_tokens=attr_tokens),
         seed=4,

@@ -1,8 +1,10 @@
-"""run_all.sh and tables.py: the tables from hand-made results.json files, the job list, skipping and resuming
-runs, the up-front dataset check, and (once every module is in place) the whole --smoke pipeline.
+"""run_all.sh and tables.py: the tables from hand-made results.json files, the job list, skipping
+and resuming runs, the up-front dataset check, and (once every module is in place) the whole --smoke
+pipeline.
 
-run_all.sh is exercised with a stand-in for dear.py (env DEAR_PY): a small script with the same command line
-that writes a results.json with made-up accuracies and records every call, so these tests run in seconds.
+run_all.sh is exercised with a stand-in for dear.py (env DEAR_PY): a small script with the same
+command line that writes a results.json with made-up accuracies and records every call, so these
+tests run in seconds.
 """
 
 import json
@@ -60,7 +62,8 @@ def b2n_run(out, dataset, base, novel, **kw):
 
 
 def rows_by_label(table):
-    """{(dataset group, method label): row cells} of a B2N table; {label: cells} for the other tables."""
+    """{(dataset group, method label): row cells} of a B2N table;
+    {label: cells} for the other tables."""
     _, header, rows, _ = table
     out, group = {}, None
     for row in rows:
@@ -84,9 +87,8 @@ def test_cell_is_mean_std_and_count_over_seeds(tmp_path):
     assert (round(base.mean, 6), round(base.std, 4), base.n) == (92.0, 1.633, 3)  # np.std, ddof=0
     assert base.text() == "92.00 ± 1.63 (n=3)"
     assert novel.mean == pytest.approx(62.0)
-    assert hm.mean == pytest.approx(
-        2 * 92 * 62 / (92 + 62)
-    )  # HM of the seed means, not mean of HMs
+    # HM of the seed means, not mean of HMs
+    assert hm.mean == pytest.approx(2 * 92 * 62 / (92 + 62))
 
 
 def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
@@ -127,9 +129,8 @@ def test_missing_cells_stay_missing(tmp_path):
         None,
     ]  # no zero-shot run: no zero-shot cell
     paper_dtd = rows[("DTD", tables.PAPER_DEAR)]
-    assert (
-        paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None
-    )  # novel/HM unknown
+    # novel/HM unknown
+    assert paper_dtd[0].mean == 83.9 and paper_dtd[1] is None and paper_dtd[2] is None
     assert rows[("DTD", "Δ DeAR: this code − paper")] == [
         "-3.9",
         None,
@@ -137,15 +138,14 @@ def test_missing_cells_stay_missing(tmp_path):
     ]  # 83.9 is known to 0.1
     text = tables.build(str(tmp_path))
     assert "| DTD | CLIP (zero-shot, this code) | – | – | – |" in text
-    assert (
-        "82.72 [s]" in text and "78.99 [d]" in text
-    )  # both inconsistent numbers, as given, one marked derived
+    # both inconsistent numbers, as given, one marked derived
+    assert "82.72 [s]" in text and "78.99 [d]" in text
 
 
-# The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com extracts it and
-# public summaries; the CoCoOp, MaPLe and MMRL papers; the MaPLe and PromptSRC READMEs; yunncheng/MMRL issue #14):
-# "row protocol dataset metric number source", the number as its source prints it. Base-to-novel rows of
-# CLIP and MMRL as "base / novel / HM" lines.
+# The reference numbers, restated by hand from their sources (DeAR's paper table as wizwand.com
+# extracts it and public summaries; the CoCoOp, MaPLe and MMRL papers; the MaPLe and PromptSRC
+# READMEs; yunncheng/MMRL issue #14): "row protocol dataset metric number source", the number as its
+# source prints it. Base-to-novel rows of CLIP and MMRL as "base / novel / HM" lines.
 REFERENCE = """
     DeAR|b2n|average|base|85.94|paper_table
     DeAR|b2n|average|novel|78.99|derived
@@ -182,8 +182,9 @@ B2N_REFERENCE = """
     ucf101         | 70.53 / 77.50 / 73.85 | 88.10 / 80.07 / 83.89
     average        | 69.34 / 74.22 / 71.70 | 85.68 / 77.16 / 81.20
 """
-# The per-dataset rows are recalled from the papers; CLIP's average is printed in the MaPLe/PromptSRC READMEs;
-# MMRL's EuroSAT row is quoted in MMRL issue #14; MMRL's average is recalled and checked against public summaries.
+# The per-dataset rows are recalled from the papers; CLIP's average is printed in the
+# MaPLe/PromptSRC READMEs; MMRL's EuroSAT row is quoted in MMRL issue #14; MMRL's average is
+# recalled and checked against public summaries.
 B2N_SOURCE = {
     ("CLIP", "average"): "readme",
     ("MMRL", "eurosat"): "issue",
@@ -192,7 +193,8 @@ B2N_SOURCE = {
 
 
 def expected_references():
-    """{(row label, protocol, dataset, metric): (number text, source key)} from the restatement above."""
+    """{(row label, protocol, dataset, metric): (number text, source key)}
+    from the restatement above."""
     label = {"DeAR": tables.PAPER_DEAR, "CLIP": "CLIP (published)", "MMRL": "MMRL (published)"}
     out = {}
     for line in REFERENCE.split():
@@ -208,7 +210,8 @@ def expected_references():
 
 
 def reference_cells():
-    """Every reference cell the ViT-B/16 tables print with no run at all: {(row, protocol, column): (Cell, notes)}."""
+    """Every reference cell the ViT-B/16 tables print with no run at all: {(row, protocol,
+    column): (Cell, notes)}."""
     found = {}
     for protocol, make in (
         ("b2n", tables.table_b2n),
@@ -247,7 +250,8 @@ def test_every_reference_number_has_its_source_and_precision():
     assert len(stored) == len(tables.PUBLISHED) == len(expected)
     for key, (text, source) in expected.items():
         assert stored.get(key) == (text, source), key
-    # the printout: each reference cell shows that text and its source's letter, and its table explains the letter
+    # the printout: each reference cell shows that text and its source's letter,
+    # and its table explains the letter
     cells = reference_cells()
     pretty = {v: k for k, v in tables.PRETTY.items()}
     n_printed = 0
@@ -270,7 +274,8 @@ def test_every_reference_number_has_its_source_and_precision():
         assert any(note.startswith(f"[{letter}] ") for note in notes), (key, letter)
         n_printed += 1
     assert n_printed == len(expected)  # every reference number is printed somewhere
-    # the two averages of published DG rows, by hand: (60.83 + 46.15 + 47.77 + 73.96) / 4 = 57.1775, MMRL 60.5925
+    # the two averages of published DG rows, by hand:
+    # (60.83 + 46.15 + 47.77 + 73.96) / 4 = 57.1775, MMRL 60.5925
     assert cells[("CLIP (published)", "dg", "Average")][0].text() == "57.18 [d]"
     assert cells[("MMRL (published)", "dg", "Average")][0].text() == "60.59 [d]"
 
@@ -280,9 +285,8 @@ def test_header_says_how_reference_numbers_are_printed(tmp_path):
     text = tables.build(str(tmp_path))
     assert "printed as published" not in text
     for letter, short, _ in tables.SOURCES.values():
-        assert (
-            f"[{letter}] {short}" in text.split("## Table 1.")[0]
-        )  # every letter explained in the header
+        # every letter explained in the header
+        assert f"[{letter}] {short}" in text.split("## Table 1.")[0]
     assert "|  | DeAR (paper) | 83.9 [p] | – | – |" in text  # DTD's base, as printed
     assert "|  | Δ DeAR: this code − paper | -3.9 | – | – |" in text  # to the reference's precision
     csv_lines = open(tmp_path / "tables" / "table1_b2n.csv").read().splitlines()
@@ -338,9 +342,8 @@ def test_fewshot_rows_per_shot_and_ablations_against_the_full_model(tmp_path):
     b2n_run(out, "dtd", 70.0, 60.0, variant="attr_tokens-False_epochs-1")
     ab = rows_by_label(tables.table_ablations(tables.load_runs(out), "ViT-B/16"))
     assert set(ab) == {"DeAR (full, defaults)", "no role mask", "no attribute tokens"}
-    assert (
-        ab["no role mask"][3] == f"{tables.hm(80, 40) - tables.hm(80, 60):+.2f}"
-    )  # ΔHM vs the full model
+    # ΔHM vs the full model
+    assert ab["no role mask"][3] == f"{tables.hm(80, 40) - tables.hm(80, 60):+.2f}"
 
 
 def test_variant_names_parse_like_dear_writes_them():
@@ -378,7 +381,8 @@ FAKE_DEAR = textwrap.dedent('''
     """Stand-in for dear.py: same flags, made-up accuracies, every call appended to $FAKE_CALLS."""
     import argparse, json, os, sys, types
 
-    model = types.SimpleNamespace(visual=types.SimpleNamespace(transformer=types.SimpleNamespace(layers=12)))
+    visual = types.SimpleNamespace(transformer=types.SimpleNamespace(layers=12))
+    model = types.SimpleNamespace(visual=visual)
     clip = types.SimpleNamespace(load=lambda name, device=None: (model, None))
 
     def parse_args(argv=None):
@@ -387,8 +391,10 @@ FAKE_DEAR = textwrap.dedent('''
             p.add_argument(flag)
         p.add_argument("--protocol", default="b2n"); p.add_argument("--method", default="dear")
         p.add_argument("--out", default="runs"); p.add_argument("--mask", default="role")
-        p.add_argument("--novel-logits", default="fused"); p.add_argument("--roles-control", default="none")
-        p.add_argument("--shots", type=int, default=16); p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--novel-logits", default="fused")
+        p.add_argument("--roles-control", default="none")
+        p.add_argument("--shots", type=int, default=16)
+        p.add_argument("--seed", type=int, default=1)
         p.add_argument("--J", type=int); p.add_argument("--beta", type=float)
         p.add_argument("--lambda-fusion", type=float); p.add_argument("--epochs", type=int)
         p.add_argument("--workers", type=int)
@@ -414,7 +420,8 @@ FAKE_DEAR = textwrap.dedent('''
     if __name__ == "__main__":
         c = parse_args()
         with open(os.environ["FAKE_CALLS"], "a") as f:
-            f.write(json.dumps({"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+            call = {"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            f.write(json.dumps(call) + "\\n")
         if os.environ.get("FAKE_FAIL") == c.dataset:
             sys.exit("simulated crash")
         if os.environ.get("FAKE_SLEEP") == c.dataset:    # a job that lasts until FAKE_WAKE exists
@@ -431,9 +438,13 @@ FAKE_DEAR = textwrap.dedent('''
         d = run_dir(c)
         os.makedirs(d, exist_ok=True)
         splits = ["base", "novel"] if c.protocol == "b2n" else ["all"]
-        res = {"method": c.method, "protocol": c.protocol, "dataset": c.dataset, "backbone": c.backbone,
-               "shots": c.shots, "seed": c.seed, "variant": os.path.basename(d).split("-", 1)[1].rsplit("-shots", 1)[0],
-               "evals": [{"dataset": c.dataset, "split": s, "accuracy": 50.0 + c.seed, "n": 10} for s in splits]}
+        variant = os.path.basename(d).split("-", 1)[1].rsplit("-shots", 1)[0]
+        evals = [
+            {"dataset": c.dataset, "split": s, "accuracy": 50.0 + c.seed, "n": 10} for s in splits
+        ]
+        res = {"method": c.method, "protocol": c.protocol, "dataset": c.dataset,
+               "backbone": c.backbone, "shots": c.shots, "seed": c.seed, "variant": variant,
+               "evals": evals}
         with open(os.path.join(d, "results.json"), "w") as f:
             json.dump(res, f)
 ''')
@@ -478,9 +489,8 @@ def test_job_list_covers_every_table(fake, tmp_path):
     lines = p.stdout.splitlines()
     roles = [line for line in lines if "--roles-only" in line]
     dear = [line for line in lines if "--roles-only" not in line]
-    assert len(roles) == 3 and len(lines) == len(roles) + len(
-        dear
-    )  # roles for J = default (9), 7, 11, first
+    # roles for J = default (9), 7, 11, first
+    assert len(roles) == 3 and len(lines) == len(roles) + len(dear)
     assert lines[:3] == roles
 
     def count(*words):
@@ -517,8 +527,8 @@ def test_job_list_covers_every_table(fake, tmp_path):
 
 
 def test_toy_job_list_has_every_table_in_miniature(tmp_path):
-    """--toy: 5 seeds, 1-16 shots, the transfer sets as xd targets, every ablation plus random and oracle roles,
-    each run in its own folder (the real dear.py names them)."""
+    """--toy: 5 seeds, 1-16 shots, the transfer sets as xd targets, every ablation plus random and
+    oracle roles, each run in its own folder (the real dear.py names them)."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("DEAR_PY", None)
     p = run_all(["--toy", "--list", "--out", "OUT"], env, tmp_path)
@@ -559,7 +569,8 @@ def test_toy_job_list_has_every_table_in_miniature(tmp_path):
     not os.path.exists(os.path.join(ROOT, "dear.py")), reason="dear.py is not written yet"
 )
 def test_job_list_uses_dear_run_folders(tmp_path):
-    """With the real dear.py: a flag that resolves to a default (DTD's beta is 0.9) is not run twice."""
+    """With the real dear.py: a flag that resolves to a default (DTD's beta is 0.9) is not run
+    twice."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("DEAR_PY", None)
     p = run_all(
@@ -599,9 +610,8 @@ def test_finished_runs_are_skipped_and_crashed_runs_resume(fake, tmp_path):
     assert all("--resume" in c["argv"] for c in again)
     assert p.stdout.count("skip (done)") == 1 + 11 * 3 - 3  # roles and every finished run
     md = open(tmp_path / "out" / "tables" / "tables.md").read()
-    assert (
-        "51.50 ± 0.50 (n=2)" in md and "L9 H0" in md
-    )  # seeds 1, 2 -> 51, 52; the roles table embedded
+    # seeds 1, 2 -> 51, 52; the roles table embedded
+    assert "51.50 ± 0.50 (n=2)" in md and "L9 H0" in md
 
 
 def test_jobs_spread_over_the_listed_gpus(fake, tmp_path):
@@ -628,7 +638,8 @@ def test_bad_options_stop_with_one_clear_message(fake, tmp_path):
 
 
 def assert_points_onwards(err, check=True):
-    """The next steps every failed check ends with: the full list, the download command, the offline demo."""
+    """The next steps every failed check ends with: the full list, the download command,
+    the offline demo."""
     assert (
         "run_all.sh --check --root " in err
     ) == check  # --check itself does not point at --check
@@ -637,7 +648,8 @@ def assert_points_onwards(err, check=True):
 
 
 def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
-    """No data at all (the default ./data does not exist): say so once, and where to go next; start nothing."""
+    """No data at all (the default ./data does not exist): say so once, and where to go next;
+    start nothing."""
     env, calls_file = fake
     p = run_all(["--out", str(tmp_path / "out")], env, tmp_path)
     out = p.stdout + p.stderr
@@ -648,8 +660,8 @@ def test_first_contact_without_a_data_root_is_one_short_message(fake, tmp_path):
     )
     assert out.count("not found") == 1  # once, not once per dataset
     assert (
-        f"data root not found: {tmp_path / 'data'}, so the 15 datasets the stages need are all missing"
-        in out
+        f"data root not found: {tmp_path / 'data'}, so "
+        "the 15 datasets the stages need are all missing" in out
     )
     assert "MISSING" not in out and len(out.strip().splitlines()) <= 10
     assert_points_onwards(p.stderr)
@@ -670,14 +682,12 @@ def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tm
     (tmp_path / "empty").mkdir()
     p = run_all(["--root", "empty", "--out", str(tmp_path / "out")], env, tmp_path)
     assert p.returncode == 2
-    assert calls(calls_file) == [] and not os.path.exists(
-        tmp_path / "out" / "logs"
-    )  # nothing started
+    # nothing started
+    assert calls(calls_file) == [] and not os.path.exists(tmp_path / "out" / "logs")
     names = tables.B2N_DATASETS + tables.DG_TARGETS
     assert "15 of 15 datasets missing under --root empty: " + ", ".join(names) in p.stderr
-    assert (
-        "The first, imagenet:\n    ImageNet folder not found: " in p.stderr
-    )  # the first one's fix, only
+    # the first one's fix, only
+    assert "The first, imagenet:\n    ImageNet folder not found: " in p.stderr
     assert p.stderr.count("folder not found") == 1 and "MISSING" not in p.stdout
     assert len((p.stdout + p.stderr).strip().splitlines()) <= 12
     assert_points_onwards(p.stderr)
@@ -693,9 +703,8 @@ def test_missing_datasets_summarised_before_running_and_listed_by_check(fake, tm
     assert_points_onwards(p.stderr, check=False)
 
     p = run_all(["--check", "--stages", "roles,ablations", "--root", "empty"], env, tmp_path)
-    assert (
-        p.returncode == 2 and "4 of 4 datasets missing" in p.stderr
-    )  # 3 ablation datasets + the roles probe
+    # 3 ablation datasets + the roles probe
+    assert p.returncode == 2 and "4 of 4 datasets missing" in p.stderr
 
 
 def test_two_run_all_on_one_out_the_second_stops_at_once_naming_the_first(fake, tmp_path):
@@ -856,9 +865,8 @@ NEEDED = ("dear.py", "entropy.py", "data.py", "toyworld.py")
     reason="run_all.sh --smoke needs dear.py, entropy.py, data.py and toyworld.py",
 )
 def test_smoke_run_end_to_end(tmp_path, toy_cache):
-    env = dict(
-        os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache
-    )  # the toy CLIP, pretrained once per pytest run
+    # the toy CLIP, pretrained once per pytest run
+    env = dict(os.environ, PYTHON=sys.executable, CLIP_CACHE=toy_cache)
     for k in ("GPUS", "SEEDS", "DEAR_PY"):
         env.pop(k, None)
     smoke = ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"]  # no --out: runs-smoke

@@ -102,17 +102,15 @@ def test_results_count_as_done_only_beside_their_own_config(world, tmp_path, cap
     dear.main(args)
     results, done = only_result(tmp_path / "runs")
     assert done["identity"] == json.loads((results.parent / "config.json").read_text())
-    done["identity"]["lambda_fusion"] = (
-        5.0  # as if results.json had been made by another configuration
-    )
+    # as if results.json had been made by another configuration
+    done["identity"]["lambda_fusion"] = 5.0
     results.write_text(json.dumps(done))
     err = stop_message(args, capsys)
     assert "different configuration" in err and "lambda_fusion" in err and "--out" in err
     done["identity"]["lambda_fusion"] = 1.0
     results.write_text(json.dumps(done))
-    (results.parent / "checkpoint.pt").write_bytes(
-        b""
-    )  # the state an interrupted restart used to leave
+    # the state an interrupted restart used to leave
+    (results.parent / "checkpoint.pt").write_bytes(b"")
     assert "checkpoint.pt" in stop_message(args, capsys)
 
 
@@ -158,9 +156,8 @@ def test_roles_computed_for_another_checkpoint_are_refused(world, tmp_path, caps
         and runs.file_sha256(world[1]) in err
         and len(err.strip().splitlines()) == 1
     )
-    doc["checkpoint_sha256"] = runs.file_sha256(
-        world[1]
-    )  # roles made for this checkpoint are taken
+    # roles made for this checkpoint are taken
+    doc["checkpoint_sha256"] = runs.file_sha256(world[1])
     (tmp_path / "roles.json").write_text(json.dumps(doc))
     dear.main(
         cli(
@@ -176,9 +173,8 @@ def test_roles_computed_for_another_checkpoint_are_refused(world, tmp_path, caps
     )
     results, done = only_result(tmp_path / "runs")
     resolved = json.loads((results.parent / "config.json").read_text())["resolved"]
-    assert (
-        resolved["backbone_sha256"] == runs.file_sha256(world[1]) and done["evals"]
-    )  # the file loaded
+    # the file loaded
+    assert resolved["backbone_sha256"] == runs.file_sha256(world[1]) and done["evals"]
 
 
 # ----------------------------------------------------------------- issue 25: one line, before work
@@ -218,13 +214,11 @@ def enospc_for(name, real):
 def test_a_full_disk_names_the_file_and_the_fix(world, tmp_path, capsys, monkeypatch, name):
     """Wrong rule ruled out: OSError [Errno 28] as a traceback with no path."""
     roles = write_roles(tmp_path / "roles.json", world[1])
-    monkeypatch.setattr(
-        train, "atomic_save", enospc_for(name, train.atomic_save)
-    )  # the checkpoints
+    # the checkpoints
+    monkeypatch.setattr(train, "atomic_save", enospc_for(name, train.atomic_save))
     monkeypatch.setattr(runs, "atomic_save", enospc_for(name, runs.atomic_save))  # config, results
-    runs.build_dataset(
-        world[2], str(world[0])
-    )  # the folder's split, written (and said) once, first
+    # the folder's split, written (and said) once, first
+    runs.build_dataset(world[2], str(world[0]))
     capsys.readouterr()
     err = stop_message(
         cli(world, tmp_path / "runs", "--protocol", "fewshot", "--roles", roles), capsys
@@ -282,9 +276,8 @@ def test_a_comma_in_an_xd_target_path_and_repeated_targets(world, tmp_path):
     cfg = dataclasses.replace(cfg, targets=[f"folder:{odd}"])
     _, evals = runs.build_eval_sets(dear.resolve(cfg))
     assert [ds.name for ds, _, _ in evals][1:] == [f"folder:{odd}"]
-    code = dear.parse_args(
-        ["--protocol", "xd", "--targets", "dtd,eurosat"]
-    )  # one string: as before
+    # one string: as before
+    code = dear.parse_args(["--protocol", "xd", "--targets", "dtd,eurosat"])
     assert runs.xd_targets(code) == runs.xd_targets(
         dataclasses.replace(code, targets="dtd,eurosat")
     )
@@ -377,9 +370,8 @@ def test_the_toy_pretraining_is_logged_into_the_run(world, tmp_path, monkeypatch
     def ensure_pretrained(cache_dir, log=print, **kw):  # stands in for the 2-minute pretraining
         if log:
             log("Pretraining the toy CLIP once (stand-in)")
-        path = str(
-            tmp_path / "toy.pt"
-        )  # with the SHA256 record a real pretraining writes beside it
+        # with the SHA256 record a real pretraining writes beside it
+        path = str(tmp_path / "toy.pt")
         with open(world[1], "rb") as f:
             payload = f.read()
         with open(path, "wb") as f:
@@ -609,9 +601,8 @@ def test_every_setting_reaches_its_consumer(world, tmp_path, monkeypatch):
     }
     assert model.beta == 0.35  # b2n: both evaluations with the run's beta
     results, done = only_result(tmp_path / "runs")
-    assert (
-        "weight_decay-0.01" in done["variant"] and "~" in results.parent.name
-    )  # cut, recorded whole
+    # cut, recorded whole
+    assert "weight_decay-0.01" in done["variant"] and "~" in results.parent.name
     # the loss through the run's own loss_fn, on hand-set features and fusion weights
     torch.manual_seed(0)
     out = {
@@ -630,9 +621,8 @@ def test_every_setting_reaches_its_consumer(world, tmp_path, monkeypatch):
     reg = (1 - cos(out["f_cls"], out["f0"]).mean() + 1 - cos(out["t"], stub.t0).mean()).item()
     fusion = -math.log(0.55)
     assert total.item() == pytest.approx(ce + 0.3 * reg + 2.0 * fusion, rel=1e-5)
-    assert total.item() != pytest.approx(
-        ce + 2.0 * reg + 0.3 * fusion, rel=1e-3
-    )  # the weights swapped
+    # the weights swapped
+    assert total.item() != pytest.approx(ce + 2.0 * reg + 0.3 * fusion, rel=1e-3)
 
 
 def test_eval_only_carries_the_model_settings_and_the_roles_seed(world, tmp_path, monkeypatch):
@@ -729,7 +719,8 @@ def test_a_file_rewritten_in_place_gets_its_new_hash(tmp_path, monkeypatch):
 
 
 def test_a_fresh_file_is_never_remembered(tmp_path):
-    """Within FRESH_S of its last change a file may change again unseen, even its ctime: not cached."""
+    """Within FRESH_S of its last change a file may change again unseen, even its ctime:
+    not cached."""
     path = tmp_path / "roles.json"
     path.write_text("{}")
     runs.file_sha256(str(path))
@@ -744,9 +735,8 @@ def test_a_field_only_one_side_has_is_a_difference():
     assert runs.differences({"lr": 0.1}, {"lr": 0.1, "new_knob": None}) == [
         ("new_knob", runs.ABSENT, None)
     ]
-    assert (
-        runs.differences({"lr": 0.1, "out": "a"}, {"lr": 0.1}) == []
-    )  # bookkeeping is not compared
+    # bookkeeping is not compared
+    assert runs.differences({"lr": 0.1, "out": "a"}, {"lr": 0.1}) == []
 
 
 def test_force_starts_over_with_the_current_roles(world, tmp_path, monkeypatch):
@@ -761,9 +751,8 @@ def test_force_starts_over_with_the_current_roles(world, tmp_path, monkeypatch):
     write_roles(__import__("pathlib").Path(cached), model.name)
     args = cli(world, tmp_path / "runs", "--protocol", "fewshot", "--epochs", "1")
     dear.main(args)
-    write_roles(
-        __import__("pathlib").Path(cached), model.name, flip=True
-    )  # the cache holds new roles
+    # the cache holds new roles
+    write_roles(__import__("pathlib").Path(cached), model.name, flip=True)
     dear.main(args + ["--force"])
     _, done = only_result(tmp_path / "runs")
     assert done["roles_used"]["sha256"] == runs.file_sha256(cached)

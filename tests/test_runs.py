@@ -1,5 +1,6 @@
-"""A run folder is a run's identity (runs.py, runs.run): no run silently returns, mixes or reuses another's work,
-and every fault a user can make ends in one clear line (exit 2), never a traceback."""
+"""A run folder is a run's identity (runs.py, runs.run): no run silently returns, mixes or reuses
+another's work, and every fault a user can make ends in one clear line (exit 2), never a
+traceback."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def write_roles(path, model_name, flip=False):
     return str(path)
 
 
-# ------------------------------------------------------------------------------------------- A1: names
+# ---------------------------------------------------------------------------------------- A1: names
 
 
 def test_folder_datasets_with_the_same_name_get_different_run_folders(tmp_path):
@@ -45,9 +46,8 @@ def test_folder_datasets_with_the_same_name_get_different_run_folders(tmp_path):
     a = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'a' / 'pets'}", backbone="ViT-B/16"))
     b = runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'b' / 'pets'}", backbone="ViT-B/16"))
     assert a != b and "folder-pets-" in a
-    (tmp_path / "link").symlink_to(
-        tmp_path / "a" / "pets"
-    )  # the same folder by another path: the same runs
+    # the same folder by another path: the same runs
+    (tmp_path / "link").symlink_to(tmp_path / "a" / "pets")
     assert (
         runs.run_dir(dear.Config(dataset=f"folder:{tmp_path / 'link'}", backbone="ViT-B/16")) == a
     )
@@ -88,15 +88,14 @@ def test_a_finished_run_is_reused_only_when_its_config_matches(world, tmp_path, 
     capsys.readouterr()
     dear.main(args)
     assert "done already" in capsys.readouterr().out
-    config["inputs"]["dataset_folder"] = (
-        "/elsewhere/colors"  # as if the folder had been read from another place
-    )
+    # as if the folder had been read from another place
+    config["inputs"]["dataset_folder"] = "/elsewhere/colors"
     (rdir.parent / "config.json").write_text(json.dumps(config))
     err = stop_message(args, capsys)
     assert "different configuration" in err and "inputs" in err and "--force" in err
 
 
-# ------------------------------------------------------------------------------------------- A2: roles pinned
+# --------------------------------------------------------------------------------- A2: roles pinned
 
 
 def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, capsys):
@@ -119,7 +118,8 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
     (results,) = (tmp_path / "runs").rglob("results.json")
     rdir = results.parent
     done = json.loads(results.read_text())
-    # 20 images a class, split 50/20/30: 10 training images, fewer than the 16 shots asked for, and it says so
+    # 20 images a class, split 50/20/30: 10 training images, fewer than the 16 shots asked for,
+    # and it says so
     assert {k: done["train_shots"][k] for k in ("asked", "min", "max")} == {
         "asked": 16,
         "min": 10,
@@ -134,12 +134,11 @@ def test_roles_are_pinned_to_the_run_and_eval_only_uses_them(world, tmp_path, ca
         cli(world, tmp_path / "runs", "--eval-only", "--load", str(rdir), "--protocol", "fewshot")
     )
     (again,) = (rdir / "eval").rglob("results.json")
-    assert (
-        json.loads(again.read_text())["roles_used"]["sha256"] == used["sha256"]
-    )  # the run's own roles
+    # the run's own roles
+    assert json.loads(again.read_text())["roles_used"]["sha256"] == used["sha256"]
 
 
-# ------------------------------------------------------------------------------------------- A5: one writer
+# ----------------------------------------------------------------------------------- A5: one writer
 
 
 def test_a_second_identical_run_stops_while_the_first_holds_the_folder(world, tmp_path, capsys):
@@ -153,7 +152,7 @@ def test_a_second_identical_run_stops_while_the_first_holds_the_folder(world, tm
     assert os.path.exists(os.path.join(rdir, "results.json"))
 
 
-# ------------------------------------------------------------------------------------------- B: one clear line
+# -------------------------------------------------------------------------------- B: one clear line
 
 
 def test_faults_stop_with_one_line(world, tmp_path, capsys):
@@ -205,7 +204,7 @@ def test_ctrl_c_before_any_checkpoint_promises_nothing(world, tmp_path, capsys, 
     assert "nothing was kept" in err and "--resume" not in err
 
 
-# ------------------------------------------------------------------------------------------- D: first contact
+# --------------------------------------------------------------------------------- D: first contact
 
 
 def test_a_missing_dataset_names_the_download_and_the_offline_demo(tmp_path, capsys):
@@ -244,13 +243,13 @@ def test_cached_imagenet_roles_are_used_without_reading_imagenet(world, tmp_path
     assert used == path
 
 
-# ------------------------------------------------------------------------------------------- E: precision
+# ------------------------------------------------------------------------------------- E: precision
 
 
 def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, monkeypatch):
-    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds the
-    run folder taken by a run of another precision, and stops instead of reusing or resuming it. Both
-    precisions are recorded; asking for a half-precision evaluation gets its own folder."""
+    """--precision amp is fp32 on a CPU and fp16 on CUDA: the same command on the other device finds
+    the run folder taken by a run of another precision, and stops instead of reusing or resuming it.
+    Both precisions are recorded; asking for a half-precision evaluation gets its own folder."""
     root, ckpt, dataset = world
     args = cli(
         world,
@@ -279,7 +278,8 @@ def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, 
     capsys.readouterr()
     err = stop_message(args, capsys)  # a finished run of another precision: not "done already"
     assert "different configuration" in err and "precisions" in err and "fp16" in err
-    results.unlink()  # now as an interrupted run: its checkpoint is not resumed in another precision
+    # now as an interrupted run: its checkpoint is not resumed in another precision
+    results.unlink()
     torch.save({"model": {}}, results.parent / "checkpoint.pt")
     err = stop_message(args + ["--resume"], capsys)
     assert "interrupted run of a different configuration" in err and "precisions" in err

@@ -1,5 +1,5 @@
-"""train.py on a tiny CLIP: a run interrupted inside an epoch resumes bit-identically, every epoch has its own
-order of all the images, and evaluate scores the logits it is asked for."""
+"""train.py on a tiny CLIP: a run interrupted inside an epoch resumes bit-identically, every epoch
+has its own order of all the images, and evaluate scores the logits it is asked for."""
 
 import dataclasses
 
@@ -21,7 +21,8 @@ STEPS = PER_CLASS * len(COLORS) // BATCH
 
 @pytest.fixture(scope="module")
 def squares(tmp_path_factory):
-    """A 4-class dataset of noisy coloured 32x32 squares, 5 per class; the same items train and test."""
+    """A 4-class dataset of noisy coloured 32x32 squares, 5 per class;
+    the same items train and test."""
     root = tmp_path_factory.mktemp("squares")
     rng, items = np.random.default_rng(0), []
     for c, color in enumerate(COLORS):
@@ -56,7 +57,8 @@ CFG = dear.resolve(
 
 
 def recording_loss(calls, stop_at=None):
-    """The DeAR loss, recording each step's labels; raises KeyboardInterrupt at call number stop_at (0-based)."""
+    """The DeAR loss, recording each step's labels;
+    raises KeyboardInterrupt at call number stop_at (0-based)."""
 
     def loss_fn(model, out, labels):
         if len(calls) == stop_at:
@@ -87,8 +89,9 @@ def full_run(squares, tmp_path_factory):
 
 
 def test_resume_inside_an_epoch_is_bit_identical(squares, full_run, tmp_path):
-    """Interrupted at step 3 of epoch 2 (checkpoints after every step): the resumed run does exactly the steps
-    that were left, on the same batches, and ends with the same weights as a run never interrupted."""
+    """Interrupted at step 3 of epoch 2 (checkpoints after every step): the resumed run does exactly
+    the steps that were left, on the same batches, and ends with the same weights as a run never
+    interrupted."""
     (full, full_calls), cut_calls, resumed_calls = full_run, [], []
     done = STEPS + 2  # all of epoch 1, steps 1-2 of epoch 2
     with pytest.raises(KeyboardInterrupt):
@@ -97,24 +100,22 @@ def test_resume_inside_an_epoch_is_bit_identical(squares, full_run, tmp_path):
     resumed = run(squares, tmp_path / "cut", recording_loss(resumed_calls))
     assert resumed_calls == full_calls[done:]  # no step repeated, none skipped, the same batches
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
-    assert not torch.equal(
-        full["tokens.R"], fresh_model().trainable_state()["tokens.R"]
-    )  # it did train
+    # it did train
+    assert not torch.equal(full["tokens.R"], fresh_model().trainable_state()["tokens.R"])
 
 
 def test_every_epoch_has_a_new_order_of_all_images(squares, full_run):
     calls = full_run[1]
-    epochs = [
-        sum(calls[e * STEPS : (e + 1) * STEPS], []) for e in range(EPOCHS)
-    ]  # labels in the order seen
+    # labels in the order seen
+    epochs = [sum(calls[e * STEPS : (e + 1) * STEPS], []) for e in range(EPOCHS)]
     labels = sorted(y for _, y, _ in squares.train)
     assert all(sorted(order) == labels for order in epochs)  # every image once per epoch
     assert epochs[0] != epochs[1]
 
 
 def test_evaluate_scores_the_logits_it_is_asked_for(squares):
-    """Labels set to the class-logit prediction on images where the fused prediction differs: the class-only
-    rule scores 100%, the fused rule 0%."""
+    """Labels set to the class-logit prediction on images where the fused prediction differs: the
+    class-only rule scores 100%, the fused rule 0%."""
     model = fresh_model()
     with (
         torch.no_grad()
@@ -130,9 +131,8 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
     cls, fused = out["logits"][:, 0].argmax(-1), out["fused"].argmax(-1)
     items = [(p, int(cls[i]), "") for i, (p, _, _) in enumerate(squares.test) if cls[i] != fused[i]]
     assert len(items) >= 3
-    cfg = dear.resolve(
-        dear.Config(eval_batch_size=2, workers=0)
-    )  # several batches, the last one partial
+    # several batches, the last one partial
+    cfg = dear.resolve(dear.Config(eval_batch_size=2, workers=0))
     for rule, expected in (("cls", 100.0), ("fused", 0.0)):
         r = train.evaluate(
             model,
