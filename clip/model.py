@@ -212,6 +212,12 @@ class Transformer(nn.Module):
         return x
 
 
+def normal(init: bool, std: float, *shape: int) -> nn.Parameter:
+    """A parameter drawn std * N(0, 1) (OpenAI's init); with init False only its shape (torch.empty):
+    build_model overwrites every value, and drawing on the meta device would load torch._dynamo."""
+    return nn.Parameter(std * torch.randn(*shape) if init else torch.empty(*shape))
+
+
 class VisionTransformer(nn.Module):
     def __init__(
         self,
@@ -221,6 +227,7 @@ class VisionTransformer(nn.Module):
         layers: int,
         heads: int,
         output_dim: int,
+        init: bool = True,
     ):
         super().__init__()
         if input_resolution % patch_size != 0:
@@ -236,12 +243,12 @@ class VisionTransformer(nn.Module):
         self.num_patches = (input_resolution // patch_size) ** 2
         scale = width**-0.5
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
-        self.class_embedding = nn.Parameter(scale * torch.randn(width))
-        self.positional_embedding = nn.Parameter(scale * torch.randn(self.num_patches + 1, width))
+        self.class_embedding = normal(init, scale, width)
+        self.positional_embedding = normal(init, scale, self.num_patches + 1, width)
         self.ln_pre = LayerNorm(width)
         self.transformer = Transformer(width, layers, heads)
         self.ln_post = LayerNorm(width)
-        self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
+        self.proj = normal(init, scale, width, output_dim)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Images [B, 3, R, R] -> tokens [B, 1+P, D]: patches, class token, positions, ln_pre."""
@@ -290,7 +297,9 @@ class CLIP(nn.Module):
         transformer_heads: int,
         transformer_layers: int,
         vision_heads: Optional[int] = None,
+        init: bool = True,
     ):
+        """init False: shapes only, no random draws (build_model, which loads every value)."""
         super().__init__()
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -302,16 +311,20 @@ class CLIP(nn.Module):
             layers=vision_layers,
             heads=vision_heads,
             output_dim=embed_dim,
+            init=init,
         )
         self.transformer = Transformer(
             width=transformer_width, layers=transformer_layers, heads=transformer_heads
         )
-        self.token_embedding = nn.Embedding(vocab_size, transformer_width)
+        shape = (vocab_size, transformer_width)
+        # (_weight: an Embedding that skips its own normal_ init)
+        self.token_embedding = nn.Embedding(*shape, _weight=None if init else torch.empty(shape))
         self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
         self.ln_final = LayerNorm(transformer_width)
         self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-        self.initialize_parameters()
+        if init:
+            self.initialize_parameters()
 
     def initialize_parameters(self):
         """CLIP's initialisation of the text side and of all transformer blocks."""
@@ -544,6 +557,6 @@ def build_model(state_dict: dict) -> CLIP:
     # fp32 copies, so the model never shares memory with (or mutates) the caller's tensors
     sd = {k: v.to(torch.float32, copy=True) for k, v in state_dict.items() if k not in EXTRA_KEYS}
     with torch.device("meta"):  # shapes only: the random init would be overwritten anyway
-        model = CLIP(**config)
+        model = CLIP(**config, init=False)
     model.load_state_dict(sd, strict=True, assign=True)  # the copies become the parameters
     return model.eval()

@@ -16,6 +16,10 @@ import tempfile
 # Idle OpenMP threads sleep instead of spinning (BENCH.md, "Sharing the CPU"): set before torch
 # loads, and inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One intra-op thread per test process unless you set OMP_NUM_THREADS: the tests' models are tiny
+# (a second thread adds CPU time, not speed), the toy CLIP pretrains in a process of its own beside
+# the tests (conftest's PRETRAIN: one core each), and a one-thread toy CLIP is the README's.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,6 +4,8 @@ import errno
 import hashlib
 import http.server
 import os
+import subprocess
+import sys
 import threading
 import types
 
@@ -731,3 +733,30 @@ def test_preprocess_equals_openais_torchvision_pipeline():
         for mode in ("RGB", "L", "RGBA"):
             image = Image.fromarray(pixels, "RGBA").convert(mode)
             assert torch.equal(clip.transform(32)(image), openai(image)), (w, h, mode)
+
+
+def test_loading_and_preprocessing_import_neither_torchvision_nor_dynamo(tmp_path):
+    """Start-up cost: in a fresh process, clip.load of a checkpoint, its preprocess and data.py's
+    pipelines import neither torchvision (its import loads torch._dynamo, as much CPU as torch's)
+    nor torch._dynamo (random draws on the meta device load it: build_model builds shapes only).
+    Planted: CLIP(**config) without init=False in build_model; a torchvision import in clip."""
+    path = tmp_path / "tiny.pt"
+    torch.save(tiny_state_dict(), path)
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from PIL import Image\n"
+        "import clip, data\n"
+        f"model, preprocess = clip.load({str(path)!r}, device='cpu')\n"
+        "image = Image.fromarray(np.zeros((40, 50, 3), np.uint8))\n"
+        "x = preprocess(image)[None]\n"
+        "data.train_transform(32)(image), data.test_transform(32)(image)\n"
+        "model.encode_image(x)\n"
+        "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout
