@@ -56,11 +56,13 @@ import clip
 import util
 from util import fingerprint, fmt_time, write_atomic
 
+# The world: four factors, their words, and the colours the objects are painted in.
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
 TEXTURES = ("solid", "striped", "dotted")
 LOCATIONS = ("top left", "top right", "bottom left", "bottom right")
-TEMPLATE = "a photo of a {}."
+FACTORS = {"color": COLORS, "shape": SHAPES, "texture": TEXTURES, "location": LOCATIONS}
+TEMPLATE = "a photo of a {}."  # the class prompt
 
 # RGB in [0, 1] before SATURATION: strongly saturated hues.
 PALETTE = {
@@ -71,25 +73,42 @@ PALETTE = {
     "purple": (0.60, 0.24, 0.80),
     "orange": (0.95, 0.55, 0.14),
 }
-SATURATION = (
-    0.25  # object colours move to 25% of the way from their own grey (same brightness) to PALETTE:
-)
-# pale colours, so that colour is not by far the easiest factor to see (1.0 in recipe v1)
-DARK = 0.35  # stripes and dots are the object colour times DARK (same hue; 0.55 in recipe v1)
-TEXTURE_ON = (
-    "object"  # or "background": the object is solid and the texture patterns the ground around it,
-)
-BACKGROUND_DARK = 0.6  # darkening the ground by this factor (a knob for toy-CLIP experiments)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-# Images per class in the written dataset (16-shot training needs >= 16 train images per class).
-SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
-SPLIT_FILE = "split_zhou_ToyWorld.json"
+# The recipe: every knob of the world's drawing and of the toy CLIP's pretraining, with its value
+# in the default recipe (v2) and, where it differs, in recipe v1, the first toy world
+# (docs/TOYWORLD.md, "worlds tried"; V1 holds its drawing and caption knobs). They are plain module
+# names, which tests and experiments set (T.SATURATION = 1.0); those the drawing reads are recorded
+# beside every dataset (render_knobs) and compared on every use (check_rendering). The tiny CLIP's
+# shape: TOY_CONFIG.
+# fmt: off
+# knob            v2 (default)             v1    what it does
+RECIPE          = "v2"                   # "v1"  in checkpoint names: bump on any recipe change
+SATURATION      = 0.25                   # 1.0   object colours this far from their grey to PALETTE
+DARK            = 0.35                   # 0.55  stripes and dots: the object colour times DARK
+TEXTURE_ON      = "object"               #       or "background": a solid object, textured ground
+BACKGROUND_DARK = 0.6                    #       there the pattern darkens the ground by this
+DEFAULT_STEPS   = 400                    # 200   pretraining steps
+CAPTION_FACTORS = (1, 0, 0, 0)           # None  a caption names k factors with probability p_k
+FACTOR_WEIGHTS  = (1, 1, 1, 1)           #       which factors, drawn with these weights
+CAPTION_DROP    = (0.15, 0.0, 0.5, 0.5)  #       CAPTION_FACTORS None: leave each out with this p
+GROUP           = 1                      #       batches in groups of GROUP minimal pairs
+GROUP_FACTORS   = (0, 1, 2, 3)           #       that differ in one of these factors
+TEXTS_PER_HEAD  = 5                      # 20    TextSpan's N (texts per head) on the toy CLIP
+# fmt: on
+V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)  # the v1 column (with 200 steps, N = 20)
+# Why v2's values: the rounds of docs/TOYWORLD.md. SATURATION moves a colour towards its own grey
+# (same brightness): pale colours, so that colour is not by far the easiest factor to see. v2 learns
+# nothing in 200 steps and colour alone in 300. CAPTION_FACTORS (p1, p2, p3, p4) = (1, 0, 0, 0)
+# with equal FACTOR_WEIGHTS: one factor per caption, each factor equally often. GROUP and
+# GROUP_FACTORS (0 colour, 1 shape, 2 texture, 3 location) drive sample_batch's minimal pairs. The
+# toy pool spans only about 13 directions (6 colours, 4 shapes, 3 textures, 4 locations), so 20
+# texts per head exhaust them all and their concepts follow the vocabulary sizes, not the head;
+# TEXTS_PER_HEAD 5 was chosen by the role-discovery criteria (fourth round) among 3, 4 and 5.
 
-# The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks, width 128,
-# 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant = 2x2 patches) and is
-# about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the longest toy caption.
+# The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks,
+# width 128, 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant =
+# 2x2 patches) and is about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the
+# longest toy caption.
 TOY_CONFIG = dict(
     embed_dim=64,
     image_resolution=32,
@@ -103,42 +122,13 @@ TOY_CONFIG = dict(
     transformer_layers=4,
     vision_heads=4,
 )
-DEFAULT_STEPS = 400  # recipe v1: 200 (v2 learns nothing in 200 steps and colour alone in 300)
-CAPTION_FACTORS = (
-    1,
-    0,
-    0,
-    0,
-)  # (p1, p2, p3, p4): a caption names exactly k factors with probability p_k, drawn
-FACTOR_WEIGHTS = (
-    1,
-    1,
-    1,
-    1,
-)  # with these weights; v2: one factor per caption, each factor equally often.
-CAPTION_DROP = (
-    0.15,
-    0.0,
-    0.5,
-    0.5,
-)  # CAPTION_FACTORS None (recipe v1): each factor left out with this chance
-GROUP = 1  # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
-GROUP_FACTORS = (
-    0,
-    1,
-    2,
-    3,
-)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
-RECIPE = (
-    "v2"  # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
-)
-# Recipe v1, the first toy world (its CLIP barely specialises; README, "worlds tried"): these knobs, 200 steps
-V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)
-# TextSpan's N (texts per head) for the toy CLIP. Its pool spans only about 13 directions (6 colours, 4 shapes,
-# 3 textures, 4 locations), so 20 texts exhaust them all and their concepts follow the vocabulary sizes, not the
-# head. 5 was chosen by the role-discovery criteria of the README ("worlds tried", fourth round), among 3, 4, 5.
-TEXTS_PER_HEAD = 5
+
+# Images per class in the written dataset (16-shot training needs >= 16 train images per class).
+SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
+SPLIT_FILE = "split_zhou_ToyWorld.json"
 RENDER_FILE = "render.json"  # beside a written dataset: the rendering knobs it was drawn with
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (to_tensor)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class ToyWorldError(Exception):
@@ -292,14 +282,6 @@ def dataset_items():
                     )
                 )
     return items
-
-
-FACTORS = {
-    "color": COLORS,
-    "shape": SHAPES,
-    "texture": TEXTURES,
-    "location": LOCATIONS,
-}  # name -> vocabulary
 
 
 def factor_labels(paths):
