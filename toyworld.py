@@ -7,8 +7,11 @@ Every image shows one object whose generative factors are exactly DeAR's attribu
     texture  solid, striped, dotted
     location top left, top right, bottom left, bottom right
 
-in pale colours on a grey background with a mild tint, a brightness gradient and pixel noise. A caption
-names the factors: caption("red", "circle", "striped", "top left") == "a red striped circle in the top left";
+in pale colours on a grey background with a mild tint, a brightness gradient and pixel noise. A
+caption names the factors:
+
+    caption("red", "circle", "striped", "top left") == "a red striped circle in the top left"
+
 a pretraining caption names one of them ("a striped object", "a photo of a circle.").
 
 Classification classes combine two factors ("red circle"); texture and location vary inside a
@@ -17,8 +20,9 @@ hold every colour and every shape (a checkerboard over colour x shape): novel cl
 combinations of seen words, which is what base-to-novel generalisation should measure.
 
     ensure_dataset(root)          <root>/toyworld/images/<class>/*.png + split_zhou_ToyWorld.json
-    ensure_transfer(root)         <root>/toyworld-transfer/{noisy,small,textures}/<class>/*.png: shifted test
-                                  sets, read as folder:PATH datasets (run_all.sh --toy's transfer tables)
+    ensure_transfer(root)         <root>/toyworld-transfer/{noisy,small,textures}/<class>/*.png:
+                                  shifted test sets, read as folder:PATH datasets (run_all.sh
+                                  --toy's transfer tables)
     factor_labels(paths)          the known factors of dataset images: the ground truth that
                                   entropy.probe_factors decodes from each attention head
     ensure_pretrained(cache_dir)  a tiny CLIP (same clip/model.py) trained contrastively on
@@ -27,7 +31,8 @@ combinations of seen words, which is what base-to-novel generalisation should me
                                   one process pretrains at a time (<file>.lock), others wait
 
 Command line:
-    python toyworld.py render --color red --shape circle --texture striped --location "top left" --out x.png
+    python toyworld.py render --color red --shape circle --texture striped --location "top left" \
+        --out x.png
     python toyworld.py dataset --root DATA [--transfer]
     python toyworld.py pretrain [--steps N] [--seed S] [--cache-dir DIR]
     python toyworld.py zeroshot [--checkpoint PATH]
@@ -56,11 +61,13 @@ import clip
 import util
 from util import fingerprint, fmt_time, write_atomic
 
+# The world: four factors, their words, and the colours the objects are painted in.
 COLORS = ("red", "green", "blue", "yellow", "purple", "orange")
 SHAPES = ("circle", "square", "triangle", "cross")
 TEXTURES = ("solid", "striped", "dotted")
 LOCATIONS = ("top left", "top right", "bottom left", "bottom right")
-TEMPLATE = "a photo of a {}."
+FACTORS = {"color": COLORS, "shape": SHAPES, "texture": TEXTURES, "location": LOCATIONS}
+TEMPLATE = "a photo of a {}."  # the class prompt
 
 # RGB in [0, 1] before SATURATION: strongly saturated hues.
 PALETTE = {
@@ -71,25 +78,42 @@ PALETTE = {
     "purple": (0.60, 0.24, 0.80),
     "orange": (0.95, 0.55, 0.14),
 }
-SATURATION = (
-    0.25  # object colours move to 25% of the way from their own grey (same brightness) to PALETTE:
-)
-# pale colours, so that colour is not by far the easiest factor to see (1.0 in recipe v1)
-DARK = 0.35  # stripes and dots are the object colour times DARK (same hue; 0.55 in recipe v1)
-TEXTURE_ON = (
-    "object"  # or "background": the object is solid and the texture patterns the ground around it,
-)
-BACKGROUND_DARK = 0.6  # darkening the ground by this factor (a knob for toy-CLIP experiments)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-# Images per class in the written dataset (16-shot training needs >= 16 train images per class).
-SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
-SPLIT_FILE = "split_zhou_ToyWorld.json"
+# The recipe: every knob of the world's drawing and of the toy CLIP's pretraining, with its value
+# in the default recipe (v2) and, where it differs, in recipe v1, the first toy world
+# (docs/TOYWORLD.md, "worlds tried"; V1 holds its drawing and caption knobs). They are plain module
+# names, which tests and experiments set (T.SATURATION = 1.0); those the drawing reads are recorded
+# beside every dataset (render_knobs) and compared on every use (check_rendering). The tiny CLIP's
+# shape: TOY_CONFIG.
+# fmt: off
+# knob            v2 (default)             v1    what it does
+RECIPE          = "v2"                   # "v1"  in checkpoint names: bump on any recipe change
+SATURATION      = 0.25                   # 1.0   object colours this far from their grey to PALETTE
+DARK            = 0.35                   # 0.55  stripes and dots: the object colour times DARK
+TEXTURE_ON      = "object"               #       or "background": a solid object, textured ground
+BACKGROUND_DARK = 0.6                    #       there the pattern darkens the ground by this
+DEFAULT_STEPS   = 400                    # 200   pretraining steps
+CAPTION_FACTORS = (1, 0, 0, 0)           # None  a caption names k factors with probability p_k
+FACTOR_WEIGHTS  = (1, 1, 1, 1)           #       which factors, drawn with these weights
+CAPTION_DROP    = (0.15, 0.0, 0.5, 0.5)  #       CAPTION_FACTORS None: leave each out with this p
+GROUP           = 1                      #       batches in groups of GROUP minimal pairs
+GROUP_FACTORS   = (0, 1, 2, 3)           #       that differ in one of these factors
+TEXTS_PER_HEAD  = 5                      # 20    TextSpan's N (texts per head) on the toy CLIP
+# fmt: on
+V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)  # the v1 column (with 200 steps, N = 20)
+# Why v2's values: the rounds of docs/TOYWORLD.md. SATURATION moves a colour towards its own grey
+# (same brightness): pale colours, so that colour is not by far the easiest factor to see. v2 learns
+# nothing in 200 steps and colour alone in 300. CAPTION_FACTORS (p1, p2, p3, p4) = (1, 0, 0, 0)
+# with equal FACTOR_WEIGHTS: one factor per caption, each factor equally often. GROUP and
+# GROUP_FACTORS (0 colour, 1 shape, 2 texture, 3 location) drive sample_batch's minimal pairs. The
+# toy pool spans only about 13 directions (6 colours, 4 shapes, 3 textures, 4 locations), so 20
+# texts per head exhaust them all and their concepts follow the vocabulary sizes, not the head;
+# TEXTS_PER_HEAD 5 was chosen by the role-discovery criteria (fourth round) among 3, 4 and 5.
 
-# The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks, width 128,
-# 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant = 2x2 patches) and is
-# about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the longest toy caption.
+# The tiny CLIP: the same clip/model.py code as ViT-B/16, only smaller. Both towers: 4 blocks,
+# width 128, 4 heads of 32. Patch 8 on 32x32 images gives a 4x4 grid of patches (each quadrant =
+# 2x2 patches) and is about 6x cheaper than patch 4 on a CPU; the text context of 16 holds the
+# longest toy caption.
 TOY_CONFIG = dict(
     embed_dim=64,
     image_resolution=32,
@@ -103,42 +127,13 @@ TOY_CONFIG = dict(
     transformer_layers=4,
     vision_heads=4,
 )
-DEFAULT_STEPS = 400  # recipe v1: 200 (v2 learns nothing in 200 steps and colour alone in 300)
-CAPTION_FACTORS = (
-    1,
-    0,
-    0,
-    0,
-)  # (p1, p2, p3, p4): a caption names exactly k factors with probability p_k, drawn
-FACTOR_WEIGHTS = (
-    1,
-    1,
-    1,
-    1,
-)  # with these weights; v2: one factor per caption, each factor equally often.
-CAPTION_DROP = (
-    0.15,
-    0.0,
-    0.5,
-    0.5,
-)  # CAPTION_FACTORS None (recipe v1): each factor left out with this chance
-GROUP = 1  # pretraining batches come in groups of GROUP minimal pairs (sample_batch) ...
-GROUP_FACTORS = (
-    0,
-    1,
-    2,
-    3,
-)  # ... that differ in one of these factors (0 colour, 1 shape, 2 texture, 3 location)
-RECIPE = (
-    "v2"  # bump when rendering or pretraining changes, so stale cached checkpoints are not reused
-)
-# Recipe v1, the first toy world (its CLIP barely specialises; README, "worlds tried"): these knobs, 200 steps
-V1 = dict(SATURATION=1.0, DARK=0.55, CAPTION_FACTORS=None)
-# TextSpan's N (texts per head) for the toy CLIP. Its pool spans only about 13 directions (6 colours, 4 shapes,
-# 3 textures, 4 locations), so 20 texts exhaust them all and their concepts follow the vocabulary sizes, not the
-# head. 5 was chosen by the role-discovery criteria of the README ("worlds tried", fourth round), among 3, 4, 5.
-TEXTS_PER_HEAD = 5
+
+# Images per class in the written dataset (16-shot training needs >= 16 train images per class).
+SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
+SPLIT_FILE = "split_zhou_ToyWorld.json"
 RENDER_FILE = "render.json"  # beside a written dataset: the rendering knobs it was drawn with
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (to_tensor)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class ToyWorldError(Exception):
@@ -168,9 +163,8 @@ def shape_mask(shape, x, y, cx, cy, r):
         return dx**2 + dy**2 <= r**2
     if shape == "square":
         return (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)  # 0.85: about the circle's area
-    if (
-        shape == "triangle"
-    ):  # apex up; the half-width grows linearly from 0 at the apex to r at the base
+    # triangle: apex up; the half-width grows linearly from 0 at the apex to r at the base
+    if shape == "triangle":
         t = (dy + r) / (1.8 * r)  # 0 at the apex, 1 at the base
         return (t >= 0) & (t <= 1) & (np.abs(dx) <= t * r)
     if shape == "cross":
@@ -196,8 +190,9 @@ def texture_dark(texture, x, y, size, rng):
 
 
 def render_array(color, shape, texture, location, seed, size=32, scale=1.0, noise=0.02):
-    """The image as a uint8 array [size, size, 3]; the same (factors, seed, size) give the same pixels.
-    scale (object size) and noise (pixel noise std) differ from their defaults only in the transfer sets."""
+    """The image as a uint8 array [size, size, 3]; the same (factors, seed, size) give the same
+    pixels. scale (object size) and noise (pixel noise std) differ from their defaults only in the
+    transfer sets."""
     _check_factors(color, shape, texture, location)
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size] each
@@ -220,9 +215,8 @@ def render_array(color, shape, texture, location, seed, size=32, scale=1.0, nois
         rgb = rgb.mean() + SATURATION * (rgb - rgb.mean())
     rgb = rgb * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
     if TEXTURE_ON == "object":
-        rgb = (
-            np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb
-        )  # [size, size, 3]
+        dark = np.where(texture_dark(texture, x, y, size, rng), DARK, 1.0)  # [size, size]
+        rgb = dark[..., None] * rgb  # [size, size, 3]
     img = np.where(obj[..., None], rgb, img)
     img = img + rng.normal(0.0, noise, size=img.shape)  # mild pixel noise
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
@@ -249,8 +243,9 @@ def caption(color, shape, texture, location):
 def class_list():
     """The 24 (colour, shape) classes in label order: the base half first, then the novel half.
 
-    A checkerboard over the colour x shape grid: (i, j) is base when i + j is even. Each half then holds
-    every colour (twice) and every shape (three times), and no novel pair occurs among the base classes."""
+    A checkerboard over the colour x shape grid: (i, j) is base when i + j is even. Each half then
+    holds every colour (twice) and every shape (three times), and no novel pair occurs among the
+    base classes."""
     grid = [(i, j) for i in range(len(COLORS)) for j in range(len(SHAPES))]
     base = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 0]
     novel = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 1]
@@ -263,18 +258,17 @@ def classnames():
 
 
 def dataset_items():
-    """Every image of the dataset as a dict: split, label, classname, folder, file, factors and seed.
+    """Every image of the dataset as a dict: split, label, classname, folder, file, factors, seed.
 
-    The single source of truth for ensure_dataset and zero_shot. Texture and location cycle through all
-    12 combinations inside each class and split; each image has its own rendering seed."""
+    The single source of truth for ensure_dataset and zero_shot. Texture and location cycle through
+    all 12 combinations inside each class and split; each image has its own rendering seed."""
     items = []
     for split_index, split in enumerate(("train", "val", "test")):
         for label, (color, shape) in enumerate(class_list()):
             folder = f"{color}_{shape}"
             for i in range(SPLIT_SIZES[split]):
-                k = (i + label) % (
-                    len(TEXTURES) * len(LOCATIONS)
-                )  # offset by label: no class starts alike
+                # offset by label: no class starts alike
+                k = (i + label) % (len(TEXTURES) * len(LOCATIONS))
                 texture, location = TEXTURES[k % len(TEXTURES)], LOCATIONS[k // len(TEXTURES)]
                 seed = 1_000_000 * (split_index + 1) + 1000 * label + i
                 items.append(
@@ -294,18 +288,11 @@ def dataset_items():
     return items
 
 
-FACTORS = {
-    "color": COLORS,
-    "shape": SHAPES,
-    "texture": TEXTURES,
-    "location": LOCATIONS,
-}  # name -> vocabulary
-
-
 def factor_labels(paths):
-    """The known factors of dataset images: {"color": [ids], "shape": [...], "texture": [...], "location": [...]},
-    one id (index into the factor's vocabulary) per path; paths end in <class folder>/<file> as written by
-    ensure_dataset. The ground truth that entropy.probe_factors decodes from each head."""
+    """The known factors of dataset images: {"color": [ids], "shape": [...], "texture": [...],
+    "location": [...]}, one id (index into the factor's vocabulary) per path; paths end in
+    <class folder>/<file> as written by ensure_dataset. The ground truth that
+    entropy.probe_factors decodes from each head."""
     by_file = {it["file"]: it for it in dataset_items()}
     out = {name: [] for name in FACTORS}
     for path in paths:
@@ -380,8 +367,9 @@ def drawn_knobs(path):
 
 
 def check_rendering(folder):
-    """Stop if the dataset at `folder` was drawn with other rendering knobs than this toyworld.py's: its images
-    would not be the world the toy CLIP is pretrained on. A folder without RENDER_FILE is recipe v1's."""
+    """Stop if the dataset at `folder` was drawn with other rendering knobs than this toyworld.py's:
+    its images would not be the world the toy CLIP is pretrained on. A folder without RENDER_FILE
+    is recipe v1's."""
     path = os.path.join(folder, RENDER_FILE)
     if os.path.isfile(path):
         drawn = drawn_knobs(path)
@@ -409,7 +397,7 @@ def _user_mkdtemp(prefix, parent):
 
 
 def ensure_dataset(root):
-    """Write <root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json} once; return <root>/toyworld.
+    """Write <root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json} once; return its path.
 
     Deterministic. The folder appears atomically: everything is written into a temporary folder
     beside it, which is then renamed, so an interrupted run never leaves a half-written dataset."""
@@ -446,12 +434,13 @@ def ensure_dataset(root):
     return final
 
 
-# Transfer sets: test-time shifts of the toy world, folders of class sub-folders read as `folder:PATH` datasets,
-# the miniature of the paper's transfer tables. Each: (class factors, render keyword arguments).
-#   noisy     the same 24 classes, four times the pixel noise              (a domain shift, like ImageNet-V2/-R)
-#   small     the same 24 classes, objects at 60% of their size            (a domain shift)
-#   textures  18 new classes, colour + texture ("red striped"); shape varies (new labels of the same
-#             world, like transfer to another dataset)
+# Transfer sets: test-time shifts of the toy world, folders of class sub-folders read as
+# `folder:PATH` datasets, the miniature of the paper's transfer tables. Each: (class factors, render
+# keyword arguments).
+#   noisy     the same 24 classes, four times the pixel noise (a domain shift, like ImageNet-V2/-R)
+#   small     the same 24 classes, objects at 60% of their size (a domain shift)
+#   textures  18 new classes, colour + texture ("red striped"); shape varies (new labels of the
+#             same world, like transfer to another dataset)
 TRANSFER = {
     "noisy": ("color shape", dict(noise=0.08)),
     "small": ("color shape", dict(scale=0.6)),
@@ -461,12 +450,13 @@ TRANSFER_IMAGES = 40  # per class; data.py's folder reader keeps 30% of them (12
 
 
 def ensure_transfer(root):
-    """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return their folders."""
+    """Write <root>/toyworld-transfer/<name>/<class>/*.png for every TRANSFER set once; return
+    their folders."""
     root = os.path.abspath(os.path.expanduser(root))
     base = os.path.join(root, "toyworld-transfer")
-    if not os.path.isfile(os.path.join(base, RENDER_FILE)) and not any(
-        os.path.isdir(os.path.join(base, name)) for name in TRANSFER
-    ):  # a new folder: record the knobs
+    recorded = os.path.isfile(os.path.join(base, RENDER_FILE))
+    # a new folder: record the knobs
+    if not recorded and not any(os.path.isdir(os.path.join(base, name)) for name in TRANSFER):
         write_atomic(os.path.join(base, RENDER_FILE), json.dumps(render_knobs()))
     check_rendering(base)
     folders = {}
@@ -489,9 +479,8 @@ def ensure_transfer(root):
                         "location": LOCATIONS[(i // 3) % len(LOCATIONS)],
                     }
                     f.update({first: a, second: b})
-                    seed = (
-                        10_000_000 * (t_index + 1) + 1000 * label + i
-                    )  # disjoint from the dataset's seeds
+                    # disjoint from the dataset's seeds
+                    seed = 10_000_000 * (t_index + 1) + 1000 * label + i
                     Image.fromarray(
                         render_array(
                             f["color"], f["shape"], f["texture"], f["location"], seed, **style
@@ -514,7 +503,8 @@ def ensure_transfer(root):
 
 
 def to_tensor(arrays):
-    """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (as the test transform)."""
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (as the test
+    transform)."""
     x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
     mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
@@ -524,15 +514,17 @@ def to_tensor(arrays):
 def sample_batch(n, generator, group=None):
     """n random objects and, for each, a caption that may leave some factors out.
 
-    Returns (image factors [n, 4] long, caption factors [n, 4] long with -1 where a factor is left out,
-    captions, image seeds). Every caption names exactly k factors with probability CAPTION_FACTORS[k - 1] (v2:
-    one), drawn with FACTOR_WEIGHTS; an unnamed shape reads "object" ("a striped object"). Half the captions use
-    the class template "a photo of a ... .". A caption that names one factor is a positive for every image with
-    that factor (contrastive_loss), so each factor must be read on its own: with whole captions, telling colour
-    and shape apart fits nearly every caption and texture and location are hardly learnt.
-    CAPTION_FACTORS None (recipe v1): each factor is left out with its CAPTION_DROP probability instead.
-    group > 1 (default GROUP): the batch comes in groups of `group` minimal pairs: objects that share three
-    factors and differ in the fourth (chosen at random per group), which every caption of the group names.
+    Returns (image factors [n, 4] long, caption factors [n, 4] long with -1 where a factor is left
+    out, captions, image seeds). Every caption names exactly k factors with probability
+    CAPTION_FACTORS[k - 1] (v2: one), drawn with FACTOR_WEIGHTS; an unnamed shape reads "object"
+    ("a striped object"). Half the captions use the class template "a photo of a ... .". A caption
+    that names one factor is a positive for every image with that factor (contrastive_loss), so
+    each factor must be read on its own: with whole captions, telling colour and shape apart fits
+    nearly every caption and texture and location are hardly learnt.
+    CAPTION_FACTORS None (recipe v1): each factor is left out with its CAPTION_DROP probability
+    instead. group > 1 (default GROUP): the batch comes in groups of `group` minimal pairs: objects
+    that share three factors and differ in the fourth (chosen at random per group), which every
+    caption of the group names.
     """
     g = generator
     group = GROUP if group is None else group
@@ -541,12 +533,8 @@ def sample_batch(n, generator, group=None):
     if CAPTION_FACTORS is None:
         keep = torch.rand(n, 4, generator=g) >= torch.tensor(CAPTION_DROP)
     else:  # exactly k named factors
-        named = (
-            torch.multinomial(
-                torch.tensor(CAPTION_FACTORS, dtype=torch.float), n, True, generator=g
-            )
-            + 1
-        )  # [n]
+        p_k = torch.tensor(CAPTION_FACTORS, dtype=torch.float)  # [4]: p1 .. p4
+        named = torch.multinomial(p_k, n, True, generator=g) + 1  # [n]: how many named
         w = torch.tensor(FACTOR_WEIGHTS, dtype=torch.float).expand(n, 4)
         order = torch.multinomial(w, 4, generator=g)  # [n, 4]: factors in drawn order
         keep = torch.zeros(n, 4, dtype=torch.bool).scatter(
@@ -554,9 +542,8 @@ def sample_batch(n, generator, group=None):
         )
     if group > 1:
         for start in range(0, n, group):
-            k = GROUP_FACTORS[
-                int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))
-            ]  # the factor it varies
+            # the factor it varies
+            k = GROUP_FACTORS[int(torch.randint(0, len(GROUP_FACTORS), (1,), generator=g))]
             m = min(group, n - start)
             img_f[start : start + m] = img_f[start]  # three factors shared ...
             values = torch.randperm(int(sizes[k]), generator=g).repeat(math.ceil(m / int(sizes[k])))
@@ -582,7 +569,8 @@ def sample_batch(n, generator, group=None):
 def contrastive_loss(logits, truth):
     """Symmetric CLIP loss with soft targets. logits [B, B] image x text; truth[i, j] = caption j is
     true of image i (a caption that leaves factors out describes many images, so rows can have
-    several positives). Each direction is the cross-entropy to the uniform distribution over positives."""
+    several positives). Each direction is the cross-entropy to the uniform distribution over
+    positives."""
     t = truth.float()
     loss_i = -(t / t.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
     loss_t = -(t / t.sum(0, keepdim=True) * logits.log_softmax(0)).sum(0).mean()
@@ -596,7 +584,8 @@ def build_toy_model():
 
 
 def toy_state_dict(model):
-    """The model's state dict in normal CLIP format plus the 0-dim int head counts build_model pops."""
+    """The model's state dict in normal CLIP format plus the 0-dim int head counts build_model
+    pops."""
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     sd["vision_heads"] = torch.tensor(model.visual.heads)
     sd["text_heads"] = torch.tensor(model.transformer.heads)
@@ -625,8 +614,9 @@ def pretrain(
     torch.manual_seed(seed)
     model = build_toy_model().train()
     gen = torch.Generator().manual_seed(seed)
-    # Toy captions use about 40 of the 49,408 vocabulary rows: a sparse gradient for the token embedding
-    # (with SparseAdam) updates only those rows, instead of 6 M parameters per step. Unused rows keep their init.
+    # Toy captions use about 40 of the 49,408 vocabulary rows: a sparse gradient for the token
+    # embedding (with SparseAdam) updates only those rows, instead of 6 M parameters per step.
+    # Unused rows keep their init.
     model.token_embedding.sparse = True
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     rest = [
@@ -659,20 +649,17 @@ def pretrain(
             for group in opt.param_groups:
                 group["lr"] = lr_now
         img_f, cap_f, texts, seeds = sample_batch(batch_size, gen)
-        images = to_tensor(
-            [
-                render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
-                for (c, s, t, l), sd in zip(img_f.tolist(), seeds)
-            ]
-        )  # [B, 3, 32, 32]
+        arrays = [
+            render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
+            for (c, s, t, l), sd in zip(img_f.tolist(), seeds)
+        ]
+        images = to_tensor(arrays)  # [B, 3, 32, 32]
         for t in texts:
             if t not in token_cache:
                 token_cache[t] = tokenize([t], context_length=TOY_CONFIG["context_length"])[0]
         tokens = torch.stack([token_cache[t] for t in texts])  # [B, 16]
-        # truth[i, j]: every factor that caption j names equals image i's factor
-        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(
-            -1
-        )  # [B, B]
+        # truth[i, j] [B, B]: every factor that caption j names equals image i's factor
+        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(-1)
         logits, _ = model(images, tokens)
         loss = contrastive_loss(logits, truth)
         for opt in opts:
@@ -758,8 +745,9 @@ CACHE_FIX = "set CLIP_CACHE (or --download-root / --cache-dir) to a writable fol
 
 
 def load_clip(name_or_path, device=None, download_root=None):
-    """clip.load, plus the name "toy": the tiny CLIP of this file, pretrained into the CLIP cache on first use.
-    clip/ knows nothing of the toy world; callers that accept --backbone toy load through here.
+    """clip.load, plus the name "toy": the tiny CLIP of this file, pretrained into the CLIP cache on
+    first use. clip/ knows nothing of the toy world; callers that accept --backbone toy load through
+    here.
     model.sha256: the SHA256 of the file actually read (clip.load computes or checks it; for
     "toy", the cached checkpoint, checked against its record); model.checkpoint_path: that file."""
     if name_or_path != BACKBONE:
@@ -890,8 +878,9 @@ def ensure_pretrained(cache_dir, steps=DEFAULT_STEPS, seed=0, log=print):
 def zero_shot(model, split="test", template=TEMPLATE, batch_size=256):
     """Zero-shot accuracy (percent) of `model` on the toy classes: {"all", "base", "novel"}.
 
-    Images are the dataset's own images of `split` (rendered in memory, identical to the PNGs). As in
-    base-to-novel evaluation, "base" and "novel" compete only among their own half of the classes."""
+    Images are the dataset's own images of `split` (rendered in memory, identical to the PNGs). As
+    in base-to-novel evaluation, "base" and "novel" compete only among their own half of the
+    classes."""
     from clip.tokenizer import tokenize
 
     model.eval()

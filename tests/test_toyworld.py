@@ -1,6 +1,6 @@
 """The toy world: images whose factors can be read back from the pixels, a CoOp-format dataset with
-base/novel halves that are unseen combinations, and a tiny CLIP whose short pretraining already beats
-chance zero-shot and whose checkpoint loads through clip.model.build_model."""
+base/novel halves that are unseen combinations, and a tiny CLIP whose short pretraining already
+beats chance zero-shot and whose checkpoint loads through clip.model.build_model."""
 
 import itertools
 import json
@@ -44,7 +44,9 @@ def read_factors(a):
     votes = ((pix[:, None, :] - pal[None]) ** 2).sum(-1).argmin(1)
     color = names[np.bincount(votes, minlength=len(names)).argmax()]
     # location: the quadrant of the centroid
-    location = f"{'top' if ys.mean() < size / 2 else 'bottom'} {'left' if xs.mean() < size / 2 else 'right'}"
+    row = "top" if ys.mean() < size / 2 else "bottom"
+    col = "left" if xs.mean() < size / 2 else "right"
+    location = f"{row} {col}"
     # texture: the share of darkened object pixels
     bright = mx[obj]
     dark = (bright < 0.75 * np.percentile(bright, 90)).mean()
@@ -75,8 +77,8 @@ def test_render_is_deterministic_per_seed():
 
 
 def test_every_factor_is_recoverable_from_the_pixels(monkeypatch):
-    """At full saturation (recipe v1's colours), where the object's chroma sets it apart from the grey ground; the
-    pale colours of the default are checked in test_pale_colours_stay_apart."""
+    """At full saturation (recipe v1's colours), where the object's chroma sets it apart from the
+    grey ground; the pale colours of the default are checked in test_pale_colours_stay_apart."""
     monkeypatch.setattr(T, "SATURATION", 1.0)
     for i, factors in enumerate(itertools.product(T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)):
         for seed in (i, 10_000 + i):  # two random backgrounds, jitters and noise per combination
@@ -94,9 +96,8 @@ def test_caption_names_the_factors_and_fits_the_tiny_context():
         ),
         key=len,
     )
-    tokens = tokenize(
-        [longest], context_length=T.TOY_CONFIG["context_length"]
-    )  # raises if too long
+    # raises if too long
+    tokens = tokenize([longest], context_length=T.TOY_CONFIG["context_length"])
     assert tokens.shape == (1, 16)
     with pytest.raises(T.ToyWorldError, match="unknown color 'pink'"):
         T.caption("pink", "circle", "solid", "top left")
@@ -122,9 +123,10 @@ def test_pretraining_captions_are_true_of_their_images():
 
 
 def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
-    """The knobs kept for toy-CLIP experiments (README, worlds tried): CAPTION_FACTORS names exactly k factors per
-    caption, still true of the image; SATURATION < 1 lowers the object's chroma and leaves the rest alone;
-    TEXTURE_ON moves the texture from the object to the ground."""
+    """The knobs kept for toy-CLIP experiments (docs/TOYWORLD.md, worlds tried): CAPTION_FACTORS
+    names exactly k factors per caption, still true of the image; SATURATION < 1 lowers the
+    object's chroma and leaves the rest alone; TEXTURE_ON moves the texture from the object to the
+    ground."""
     vocab = (T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)
     for probs, k in (((1, 0, 0, 0), 1), ((0, 1, 0, 0), 2), ((0, 0, 0, 1), 4)):
         monkeypatch.setattr(T, "CAPTION_FACTORS", probs)
@@ -136,12 +138,8 @@ def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
                 assert (fc[j] >= 0) == any(w in text for w in words), text
             assert fc[1] >= 0 or "object" in text
         if k == 1:
-            assert set((cap_f >= 0).float().argmax(1).tolist()) == {
-                0,
-                1,
-                2,
-                3,
-            }  # every factor gets named
+            # every factor gets named
+            assert set((cap_f >= 0).float().argmax(1).tolist()) == {0, 1, 2, 3}
     factors = ("red", "square", "solid", "top left")
     monkeypatch.setattr(T, "SATURATION", 1.0)
     full = T.render_array(*factors, seed=3).astype(float)
@@ -159,18 +157,17 @@ def test_experiment_knobs_name_exactly_k_factors_and_desaturate(monkeypatch):
         a = T.render_array("red", "square", "striped", "top left", seed=3).astype(float) / 255
         red = (a[..., 0] - a[..., 1:].max(-1)) > 0.25  # the object (the ground is grey)
         light = a.max(-1)
-        spread[where] = (
-            light[red].std(),
-            light[~red].std(),
-        )  # brightness spread on the object, on the ground
+        # brightness spread on the object, on the ground
+        spread[where] = (light[red].std(), light[~red].std())
     assert spread["object"][0] > 3 * spread["background"][0]  # striped object vs solid object
     assert spread["background"][1] > 2 * spread["object"][1]  # plain ground vs striped ground
 
 
 def test_pale_colours_stay_apart(monkeypatch):
-    """The default's pale objects (SATURATION): the mean colour of an object's undarkened pixels (found at full
-    saturation: same seed, same geometry) is nearest in chromaticity to its own pale palette colour in nearly
-    every image (measured: 281 of 288); pale, so colour is no longer by far the easiest factor, but still there."""
+    """The default's pale objects (SATURATION): the mean colour of an object's undarkened pixels
+    (found at full saturation: same seed, same geometry) is nearest in chromaticity to its own pale
+    palette colour in nearly every image (measured: 281 of 288); pale, so colour is no longer by
+    far the easiest factor, but still there."""
     assert T.SATURATION < 0.5
     pale = {c: np.mean(p) + T.SATURATION * (np.array(p) - np.mean(p)) for c, p in T.PALETTE.items()}
     chromaticity = lambda rgb: rgb / rgb.sum()
@@ -204,8 +201,9 @@ def toy_root(tmp_path_factory):
 
 
 def test_a_dataset_drawn_with_other_knobs_stops_the_run(tmp_path, capsys, monkeypatch):
-    """A toy dataset records the rendering knobs it was drawn with; one drawn by another recipe (e.g. a v1 folder,
-    which has no record) stops dear.py with one line instead of pairing the v2 CLIP with v1 images."""
+    """A toy dataset records the rendering knobs it was drawn with; one drawn by another recipe
+    (e.g. a v1 folder, which has no record) stops dear.py with one line instead of pairing the v2
+    CLIP with v1 images."""
     import dear
 
     root = tmp_path / "data"
@@ -322,9 +320,8 @@ def test_split_json_has_the_coop_format(toy_root):
             assert (folder / "images" / path).is_file()
     counts = np.bincount([label for _, label, _ in split["train"]])
     assert counts.min() >= 16  # 16-shot training is possible
-    assert not [
-        p for p in os.listdir(toy_root) if p.startswith(".toyworld-")
-    ]  # no temp folder left
+    # no temp folder left
+    assert not [p for p in os.listdir(toy_root) if p.startswith(".toyworld-")]
 
 
 def test_dataset_is_written_once_and_deterministically(toy_root, tmp_path):
@@ -336,12 +333,11 @@ def test_dataset_is_written_once_and_deterministically(toy_root, tmp_path):
 
     item = T.dataset_items()[100]
     png = np.asarray(Image.open(folder / "images" / item["file"]).convert("RGB"))
-    assert np.array_equal(
-        png,
-        T.render_array(
-            item["color"], item["shape"], item["texture"], item["location"], item["seed"]
-        ),
-    )  # PNG is lossless
+    # PNG is lossless
+    redrawn = T.render_array(
+        item["color"], item["shape"], item["texture"], item["location"], item["seed"]
+    )
+    assert np.array_equal(png, redrawn)
     (tmp_path / "toyworld").mkdir()  # a foreign folder is not overwritten
     with pytest.raises(T.ToyWorldError, match="not a toy-world dataset"):
         T.ensure_dataset(str(tmp_path))
@@ -383,11 +379,11 @@ def test_default_pretraining_beats_chance_zero_shot(toy_pretraining):
     model = build_model(torch.load(path, map_location="cpu", weights_only=True))
     acc = T.zero_shot(model)
     chance = 100.0 / len(T.classnames())  # 4.2 % over 24 classes
-    # measured with seed 0 (recipe v2, 400 steps): all 51.8, base 81.3, novel 80.5 (chance 4.2 / 8.3 / 8.3)
+    # measured with seed 0 (recipe v2, 400 steps): all 51.8, base 81.3, novel 80.5
+    # (chance 4.2 / 8.3 / 8.3)
     assert acc["all"] > 5 * chance, acc
-    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 30, (
-        acc
-    )  # novel combinations too, not only base
+    # novel combinations too, not only base
+    assert min(acc["base"], acc["novel"]) > 100.0 / 12 + 30, acc
     assert max(acc["base"], acc["novel"]) < 95, acc  # room left to adapt
 
 
@@ -417,9 +413,8 @@ def test_pretraining_groups_are_minimal_pairs_that_name_their_difference():
         assert len(differ) == 1, f  # three factors shared, one differs ...
         k = differ[0]
         assert (c[:, k] == f[:, k]).all()  # ... and every caption of the group names it
-        assert len(set(f[:, k].tolist())) == min(
-            4, f.new_tensor([6, 4, 3, 4])[k].item()
-        )  # no repeats needed
+        # no repeats needed
+        assert len(set(f[:, k].tolist())) == min(4, f.new_tensor([6, 4, 3, 4])[k].item())
         varied.add(k)
     assert varied == {0, 1, 2, 3}  # every factor gets its minimal pairs
 
@@ -437,59 +432,32 @@ def test_pretraining_is_deterministic_in_the_seed():
 def test_cli_renders_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(T, "SATURATION", 1.0)  # what read_factors reads
     out = tmp_path / "x.png"
-    assert (
-        T.main(
-            [
-                "render",
-                "--color",
-                "red",
-                "--shape",
-                "circle",
-                "--texture",
-                "striped",
-                "--location",
-                "top left",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = ["--color", "red", "--shape", "circle", "--texture", "striped", "--location", "top left"]
+    assert T.main(["render", *args, "--out", str(out)]) == 0
     assert "a red striped circle in the top left" in capsys.readouterr().out
     from PIL import Image
 
-    assert read_factors(np.asarray(Image.open(out).convert("RGB"))) == (
-        "red",
-        "circle",
-        "striped",
-        "top left",
-    )
+    read = read_factors(np.asarray(Image.open(out).convert("RGB")))
+    assert read == ("red", "circle", "striped", "top left")
     assert T.main(["render", "--color", "pink", "--shape", "circle", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown color 'pink'" in err and "red" in err and "Traceback" not in err
 
 
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # The offline demo end to end: `python dear.py --dataset toyworld` through the real CLI
 
 
 def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, monkeypatch):
-    """The README's first command: the default toy CLIP, roles from entropy.py, DeAR training, base/novel/HM.
-    DeAR must beat the same model's zero-shot base accuracy by a clear margin (recipe v2, measured on seeds 1-3:
-    +5.7 to +8.6 points); the novel accuracy is reported, whatever it is."""
+    """The README's first command: the default toy CLIP, roles from entropy.py, DeAR training,
+    base/novel/HM. DeAR must beat the same model's zero-shot base accuracy by a clear margin
+    (recipe v2, measured on seeds 1-3: +5.7 to +8.6 points); the novel accuracy is reported,
+    whatever it is."""
     import dear
 
     monkeypatch.setenv("CLIP_CACHE", toy_cache)
-    common = [
-        "--dataset",
-        "toyworld",
-        "--root",
-        str(tmp_path / "data"),
-        "--out",
-        str(tmp_path / "runs"),
-        "--workers",
-        "0",
-    ]
+    common = ["--dataset", "toyworld", "--root", str(tmp_path / "data")]
+    common += ["--out", str(tmp_path / "runs"), "--workers", "0"]
     dear.main(common)
     dear.main(common + ["--method", "zeroshot"])
     runs = {
@@ -500,13 +468,11 @@ def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, m
     base = {name: r["evals"][0]["accuracy"] for name, r in runs.items()}
     assert ours["config"]["backbone"] == "toy" and ours["config"]["J"] == 3
     assert base["dear"] >= base["zeroshot"] + 3.0, base
-    assert [e["split"] for e in ours["evals"]] == ["base", "novel"] and 0 < ours["evals"][1][
-        "accuracy"
-    ] <= 100
+    assert [e["split"] for e in ours["evals"]] == ["base", "novel"]
+    assert 0 < ours["evals"][1]["accuracy"] <= 100
     assert ours["hm"] > 0 and zero_shot["hm"] > 0
-    (roles_file,) = pathlib.Path(toy_cache).rglob(
-        "roles.json"
-    )  # computed once by entropy.py, cached
+    # computed once by entropy.py, cached
+    (roles_file,) = pathlib.Path(toy_cache).rglob("roles.json")
     roles = json.loads(roles_file.read_text())
     assert (
         roles["model"] == "toy"
@@ -515,28 +481,27 @@ def test_dear_on_toyworld_beats_zero_shot_on_base_classes(toy_cache, tmp_path, m
     )
 
 
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Ground truth for Concept Entropy: the known factors, decoded from each head
 
 
 def test_probe_reads_planted_factors_from_held_out_images():
-    """Head 0 writes factor a, head 1 factor b, head 2 only noise. A probe scored on held-out images finds exactly
-    that; one scored on its own training images would also 'decode' the noise head (48 dims, 100 images a fold)."""
+    """Head 0 writes factor a, head 1 factor b, head 2 only noise. A probe scored on held-out images
+    finds exactly that; one scored on its own training images would also 'decode' the noise head
+    (48 dims, 100 images a fold)."""
     import entropy
 
     g = torch.Generator().manual_seed(0)
     N, E = 200, 48
     a = torch.randint(0, 4, (N,), generator=g)
-    b = torch.multinomial(
-        torch.tensor([0.6, 0.2, 0.2]), N, replacement=True, generator=g
-    )  # unbalanced: chance 60%
+    # unbalanced: chance 60%
+    b = torch.multinomial(torch.tensor([0.6, 0.2, 0.2]), N, replacement=True, generator=g)
     heads = torch.randn(N, 1, 3, E, generator=g)  # noise in every head
     heads[:, 0, 0] += 3 * torch.randn(4, E, generator=g)[a]  # head 0: a's class mean
     heads[:, 0, 1] += 3 * torch.randn(3, E, generator=g)[b]  # head 1: b's class mean
     out = entropy.probe_factors(heads, {"a": a.tolist(), "b": b.tolist()})
-    chance_a, chance_b = (
-        float(torch.bincount(y).max()) / N for y in (a, b)
-    )  # the commonest class's share
+    # the commonest class's share
+    chance_a, chance_b = (float(torch.bincount(y).max()) / N for y in (a, b))
     assert out["chance"] == {"a": round(chance_a, 4), "b": round(chance_b, 4)} and chance_b > 0.5
     acc, skill = out["accuracy"], out["skill"]
     assert acc["a"][0][0] > 0.95 and acc["b"][0][1] > 0.95  # the planted factors
@@ -554,7 +519,8 @@ def test_factor_labels_are_the_factors_the_pixels_show(toy_root, monkeypatch):
 
     for i, (path, item) in enumerate(zip(paths, items)):
         factors = tuple(vocab[labels[name][i]] for name, vocab in T.FACTORS.items())
-        # the labelled factors redraw the very pixels on disk, and at full saturation read_factors reads them back
+        # the labelled factors redraw the very pixels on disk, and at full saturation read_factors
+        # reads them back
         assert np.array_equal(
             np.asarray(Image.open(path).convert("RGB")), T.render_array(*factors, item["seed"])
         )
@@ -582,7 +548,7 @@ def test_transfer_sets_are_folder_datasets_with_their_classes(tmp_path, monkeypa
     assert sorted(noisy.classnames) == sorted(T.classnames())
 
 
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Controls for Concept Entropy (dear.py --roles-control)
 
 
@@ -627,8 +593,9 @@ def test_oracle_roles_follow_the_ground_truth_in_the_same_numbers():
     import entropy
 
     s = lambda c, sh, t, l: {"color": c, "shape": sh, "texture": t, "location": l}
-    # Concept Entropy's roles (1 attribute, 2 generalization, 1 mixed) and each head's decoding skill; by hand:
-    # leads over the runner-up: head 0: 0.1 (color), head 1: 0.6 (location), head 2: 0.3 (shape), head 3: 0.0
+    # Concept Entropy's roles (1 attribute, 2 generalization, 1 mixed) and each head's decoding
+    # skill; by hand: leads over the runner-up: head 0: 0.1 (color), head 1: 0.6 (location),
+    # head 2: 0.3 (shape), head 3: 0.0
     roles = {
         4: [
             _head("attribute", "color", s(0.9, 0.8, 0.1, 0.2)),
@@ -648,17 +615,19 @@ def test_oracle_roles_follow_the_ground_truth_in_the_same_numbers():
         entropy.control_roles({4: [_head("mixed")] * 4}, "oracle", 1)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Concept Entropy against the ground truth, on the default toy CLIP
 
-# A lead in decoding skill of FAR or more over the runner-up factor is "far better": half of the way from chance
-# (skill 0) to perfect decoding (skill 1). Fixed before any toy CLIP was measured against it; see the README.
+# A lead in decoding skill of FAR or more over the runner-up factor is "far better": half of the way
+# from chance (skill 0) to perfect decoding (skill 1). Fixed before any toy CLIP was measured
+# against it; see the README.
 FAR = 0.5
 
 
 @pytest.fixture(scope="module")
 def toy_roles(toy_cache, tmp_path_factory):
-    """Concept Entropy with ground truth for the blocks DeAR uses (J = 3: blocks 3-4) of the default toy CLIP."""
+    """Concept Entropy with ground truth for the blocks DeAR uses (J = 3: blocks 3-4) of the default
+    toy CLIP."""
     import entropy
 
     old = os.environ.get("CLIP_CACHE")
@@ -674,8 +643,9 @@ def toy_roles(toy_cache, tmp_path_factory):
 
 
 def test_attribute_heads_decode_their_attribute_best(toy_roles):
-    """>= 3/4 of the attribute heads: the attribute Concept Entropy names is the factor best decoded from the head's
-    direct contribution on held-out images; the decoding is in roles.md and roles.json."""
+    """>= 3/4 of the attribute heads: the attribute Concept Entropy names is the factor best decoded
+    from the head's direct contribution on held-out images; the decoding is in roles.md and
+    roles.json."""
     doc, folder = toy_roles
     attribute = [h for h in doc["heads"] if h["role"] == "attribute"]
     assert attribute
@@ -687,18 +657,19 @@ def test_attribute_heads_decode_their_attribute_best(toy_roles):
         f"{100 * h['decoding'][f]:.0f}" for f in T.FACTORS
     )
     assert "## Ground truth" in md and row in md
+    # the test split is balanced in every factor
     assert doc["decoding"]["chance"] == {
         "color": round(1 / 6, 4),
         "shape": 0.25,
         "texture": round(1 / 3, 4),
         "location": 0.25,
-    }  # the test split is balanced in every factor
+    }
 
 
 def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
-    """The aim for the toy CLIP (recipe v2): attribute heads of >= 2 attributes, >= 2 generalization heads, and no
-    generalization head decodes one factor far (FAR) better than the runner-up (recipe v1 failed all but the
-    second: every head was a colour head)."""
+    """The aim for the toy CLIP (recipe v2): attribute heads of >= 2 attributes, >= 2 generalization
+    heads, and no generalization head decodes one factor far (FAR) better than the runner-up (recipe
+    v1 failed all but the second: every head was a colour head)."""
     doc, _ = toy_roles
     heads = doc["heads"]
     general = [h for h in heads if h["role"] == "generalization"]
