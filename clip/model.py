@@ -213,8 +213,9 @@ class Transformer(nn.Module):
 
 
 def normal(init: bool, std: float, *shape: int) -> nn.Parameter:
-    """A parameter drawn std * N(0, 1) (OpenAI's init); with init False only its shape (torch.empty):
-    build_model overwrites every value, and drawing on the meta device would load torch._dynamo."""
+    """A parameter drawn std * N(0, 1) (OpenAI's init); with init False only its shape
+    (torch.empty): build_model overwrites every value, and a draw on the meta device would load
+    torch._dynamo."""
     return nn.Parameter(std * torch.randn(*shape) if init else torch.empty(*shape))
 
 
