@@ -1,62 +1,49 @@
 #!/usr/bin/env bash
-# run_all.sh: reproduce every table of the DeAR paper with this code.
+# run_all.sh: reproduce every table of the DeAR paper with this code (bash run_all.sh --help).
 #
 #   bash run_all.sh --root DATA                 # everything, seeds 1-3, one job after another
-#   GPUS="0 1 2 3" bash run_all.sh --root DATA  # the same, four jobs at a time, one per GPU
-#   bash run_all.sh --list --root DATA          # the job list only (for SLURM arrays / GNU parallel)
-#   bash run_all.sh --smoke                     # the whole pipeline on the toy world, CPU (runs-smoke/)
-#   bash run_all.sh --toy                       # every table in miniature on the toy world, 5 seeds (runs-toy/)
+#   GPUS="0 1 2 3" bash run_all.sh --root DATA  # four jobs at a time, one per GPU
+#   bash run_all.sh --smoke                     # the whole pipeline on the toy world, CPU
 #
-# Stages: roles -> b2n -> xd -> fewshot -> ablations -> tables (see --help). Every run is one call of
-# dear.py and gets its own folder under --out; a run whose results.json exists is skipped, an
-# interrupted one resumes from its checkpoint. This file says which tables there are and which dear.py
-# jobs fill them; jobs.py names, checks and runs them. `bash run_all.sh --help` lists every option.
+# This file says which tables there are and which dear.py jobs fill them (one run folder each under
+# --out); jobs.py names, checks and runs them, skipping finished runs and resuming interrupted ones.
 set -euo pipefail
 
 usage() {
     cat <<'EOF'
 Usage: bash run_all.sh [options] [-- extra dear.py flags]
 
-Reproduces the paper's tables: runs dear.py for every table cell, then tables.py.
-
-Stages (in this order):
-  roles      head roles of the backbone (Concept Entropy, entropy.py), once per insertion layer J
-  b2n        base-to-novel, 11 datasets x seeds; plus zero-shot CLIP per dataset
-  xd         ImageNet source model (16 shots, all classes) evaluated on the 4 ImageNet variants and
-             the other 10 datasets (domain generalisation + cross-dataset); plus zero-shot CLIP
-  fewshot    1/2/4/8/16 shots on 11 datasets x seeds; plus zero-shot CLIP per dataset
-  ablations  base-to-novel on dtd, eurosat, oxford_flowers: --mask generalization-only|none,
-             --no-attr-tokens, --lambda-fusion 0, --J 7|11, --beta 0.5|0.7|0.9, --novel-logits cls,
-             --roles-control random (Concept Entropy's roles shuffled among each block's heads)
-  tables     python tables.py --out OUT  ->  OUT/tables/tables.md and CSV files
+Runs dear.py for every cell of the paper's tables, then tables.py. Stages, in order:
+  roles      head roles (Concept Entropy, entropy.py), once per insertion layer J
+  b2n        base-to-novel, 11 datasets x seeds, and zero-shot CLIP per dataset
+  xd         the ImageNet source model on the 4 ImageNet variants and the other 10 datasets
+             (domain generalisation, cross-dataset), and zero-shot CLIP
+  fewshot    1/2/4/8/16 shots, 11 datasets x seeds, and zero-shot CLIP per dataset
+  ablations  b2n on dtd, eurosat, oxford_flowers: --mask generalization-only|none,
+             --no-attr-tokens, --lambda-fusion 0, --J 7|11, --beta 0.5|0.7|0.9,
+             --novel-logits cls, --roles-control random
+  tables     python tables.py --out OUT -> OUT/tables/tables.md and CSV files
 
 Options:
-  --root DIR        datasets folder, CoOp layout (default: $DATA or ./data)
-  --out DIR         output root: one folder per run, logs in OUT/logs (default: runs; with --smoke:
-                    runs-smoke, with --toy: runs-toy, apart from the quick start's runs)
-  --stages LIST     comma-separated stages to run (default: all)
-  --skip LIST       comma-separated stages to leave out
-  --seeds "1 2 3"   seeds (default: $SEEDS or "1 2 3")
-  --backbone NAME   CLIP backbone (default: ViT-B/16)
-  --list            print the job list, one full command line per line, and exit
-  --check           only check the datasets the stages need: list each one, with the fix for each
-                    missing one, and exit (a run checks first too, and stops with a summary)
-  --no-check        do not check the datasets before starting
-  --smoke           the same stages on the toy world (backbone "toy", 1 seed, tiny epochs, CPU)
-  --toy             every table in miniature on the toy world: seeds 1-5, 1/2/4/8/16 shots, transfer
-                    to the toy's shifted sets, every ablation plus random and oracle roles (CPU)
-  -h, --help        this help
+  --root DIR       datasets in CoOp's layout (default: $DATA or ./data)
+  --out DIR        one folder per run, logs in OUT/logs (default: runs; runs-smoke with
+                   --smoke, runs-toy with --toy)
+  --stages LIST    comma-separated stages to run (default: all); --skip LIST: leave these out
+  --seeds "1 2 3"  seeds (default: $SEEDS or "1 2 3");  --backbone NAME (default: ViT-B/16)
+  --list           print the job list, one command line per line (SLURM arrays, GNU parallel)
+  --check          only check the datasets the stages need, with the fix for each missing one
+                   (a run checks first too); --no-check: do not check before starting
+  --smoke          the same stages on the toy world (backbone "toy", 1 seed, 1 epoch, CPU)
+  --toy            every table in miniature on the toy world: seeds 1-5, 1/2/4/8/16 shots,
+                   the toy's transfer sets, every ablation plus random and oracle roles (CPU)
+  -h, --help       this help
 
-Environment:
-  GPUS="0 1 2 3"    run one job per listed GPU at a time (CUDA_VISIBLE_DEVICES per job);
-                    unset: one job after another, dear.py picks the device (--device auto)
-  SEEDS, DATA       defaults of --seeds and --root
-  PYTHON            the python to use (default: python)
-  DEAR_PY           the dear.py script to call (default: dear.py next to this script)
+Environment: GPUS="0 1 2 3" runs one job per listed GPU at a time (CUDA_VISIBLE_DEVICES per
+job; unset: one job after another, dear.py picks the device); SEEDS, DATA: defaults of --seeds
+and --root; PYTHON (default: python); DEAR_PY (default: the dear.py next to this script).
 
-Finished runs are skipped ("skip (done)"); interrupted runs resume (--resume is always passed);
-failed runs are listed at the end with their logs, and the script exits 1. Rerunning the same
-command is always safe.
+Finished runs are skipped ("skip (done)"), interrupted ones resume (--resume is always passed),
+failed ones are listed at the end with their logs (exit 1). Rerunning a command is always safe.
 EOF
 }
 
