@@ -3,12 +3,16 @@
 # beside a competing CPU load (BENCH.md, "Sharing the CPU"). Two threads per run, as on 2 cores.
 #
 #   bash bench_contention.sh [BUSY]     # BUSY: competing busy processes (default 2)
+#   QUICKSTART=1 bash bench_contention.sh    # also the quick start's first run (below)
 #
 # Rows: 10 toy-CLIP pretraining steps (toyworld.pretrain, the start of the quick start) and 20 DeAR
 # training steps on the toy CLIP's shapes (train.train_step through bench.py's dear_step, 12
 # classes, batch 32). Each row prints wall and CPU seconds of the work (imports excluded) and a hash
 # of the weights (pretraining) or of the last gradients (training): it must not depend on the
-# policy. "spin": OMP_WAIT_POLICY unset (OpenMP's default, spinning before it sleeps; the project's
+# policy. With QUICKSTART=1, a third row: the README's quick start as a new user runs it the first
+# time (`python dear.py --dataset toyworld`, threads as torch picks them, a fresh CLIP cache, data and
+# run folder: toy pretraining, head roles, DeAR training, evaluation), whole-process wall and CPU,
+# stopped after LIMIT seconds (default 900), and its base / novel / HM. "spin": OMP_WAIT_POLICY unset (OpenMP's default, spinning before it sleeps; the project's
 # behaviour before it set a default); "passive": OMP_WAIT_POLICY=PASSIVE, the project's default now.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -49,6 +53,28 @@ h = h.hexdigest()[:12]
 print(f"{time.time() - t0:.1f} s wall, {time.process_time() - c0:.1f} s CPU, weights {h}")
 '
 
+# The quick start in a fresh folder: wall and CPU of the whole process (imports included).
+QUICKSTART_PY='
+import json, os, resource, subprocess, sys, tempfile, time
+limit = float(sys.argv[1])
+with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, CLIP_CACHE=os.path.join(tmp, "cache"))
+    cmd = [sys.executable, "dear.py", "--dataset", "toyworld", "--root", os.path.join(tmp, "data"),
+           "--out", os.path.join(tmp, "runs")]
+    t0 = time.time()
+    try:
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=limit, check=True)
+        (res,) = [os.path.join(d, "results.json") for d, _, f in os.walk(tmp) if "results.json" in f]
+        r = json.load(open(res))
+        got = " / ".join("%.2f" % a for a in [e["accuracy"] for e in r["evals"]] + [r["hm"]])
+    except subprocess.TimeoutExpired:
+        got = f"stopped after {limit:.0f} s"
+    wall = time.time() - t0
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"{wall:.1f} s wall, {ru.ru_utime + ru.ru_stime:.1f} s CPU, base / novel / HM {got}")
+'
+
 busy_pids=()
 start_busy() {
     for ((i = 0; i < $1; i++)); do "$PYTHON" -c "while True: pass" & busy_pids+=($!); done
@@ -66,5 +92,13 @@ for load in 0 "$BUSY"; do
             echo "| $what | $load busy | $policy | $r |"
         done
     done
+    if [[ -n ${QUICKSTART:-} ]]; then
+        for policy in spin passive; do
+            set -- env -u OMP_WAIT_POLICY -u OMP_NUM_THREADS
+            [[ $policy == spin ]] || set -- "$@" OMP_WAIT_POLICY=PASSIVE
+            r=$("$@" "$PYTHON" -c "$QUICKSTART_PY" "${LIMIT:-900}")
+            echo "| quick start | $load busy | $policy | $r |"
+        done
+    fi
     stop_busy
 done
