@@ -7,7 +7,9 @@ every test exercises the real loading path. The vocabulary has the real 49,408 e
 `clip.tokenize` output can be fed straight in.
 """
 
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -121,14 +123,82 @@ import toyworld
 threading.Thread(target=lambda: (sys.stdin.read(), os._exit(1)), daemon=True).start()
 toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True))
 """
-_pretraining = {}  # "proc", "cache", "log": the background pretraining of this session
+_pretraining = {}  # "proc", "cache", "log", "folder", "saved": the pretraining of this session
+
+# A toy CLIP pretrained by an earlier session on this machine is reused while nothing that decides
+# its weights has changed: these files, torch's version, the thread count and the CPU's vector
+# instructions (the key below). DEAR_TEST_CACHE: the folder (default ~/.cache/dear/tests); set it
+# empty to pretrain every time. A clean machine (CI) pretrains, as a new user's first run does.
+TOY_INPUTS = (
+    "toyworld.py",
+    "clip/model.py",
+    "clip/tokenizer.py",
+    "clip/bpe_simple_vocab_16e6.txt.gz",
+)
+# the checkpoint and what toyworld.save_checkpoint writes beside it
+TOY_FILES = ("", ".sha256", ".json")
+
+
+def toy_key(root=ROOT):
+    """16 hex digits of SHA256 over what decides the default toy CLIP's weights."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in TOY_INPUTS:
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    cpu = torch.backends.cpu.get_cpu_capability()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    versions = f"torch {torch.__version__} numpy {np.__version__}"
+    h.update(f"{versions} threads {threads} {cpu} {platform.machine()}".encode())
+    return h.hexdigest()[:16]
+
+
+def saved_pretraining():
+    """The folder of this key's saved toy CLIP (it may not exist yet), or None when turned off."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "dear", "tests")
+    root = os.environ.get("DEAR_TEST_CACHE", default)
+    return os.path.join(root, "toy-clip-" + toy_key()) if root else None
+
+
+def save_pretraining(cache, lines, saved):
+    """Copy the checkpoint files and the log to `saved`, all at once (a folder renamed into place);
+    a folder that cannot be written is left alone: the next session pretrains again."""
+    import toyworld
+
+    try:
+        os.makedirs(os.path.dirname(saved), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".saving-", dir=os.path.dirname(saved))
+    except OSError:
+        return
+    try:
+        name = toyworld.checkpoint_name()
+        for suffix in TOY_FILES:
+            shutil.copy2(os.path.join(cache, name + suffix), tmp)
+        with open(os.path.join(tmp, "log.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.rename(tmp, saved)  # fails if another session saved it first: theirs is the same
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pytest_collection_finish(session):
     if not any("toy_pretraining" in getattr(item, "fixturenames", ()) for item in session.items):
         return
+    import toyworld
+
     folder = tempfile.mkdtemp(prefix="toy-pretraining-")
-    cache, log = os.path.join(folder, "clip_cache"), open(os.path.join(folder, "log.txt"), "w+")
+    cache, saved = os.path.join(folder, "clip_cache"), saved_pretraining()
+    _pretraining.update(cache=cache, folder=folder, saved=saved)
+    name = toyworld.checkpoint_name()
+    if saved and all(os.path.isfile(os.path.join(saved, name + x)) for x in TOY_FILES):
+        os.makedirs(cache)
+        for suffix in TOY_FILES:  # a copy: the tests write roles and runs into their CLIP cache
+            shutil.copy2(os.path.join(saved, name + suffix), cache)
+        with open(os.path.join(saved, "log.txt")) as f:
+            _pretraining["lines"] = f.read().splitlines()
+        return
+    log = open(os.path.join(folder, "log.txt"), "w+")
     proc = subprocess.Popen(
         [sys.executable, "-c", PRETRAIN, cache],
         cwd=ROOT,
@@ -136,37 +206,42 @@ def pytest_collection_finish(session):
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    _pretraining.update(proc=proc, cache=cache, log=log, folder=folder)
+    _pretraining.update(proc=proc, log=log)
 
 
 def pytest_sessionfinish(session):
-    proc = _pretraining.get("proc")
-    if proc is None:
+    if not _pretraining:
         return
-    if proc.poll() is None:  # stopped early (-x, Ctrl-C): do not leave it running
-        proc.kill()
-        proc.wait()
-    _pretraining["log"].close()
+    proc = _pretraining.get("proc")
+    if proc is not None:
+        if proc.poll() is None:  # stopped early (-x, Ctrl-C): do not leave it running
+            proc.kill()
+            proc.wait()
+        _pretraining["log"].close()
     shutil.rmtree(_pretraining["folder"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def toy_pretraining(tmp_path_factory):
-    """(cache folder, log lines): the toy CLIP, pretrained once per test session with the default
-    recipe (what `toyworld.load_clip("toy")` and `python dear.py --dataset toyworld` use), and what
-    pretraining logged."""
+    """(cache folder, log lines): the toy CLIP, pretrained once per test session (or saved by an
+    earlier one, TOY_INPUTS) with the default recipe (what `toyworld.load_clip("toy")` and
+    `python dear.py --dataset toyworld` use), and what pretraining logged."""
     if not _pretraining:  # not started at collection (a plugin or a direct call): pretrain here
         import toyworld
 
         cache, lines = tmp_path_factory.mktemp("clip_cache"), []
         toyworld.ensure_pretrained(str(cache), log=lines.append)
         return str(cache), lines
-    proc, log = _pretraining["proc"], _pretraining["log"]
-    proc.wait()
-    log.seek(0)
-    lines = log.read().splitlines()
-    assert proc.returncode == 0, "toy pretraining failed:\n" + "\n".join(lines[-20:])
-    return _pretraining["cache"], lines
+    if "lines" not in _pretraining:  # pretrained in this session
+        proc, log = _pretraining["proc"], _pretraining["log"]
+        proc.wait()
+        log.seek(0)
+        lines = log.read().splitlines()
+        assert proc.returncode == 0, "toy pretraining failed:\n" + "\n".join(lines[-20:])
+        _pretraining["lines"] = lines
+        if _pretraining["saved"]:
+            save_pretraining(_pretraining["cache"], lines, _pretraining["saved"])
+    return _pretraining["cache"], _pretraining["lines"]
 
 
 @pytest.fixture(scope="session")

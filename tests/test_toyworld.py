@@ -679,3 +679,26 @@ def test_heads_specialise_and_generalization_heads_favour_no_factor(toy_roles):
     ]
     for h in general:
         assert roles_report.best_factor(h["skill"])[1] < FAR, h["skill"]
+
+
+def test_the_saved_toy_clip_is_keyed_by_everything_that_decides_its_weights(tmp_path, monkeypatch):
+    """conftest reuses a toy CLIP saved by an earlier test session only under the same key: a change
+    to any file of TOY_INPUTS (here one byte appended to each in turn) or to the thread count gives
+    another key (planted: a key over the first file only; one without the thread count)."""
+    import shutil
+
+    import conftest
+
+    for name in conftest.TOY_INPUTS:
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(conftest.ROOT, name), tmp_path / name)
+    key = conftest.toy_key(str(tmp_path))
+    assert key == conftest.toy_key()  # the copy is the same
+    keys = {key}
+    for name in conftest.TOY_INPUTS:
+        with open(tmp_path / name, "ab") as f:
+            f.write(b"\0")
+        keys.add(conftest.toy_key(str(tmp_path)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    keys.add(conftest.toy_key(str(tmp_path)))
+    assert len(keys) == len(conftest.TOY_INPUTS) + 2
