@@ -182,6 +182,12 @@ def save_pretraining(cache, lines, saved):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that need the toy CLIP run last (in their own order): the others run on one core
+    while it pretrains on the other, instead of waiting for it at the first that needs it."""
+    items.sort(key=lambda item: "toy_pretraining" in getattr(item, "fixturenames", ()))
+
+
 def pytest_collection_finish(session):
     if not any("toy_pretraining" in getattr(item, "fixturenames", ()) for item in session.items):
         return
