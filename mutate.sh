@@ -9,18 +9,19 @@
 # on different modules never share mutmut's `mutants/` folder. mutmut first runs the module's tests once to
 # record which test calls which function, then runs on each mutant only the tests that call its function.
 # Every mutant of the scope is reported: killed, survived (a test to write, or an equivalent mutant, listed
-# in the module's test file), timeout, no tests. JOBS parallel workers (default 2).
+# in the module's test file), timeout, no tests. JOBS parallel workers (default 2). mutmut skips
+# decorated functions, so the project writes `with torch.no_grad():` in the body instead of the decorator.
 #
 # To scope another module: add a line to SCOPES: the module, its test files, its functions (FUNCTION or
 # Class.method; a trailing * is a glob).
 set -euo pipefail
 declare -A TESTS FUNCTIONS
 TESTS[entropy.py]="tests/test_entropy.py"
-FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
+FUNCTIONS[entropy.py]="encode_texts label_by_centroid decompose head_contributions sum_parts check_textspan advice
   GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
   assign_role control_roles collect_statistics compute_roles"
 TESTS[train.py]="tests/test_train.py tests/test_precision.py"
-FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights_in
+FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights
   epoch_batches train_step make_scaler scale_of resume train evaluate"
 TESTS[data.py]="tests/test_data.py"
 FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
