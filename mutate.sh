@@ -17,8 +17,8 @@
 set -euo pipefail
 declare -A TESTS FUNCTIONS
 TESTS[entropy.py]="tests/test_entropy.py"
-FUNCTIONS[entropy.py]="encode_texts label_by_centroid decompose head_contributions sum_parts check_textspan advice
-  GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
+FUNCTIONS[entropy.py]="encode_texts label_by_centroid decompose head_contributions sum_parts
+  check_textspan advice GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
   assign_role control_roles collect_statistics compute_roles"
 TESTS[train.py]="tests/test_train.py tests/test_precision.py"
 FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights
