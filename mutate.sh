@@ -10,7 +10,7 @@
 # record which test calls which function, then runs on each mutant only the tests that call its function.
 # Every mutant of the scope is reported: killed, survived (a test to write, or an equivalent mutant, listed
 # in the module's test file), timeout, no tests. JOBS parallel workers (default 2). mutmut skips
-# decorated functions, so the project writes `with torch.no_grad():` in the body instead of the decorator.
+# decorated functions: the project writes `with torch.no_grad():` in a body, not the decorator.
 #
 # To scope another module: add a line to SCOPES: the module, its test files, its functions (FUNCTION or
 # Class.method; a trailing * is a glob).
@@ -30,8 +30,12 @@ TESTS[dear.py]="tests/test_dear.py tests/test_pruning.py"
 FUNCTIONS[dear.py]="role_mask block_masks insert mix AttributeTokens.* DeAR.forward DeAR.frozen_prefix
   DeAR.frozen_feature DeAR.token_blocks DeAR.image_features DeAR.encode_classes DeAR.set_classes
   DeAR.alpha cosine_logits fuse reference_forward reference_images reference_classes dear_loss make_loss"
-TESTS[config.py]="tests/test_dear.py tests/test_runs.py"
+TESTS[config.py]="tests/test_dear.py tests/test_runs.py tests/test_run_reliability.py"
 FUNCTIONS[config.py]="resolve check_numbers eval_beta default_J"
+TESTS[runs.py]="tests/test_runs.py tests/test_run_reliability.py"
+FUNCTIONS[runs.py]="file_sha256 backbone_sha256 roles_sha256 variant_name run_dir dataset_tag inputs
+  comparable differences check_same check_flags check_backbone retire finished take_folder
+  eval_only_config"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift
