@@ -102,9 +102,9 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
 
 
 def test_the_frozen_feature_runs_its_last_block_on_cls_alone():
-    """Shortcut 1 for f^0: the last block computes the CLS row only, [B, 1, D]. Every row (rows None or
-    slice(0, 2)) gives the same f^0 at up to 1+P times the cost, so no value test can see it. f^0 is
-    frozen: no autograd even when its input has a graph."""
+    """Shortcut 1 for f^0: the last block computes the CLS row only, [B, 1, D]. Every row (rows
+    None or slice(0, 2)) gives the same f^0 at up to 1+P times the cost, so no value test can see
+    it. f^0 is frozen: no autograd even when its input has a graph."""
     model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7)
     shapes = []
     last = model.clip.visual.transformer.resblocks[-1]
@@ -117,8 +117,8 @@ def test_the_frozen_feature_runs_its_last_block_on_cls_alone():
 
 
 def test_prompts_are_tokenized_to_the_models_context_length():
-    """A text tower of 16 positions (the toy CLIP's): prompt_tokens [C, 16], and a prompt longer than
-    16 tokens is refused by the tokenizer (tokenizing to CLIP's usual 77 would let it through)."""
+    """A text tower of 16 positions (the toy CLIP's): prompt_tokens [C, 16], and a prompt longer
+    than 16 tokens is refused by the tokenizer (tokenizing to CLIP's usual 77 lets it through)."""
     model = DeAR(tiny_clip(text_layers=4, context_length=16), varied_roles(), J=2, beta=0.7)
     model.set_classes(["cat", "sea lion"], "a photo of a {}.")
     assert tuple(model.prompt_tokens.shape) == (2, 16)
