@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,6 +204,59 @@ def test_bad_flags_stop_before_any_work(world, tmp_path, capsys, monkeypatch, fl
     err = stop_message(cli(world, tmp_path / "runs", *flags), capsys)
     assert says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+# (field, a value on the edge that passes, the nearest value past it, what the message says): each
+# boundary is pinned on both sides, so > for >=, a dropped check or a message naming another flag fails.
+EDGES = [
+    ("J", 1, 0, "--J counts blocks from 1"),
+    ("lr", 1e-9, 0.0, "--lr must be positive"),
+    ("warmup_lr", 1e-9, 0.0, "--warmup-lr must be positive"),
+    ("weight_decay", 0.0, -1e-9, "--weight-decay"),
+    ("lambda_reg", 0.0, -1e-9, "--lambda-reg"),
+    ("lambda_fusion", 0.0, -1e-9, "--lambda-fusion"),
+    ("shots", 1, 0, "--shots must be >= 1"),
+    ("workers", 0, -1, "--workers must be >= 0"),
+    ("beta", 0.0, -1e-9, "--beta must lie in [0, 1]"),
+    ("beta", 1.0, 1 + 1e-9, "--beta must lie in [0, 1]"),
+    ("alpha_cls", 1e-9, 0.0, "--alpha-cls must lie in (0, 1)"),
+    ("alpha_cls", 1 - 1e-9, 1.0, "--alpha-cls must lie in (0, 1)"),
+    ("epochs", 1, 0, "--epochs and --batch-size must be >= 1"),
+    ("batch_size", 1, 0, "--epochs and --batch-size must be >= 1"),
+    ("crop_scale", 1e-9, 0.0, "--crop-scale must lie in (0, 1]"),
+    ("crop_scale", 1.0, 1 + 1e-9, "--crop-scale must lie in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize("field, edge, past, says", EDGES)
+def test_each_number_is_refused_just_past_its_bound(field, edge, past, says):
+    filled = config.resolve(dear.Config(dataset="eurosat"))
+    config.check_numbers(dataclasses.replace(filled, **{field: edge}))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config.check_numbers(dataclasses.replace(filled, **{field: past}))
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "beta",
+        "lambda_reg",
+        "lambda_fusion",
+        "alpha_cls",
+        "lr",
+        "warmup_lr",
+        "weight_decay",
+        "crop_scale",
+    ],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_each_float_flag_must_be_finite_and_is_named(field, value):
+    """Wrong rules ruled out: a NaN let through (every comparison with NaN is False, so a range
+    check alone passes or fails by accident), and a message naming another flag."""
+    filled = config.resolve(dear.Config(dataset="eurosat"))
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag} must be a finite number, got {value}$"):
+        config.check_numbers(dataclasses.replace(filled, **{field: value}))
 
 
 def enospc_for(name, real):
