@@ -206,8 +206,9 @@ def test_bad_flags_stop_before_any_work(world, tmp_path, capsys, monkeypatch, fl
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
-# (field, a value on the edge that passes, the nearest value past it, what the message says): each
-# boundary is pinned on both sides, so > for >=, a dropped check or a message naming another flag fails.
+# (field, a value on the edge that passes, the nearest value past it, what the message says):
+# each bound is pinned on both sides, so > for >=, a dropped check or a message naming another
+# flag fails.
 EDGES = [
     ("J", 1, 0, "--J counts blocks from 1"),
     ("lr", 1e-9, 0.0, "--lr must be positive"),

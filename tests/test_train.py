@@ -148,6 +148,66 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
         assert sum(c["n"] for c in r["per_class"]) == len(items)
 
 
+def predicted(model, ds):
+    """(path, the model's own fused prediction, "") for every test item: 100% for evaluate."""
+    model.set_classes(ds.classnames, ds.template)
+    transform = data.test_transform(32)
+    images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in ds.test])
+    with torch.no_grad():
+        fused = model(images)["fused"].argmax(-1)
+    return [(p, int(fused[i]), "") for i, (p, _, _) in enumerate(ds.test)]
+
+
+def test_evaluate_wiring_progress_and_one_image_classes(squares, monkeypatch):
+    """evaluate on the CPU, batches of one image. Its DataLoader gets eval_batch_size and workers,
+    keeps the order and pins no memory on a CPU; the class text features are computed once, not
+    again at every batch; a progress line comes at every fifth of the batches (every batch when
+    there are fewer than 10), never at the last, with the count and the linear ETA (elapsed / done
+    x left); an accuracy divides by the true count, also for one image (max(1, n) only guards 0)."""
+    model = fresh_model()
+    items = predicted(model, squares)
+    loaders, real_loader = [], torch.utils.data.DataLoader
+    monkeypatch.setattr(
+        torch.utils.data, "DataLoader", lambda *a, **kw: loaders.append(kw) or real_loader(*a, **kw)
+    )
+    encodes, real_encode = [], model.encode_classes
+    monkeypatch.setattr(model, "encode_classes", lambda: encodes.append(1) or real_encode())
+    ticks = iter(range(1000, 2000, 6))  # the clock: 6 s between two readings
+    monkeypatch.setattr(train, "time", type("Clock", (), {"time": lambda: next(ticks)}))
+    cfg = dear.resolve(dear.Config(eval_batch_size=1, workers=0))
+
+    def evaluate(items):
+        logs, encodes[:] = [], []
+        r = train.evaluate(
+            model,
+            items,
+            squares.classnames,
+            squares.template,
+            cfg,
+            torch.device("cpu"),
+            log=logs.append,
+            name="test",
+        )
+        assert len(encodes) == 1 and r["n"] == len(items) and r["accuracy"] == 100.0
+        return r, [line.split(": ")[1] for line in logs]
+
+    _, logs = evaluate(items[:18])  # 18 batches, a line every 3 (18 // 5), the 18th without
+    assert logs == [
+        f"{k}/18 batches, eta 0m{eta:02d}s"
+        for k, eta in [(3, 30), (6, 24), (9, 18), (12, 12), (15, 6)]
+    ]  # 6 s x k / k x (18 - k)
+    assert loaders[-1]["batch_size"] == 1 and loaders[-1]["num_workers"] == 0
+    assert loaders[-1]["shuffle"] is False and loaders[-1]["pin_memory"] is False
+    # 5 batches: a line after each but the last; one of them the only image of its class
+    lone = min(range(len(COLORS)), key=lambda c: sum(y == c for _, y, _ in items) or 99)
+    few = [next(i for i in items if i[1] == lone)] + [i for i in items if i[1] != lone][:4]
+    r, logs = evaluate(few)
+    assert [line.split(",")[0] for line in logs] == [f"{k}/5 batches" for k in range(1, 5)]
+    assert (r["per_class"][lone]["n"], r["per_class"][lone]["accuracy"]) == (1, 100.0)
+    r, logs = evaluate(items[:1])  # one image in all
+    assert logs == [] and r["accuracy"] == 100.0
+
+
 # ------------------------------------------------------------------------------------ fp16 vs fp32
 
 SAFE_SCALE = 2.0**8  # no step of the tiny CLIP overflows at this scale (tests/test_precision.py)
@@ -347,5 +407,11 @@ def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_contin
 # epoch_batches: n > batch_size instead of >=: at n == batch_size the slice keeps all n either way.
 # train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
 #   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
-# Not mutated by mutmut 3 (it skips decorated functions): frozen_weights_in, evaluate; not run in
-#   time: train.
+# evaluate: DataLoader shuffle None / the default (2 mutants): both mean False; pin_memory
+#   dropped or compared with "XXcudaXX" / "CUDA" (3): False on a CPU, as the code gives there.
+# evaluate: device None or dropped in torch.zeros and .to (8 mutants): the CPU, where the tests run;
+#   non_blocking False or dropped (4): the same values (the copy only waits).
+# evaluate: scores.argmax(+1) on [B, C]: the same axis as -1.
+# evaluate: name="XXXX" (a default value): mutmut's trampoline keeps the original signature.
+# frozen_weights_in is contextlib.contextmanager(frozen_weights) and evaluate has no decorator,
+#   so both are mutated (mutmut 3 skips decorated functions); not run in time: train.
