@@ -401,6 +401,80 @@ def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_contin
     assert train.resume(str(new), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 5)
 
 
+def linear_checkpoint(path, precision="fp16", **extra):
+    """A checkpoint of a trained Linear, its AdamW (one step taken) and an fp16 GradScaler at scale
+    2**10, 3 steps skipped: (path, the saved state)."""
+    lin = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = {
+        "model": lin.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": 1,
+        "step": 4,
+        "precision": precision,
+        "skipped_steps": 3,
+        **extra,
+    }
+    torch.save(state, path)
+    return str(path), state
+
+
+def fresh_training():
+    lin = torch.nn.Linear(2, 2)
+    return lin, torch.optim.AdamW(lin.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+
+
+def test_resume_loads_the_model_the_optimizer_and_the_scaler(tmp_path):
+    """Wrong rules ruled out: returning the position without loading (or loading only the model):
+    the weights, AdamW's moments and step and the scaler's scale all come back."""
+    path, saved = linear_checkpoint(tmp_path / "checkpoint.pt")
+    lin, opt, scaler = fresh_training()
+    cpu = torch.device("cpu")
+    assert train.resume(path, lin, opt, scaler, "fp16", cpu, lambda m: None) == (1, 4, 3)
+    assert all(torch.equal(v, lin.state_dict()[k]) for k, v in saved["model"].items())
+    moments = opt.state_dict()["state"][0]
+    assert torch.equal(moments["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
+    assert int(moments["step"]) == 1 and scaler.get_scale() == 2.0**10
+
+
+def test_resume_refuses_other_precisions_and_code_in_a_checkpoint(tmp_path, capsys):
+    """Another precision: one line naming both precisions and the fixes, nothing loaded. A
+    checkpoint that would run code when unpickled (weights_only=False would load it): refused with
+    the first line of torch's message only."""
+    path, _ = linear_checkpoint(tmp_path / "checkpoint.pt")
+    lin, opt, scaler = fresh_training()
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    cpu = torch.device("cpu")
+    with pytest.raises(train.RunError) as e:
+        train.resume(path, lin, opt, scaler, "bf16", cpu, lambda m: None)
+    assert str(e.value) == (
+        f"{path} was written with --precision fp16; resume with that precision (this run has "
+        "bf16), or pass --force to start over"
+    )
+    assert all(torch.equal(v, lin.state_dict()[k]) for k, v in before.items())
+    assert opt.state_dict()["state"] == {}
+    evil, _ = linear_checkpoint(tmp_path / "evil.pt", hook=Evil())
+    with pytest.raises(train.RunError) as e:
+        train.resume(evil, lin, opt, scaler, "fp16", cpu, lambda m: None)
+    message = str(e.value)
+    assert message.startswith(f"the checkpoint {evil} cannot be resumed (UnpicklingError: ")
+    assert message.endswith("); pass --force to start the run over") and "\n" not in message
+    assert not Evil.ran
+
+
+class Evil:
+    """An object whose unpickling runs code."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (setattr, (Evil, "ran", True))
+
+
 # Equivalent mutants (mutate.sh), one line each:
 # matmul_weights: m.parameters(recurse=True / None) for a Linear or Conv2d (2 mutants): they have no
 #   sub-modules, so their own parameters are all there are (None reads as False).
