@@ -839,3 +839,81 @@ def test_without_imagenet_the_roles_probe_is_the_training_split(world, tmp_path,
     with pytest.raises(runs.RunError):
         runs.load_roles(cfg, model, torch.device("cpu"), log=lambda msg: None)
     assert asked == [(world[2], "train")]
+
+
+# ---------------------------------------------------------------- the reuse checks, one by one
+
+
+def test_zero_shot_configs_compare_only_what_a_zero_shot_run_depends_on():
+    """Wrong rule ruled out: for a zero-shot run, comparing by ZEROSHOT_IGNORES alone (the
+    bookkeeping fields then count); the schedule is ignored, the precision is not."""
+    a = dataclasses.asdict(dear.Config(method="zeroshot"))
+    b = dict(a, out="elsewhere", workers=7, eval_batch_size=3, epochs=9, lr=0.5)
+    assert runs.differences(a, b) == []
+    assert runs.differences(a, dict(a, precision="bf16")) == [("precision", "amp", "bf16")]
+
+
+def test_targets_written_as_a_string_compare_as_their_list():
+    """A Config made in code holds targets "a,b"; config.json from the command line holds the list.
+    Wrong rules ruled out: the string compared as is, split on spaces, or kept under another key."""
+    assert runs.comparable({"targets": "dtd,eurosat"}) == {"targets": ["dtd", "eurosat"]}
+    assert runs.comparable({"targets": ""}) == {"targets": []}
+    assert runs.differences({"targets": "dtd,eurosat"}, {"targets": ["dtd", "eurosat"]}) == []
+    assert runs.differences({"targets": "dtd"}, {"targets": ["dtd", "eurosat"]}) == [
+        ("targets", ["dtd"], ["dtd", "eurosat"])
+    ]
+
+
+def test_check_same_names_up_to_four_differences_and_the_fixes(tmp_path):
+    rdir = str(tmp_path)
+    with pytest.raises(runs.RunError) as e:
+        runs.check_same(rdir, {}, "finished")  # no config.json
+    assert str(e.value) == (
+        f"{rdir} holds a finished run but no readable config.json, so it cannot be told apart "
+        "from another run; choose another --out, or pass --force to redo it"
+    )
+    now = {"beta": 0.1, "epochs": 1, "J": 2, "lr": 0.1, "seed": 1}
+    four = dict(now, beta=0.2, epochs=2, J=3, lr=0.2)
+    with pytest.raises(runs.RunError) as e:
+        runs.check_same(rdir, now, "finished", saved=four)
+    assert str(e.value) == (
+        f"{rdir} holds a finished run of a different configuration (J: 3 there, 2 now; "
+        "beta: 0.2 there, 0.1 now; epochs: 2 there, 1 now; lr: 0.2 there, 0.1 now); choose "
+        "another --out to keep both, or pass --force to replace it (its results are deleted)"
+    )
+    with pytest.raises(runs.RunError) as e:  # a fifth: named by "...", not shown
+        runs.check_same(rdir, now, "finished", saved=dict(four, seed=2))
+    assert "lr: 0.2 there, 0.1 now; ...); choose another --out" in str(e.value)
+    assert "seed" not in str(e.value)
+
+
+def test_finished_reuses_only_results_beside_their_own_config(tmp_path, capsys):
+    """results.json beside a checkpoint, unreadable, or made with another config (in config.json or
+    in its own identity record): one line each, naming the finished run and the fix."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    results, ckpt = rdir / "results.json", rdir / "checkpoint.pt"
+    config = {"lr": 0.1, "seed": 1}
+    (rdir / "config.json").write_text(json.dumps(config))
+
+    def stop():
+        with pytest.raises(runs.RunError) as e:
+            runs.finished(str(rdir), str(results), str(ckpt), config)
+        return str(e.value)
+
+    results.write_text("{not json")
+    assert stop() == f"{results} is not readable; delete it, or pass --force to redo it"
+    results.write_text(json.dumps({"identity": dict(config, lr=0.2), "evals": {}}))
+    assert stop().startswith(f"{rdir} holds a finished run of a different configuration (lr: 0.2")
+    ckpt.write_bytes(b"")
+    assert stop() == (
+        f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an interrupted "
+        "restart?), so its results may be another run's; pass --force to start it over"
+    )
+    ckpt.unlink()
+    (rdir / "config.json").write_text(json.dumps(dict(config, seed=2)))
+    assert stop().startswith(f"{rdir} holds a finished run of a different configuration (seed: 2")
+    (rdir / "config.json").write_text(json.dumps(config))
+    results.write_text(json.dumps({"identity": config, "evals": {}}))
+    assert runs.finished(str(rdir), str(results), str(ckpt), config)["evals"] == {}
+    assert capsys.readouterr().out == f"done already: {results} (pass --force to redo)\n"
