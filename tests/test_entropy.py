@@ -1527,5 +1527,5 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
 # Not killed, not equivalent: compute_roles 191 (probe_factors' seed dropped: the tests use seed 0).
 # mutmut's trampoline keeps the original signature, so default-value mutants (textspan_from_statistics 2;
 # compute_roles 2, 3, 4) survive under mutmut although test_textspan_defaults_are... fails on each of them
-# planted by hand. encode_texts 1 (batch_size 257) and collect_statistics 1 (keep True) are default values
-# that are equivalent besides: the same texts in other batches; the same statistics, one copy kept.
+# planted by hand. encode_texts 1 (batch_size 257) and collect_statistics 1 (keep True): default
+# values, equivalent besides: the same texts in other batches; the same statistics, a copy kept.
