@@ -917,3 +917,7 @@ def test_finished_reuses_only_results_beside_their_own_config(tmp_path, capsys):
     results.write_text(json.dumps({"identity": config, "evals": {}}))
     assert runs.finished(str(rdir), str(results), str(ckpt), config)["evals"] == {}
     assert capsys.readouterr().out == f"done already: {results} (pass --force to redo)\n"
+
+
+# Mutation testing: `./mutate.sh runs.py` (its scope: the identity, naming and reuse checks) and
+# `./mutate.sh config.py check_numbers` leave no survivor, so no equivalent mutant is listed here.
