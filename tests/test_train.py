@@ -195,7 +195,7 @@ def test_evaluate_wiring_progress_and_one_image_classes(squares, monkeypatch):
     assert logs == [
         f"{k}/18 batches, eta 0m{eta:02d}s"
         for k, eta in [(3, 30), (6, 24), (9, 18), (12, 12), (15, 6)]
-    ]  # 6 s x k / k x (18 - k)
+    ]  # 6 s a line: elapsed 2k s at batch k, so 2k / k x (18 - k)
     assert loaders[-1]["batch_size"] == 1 and loaders[-1]["num_workers"] == 0
     assert loaders[-1]["shuffle"] is False and loaders[-1]["pin_memory"] is False
     # 5 batches: a line after each but the last; one of them the only image of its class
