@@ -503,5 +503,7 @@ class Evil:
 # resume: torch.load's map_location None or dropped (2 mutants): the CPU, where the tests run;
 #   weights_only None or dropped (2): torch's default is True (since 2.6), as given; strict=None
 #   in load_state_dict: falsy, as False.
+# train (a sample: the mutants numbered 5, 10, 15, ...): images.to(None) (the CPU, where the tests
+#   run); labels.to(..., non_blocking=False) (the same values); argmax(+1) of the fused [B, C].
 # frozen_weights_in is contextlib.contextmanager(frozen_weights) and evaluate has no decorator,
-#   so both are mutated (mutmut 3 skips decorated functions); not run in time: train.
+#   so both are mutated (mutmut 3 skips decorated functions).
