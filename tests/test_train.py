@@ -494,8 +494,8 @@ class Evil:
 # epoch_batches: n > batch_size instead of >=: at n == batch_size the slice keeps all n either way.
 # train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
 #   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
-# evaluate: DataLoader shuffle None / the default (2 mutants): both mean False; pin_memory
-#   dropped or compared with "XXcudaXX" / "CUDA" (3): False on a CPU, as the code gives there.
+# evaluate: pin_memory compared with "XXcudaXX" / "CUDA" (2 mutants): False on a CPU, as the code
+#   gives there.
 # evaluate: device None or dropped in torch.zeros and .to (8 mutants): the CPU, where the tests run;
 #   non_blocking False or dropped (4): the same values (the copy only waits).
 # evaluate: scores.argmax(+1) on [B, C]: the same axis as -1.
