@@ -18,11 +18,11 @@ set -euo pipefail
 declare -A TESTS FUNCTIONS
 TESTS[entropy.py]="tests/test_entropy.py"
 FUNCTIONS[entropy.py]="encode_texts label_by_centroid decompose head_contributions sum_parts
-  check_textspan advice GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
-  assign_role control_roles collect_statistics compute_roles"
+  check_textspan advice GramStatistics.* textspan textspan_from_statistics concept_distribution
+  concept_entropy default_thresholds assign_role control_roles collect_statistics compute_roles"
 TESTS[train.py]="tests/test_train.py tests/test_precision.py"
-FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights
-  epoch_batches train_step make_scaler scale_of resume train evaluate"
+FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights
+  frozen_weights epoch_batches train_step make_scaler scale_of resume train evaluate"
 TESTS[data.py]="tests/test_data.py"
 FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
   test_transform"
