@@ -574,10 +574,11 @@ def test_each_epoch_trains_at_its_scheduled_lr(images, tmp_path, monkeypatch):
         return loss_fn(model, out, labels)
 
     monkeypatch.setattr(torch.optim, "AdamW", adamw)
-    c = cfg(epochs=3, warmup_epochs=1, warmup_lr=1e-4, lr=3e-3)
+    c = cfg(epochs=3, warmup_epochs=1, warmup_lr=1e-4, lr=3e-3, weight_decay=0.02)
     train.train(make_model(), Data(images), c, CPU, str(tmp_path), lambda m: None, recording)
     assert lrs == [train.lr_at(e, c) for e in range(3) for _ in range(6)]
     assert len(set(lrs)) == 3
+    assert opts[0].param_groups[0]["weight_decay"] == 0.02  # not AdamW's default 0.01
 
 
 def test_a_resumed_run_counts_its_steps_skips_and_eta_from_the_checkpoint(
@@ -600,12 +601,18 @@ def test_a_resumed_run_counts_its_steps_skips_and_eta_from_the_checkpoint(
     )
     assert state["model"].keys() == model.trainable_state().keys()
     torch.save(dict(state, skipped_steps=2), path)
-    logs = []
+    logs, hits = [], []
+
+    def counting(model, out, labels):  # the epoch's training accuracy, counted here
+        hits.append(int((out["fused"].argmax(-1) == labels).sum()))
+        return loss_fn(model, out, labels)
+
     r = train.train(
-        make_model(), Data(images), cfg(epochs=2), CPU, str(tmp_path), logs.append, loss_fn
+        make_model(), Data(images), cfg(epochs=2), CPU, str(tmp_path), logs.append, counting
     )
     assert r == {"steps": 6, "skipped_steps": 2, "final_scale": None}
     assert logs[-1].startswith("epoch 2/2 step 6/6 ") and logs[-1].endswith(" eta 0m00s")
+    assert f" acc {100 * sum(hits) / 24:.1f}% " in logs[-1] and sum(hits) > 0
 
 
 def test_a_model_without_tokens_trains_nothing(images, tmp_path):

@@ -503,7 +503,11 @@ class Evil:
 # resume: torch.load's map_location None or dropped (2 mutants): the CPU, where the tests run;
 #   weights_only None or dropped (2): torch's default is True (since 2.6), as given; strict=None
 #   in load_state_dict: falsy, as False.
-# train (a sample: the mutants numbered 5, 10, 15, ...): images.to(None) (the CPU, where the tests
-#   run); labels.to(..., non_blocking=False) (the same values); argmax(+1) of the fused [B, C].
+# train (a sample: the mutants numbered 5, 10, 15, ...): images.to(None), resume(..., None, ...),
+#   scale_of(scaler, None) (the CPU, where the tests run); labels.to(..., non_blocking=False) (the
+#   same values); argmax(+1) of the fused [B, C]; {"fused": False} and pin_memory compared with
+#   "XXcudaXX" (CUDA only); first_bad[1] < 0 (the stored loss) for first_bad[0] < 0 (its step) as
+#   "no bad step yet": the loss is a sum of terms >= 0, so a stored non-finite one (inf, nan) is
+#   never < 0 either.
 # frozen_weights_in is contextlib.contextmanager(frozen_weights) and evaluate has no decorator,
 #   so both are mutated (mutmut 3 skips decorated functions).
