@@ -191,11 +191,12 @@ def test_evaluate_wiring_progress_and_one_image_classes(squares, monkeypatch):
         assert len(encodes) == 1 and r["n"] == len(items) and r["accuracy"] == 100.0
         return r, [line.split(": ")[1] for line in logs]
 
-    _, logs = evaluate(items[:18])  # 18 batches, a line every 3 (18 // 5), the 18th without
+    # 17 batches: a line every 3 (17 // 5; // 6 would be 2), the 15th the last
+    _, logs = evaluate(items[:17])
     assert logs == [
-        f"{k}/18 batches, eta 0m{eta:02d}s"
-        for k, eta in [(3, 30), (6, 24), (9, 18), (12, 12), (15, 6)]
-    ]  # 6 s a line: elapsed 2k s at batch k, so 2k / k x (18 - k)
+        f"{k}/17 batches, eta 0m{eta:02d}s"
+        for k, eta in [(3, 28), (6, 22), (9, 16), (12, 10), (15, 4)]
+    ]  # 6 s a line: elapsed 2k s at batch k, so 2k / k x (17 - k)
     assert loaders[-1]["batch_size"] == 1 and loaders[-1]["num_workers"] == 0
     assert loaders[-1]["shuffle"] is False and loaders[-1]["pin_memory"] is False
     # 5 batches: a line after each but the last; one of them the only image of its class
