@@ -1501,8 +1501,8 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
 # label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or default: the same on 2-D.
 # head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same axis as -1.
 # encode_texts 32, 35: normalize's dim -1 -> +1 or default on [b, E]; 25: argmax(+1) on [b, T].
-# encode_texts 24, 27: the tokens cut at (flat argmax: past every EOT) or one after the last EOT:
-#   under the causal mask positions after EOT never reach it.
+# encode_texts 27: the tokens cut one position after the last EOT: under the causal mask positions
+#   after EOT never reach it.
 # decompose 72, 90: einsum subscripts in capitals: the same contraction.
 # decompose 108, 111, 119, 123: mean / var without keepdim: [B] instead of [B, 1], and through_ln
 #   views both as [B, 1, ...] anyway; 109, 120: mean / var over dim +1 of [B, D]: the same axis.
