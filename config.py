@@ -184,7 +184,8 @@ def check_numbers(c: Config):
             raise ValueError(f"--{flag} must be a finite number, got {value}")
     checks = [
         (c.J is None or c.J >= 1, f"--J counts blocks from 1, got {c.J}"),
-        (c.lr > 0 and c.warmup_lr > 0, f"--lr must be positive, got {c.lr}"),
+        (c.lr > 0, f"--lr must be positive, got {c.lr}"),
+        (c.warmup_lr > 0, f"--warmup-lr must be positive, got {c.warmup_lr}"),
         (
             c.weight_decay >= 0 and c.lambda_reg >= 0 and c.lambda_fusion >= 0,
             "--weight-decay, --lambda-reg and --lambda-fusion must be >= 0",

@@ -234,20 +234,22 @@ class DeAR(nn.Module):
         }
 
     # --- the image side --------------------------------------------------------------------------
-    @torch.no_grad()  # blocks 1..J-1 never change: no autograd
+    # The frozen parts run under `with torch.no_grad()`, not the decorator: mutmut (mutate.sh) skips
+    # decorated functions.
     def frozen_prefix(self, images):
         """Embedding and blocks 1..J-1 of the frozen vision tower: [B, 3, R, R] -> [B, 1+P, D]."""
         visual = self.clip.visual
-        return visual.run_blocks(visual.embed(images), 0, self.first)
+        with torch.no_grad():  # blocks 1..J-1 never change: no autograd
+            return visual.run_blocks(visual.embed(images), 0, self.first)
 
-    @torch.no_grad()
     def frozen_feature(self, x):
         """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x
         (shortcut 1: the last block computes CLS alone), normalised. The stream keeps the prefix's
         dtype."""
         visual = self.clip.visual
-        cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
-        return F.normalize(visual.head(cls), dim=-1)
+        with torch.no_grad():
+            cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
+            return F.normalize(visual.head(cls), dim=-1)
 
     def token_blocks(self, x):
         """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta
@@ -280,7 +282,6 @@ class DeAR(nn.Module):
         return (*self.image_features(self.token_blocks(x)), f0)
 
     # --- the text side ---------------------------------------------------------------------------
-    @torch.no_grad()
     def set_classes(self, classnames, template):
         """Everything class-dependent that never changes, computed once per class list: the prompts'
         token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features
@@ -294,25 +295,26 @@ class DeAR(nn.Module):
           length_buckets): [(indices, [c, n, W], rows [r]: the group's EOT positions, pick [c]: each
           prompt's row in rows)]; the last block computes only the EOT rows (shortcut 1).
         """
-        prompts = [template.format(c.replace("_", " ")) for c in classnames]
-        device = self.P_attr.device
-        m = self.clip
-        tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
-        eot = tokens.argmax(-1)  # [C] EOT has the largest id
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T] 1 while all prompts agree
-        S = min(int(same.sum()), int(eot.min()))  # keep at least EOT per class
-        groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows [r] (<= n)
-            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
-            frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
-            t0.append(m.text_head(frozen, pick))  # [c, E]
-            groups.append((idx, x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
-            order.append(idx)
-            self.text_shared = x[:1, :S]  # [1, S, W], equal in every group
-        self.text_groups = groups
-        self.text_order = torch.cat(order).argsort()  # group order -> class order
-        self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
-        self.prompt_tokens, self.classnames = tokens, list(classnames)
+        with torch.no_grad():
+            prompts = [template.format(c.replace("_", " ")) for c in classnames]
+            device = self.P_attr.device
+            m = self.clip
+            tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
+            eot = tokens.argmax(-1)  # [C] EOT has the largest id
+            same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T] 1 while all prompts agree
+            S = min(int(same.sum()), int(eot.min()))  # keep at least EOT per class
+            groups, t0, order = [], [], []
+            for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows [r] (<= n)
+                x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
+                frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
+                t0.append(m.text_head(frozen, pick))  # [c, E]
+                groups.append((idx, x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
+                order.append(idx)
+                self.text_shared = x[:1, :S]  # [1, S, W], equal in every group
+            self.text_groups = groups
+            self.text_order = torch.cat(order).argsort()  # group order -> class order
+            self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
+            self.prompt_tokens, self.classnames = tokens, list(classnames)
 
     def encode_classes(self) -> torch.Tensor:
         """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L,

@@ -168,19 +168,21 @@ def toy_pool():
     return [text for text, _ in pairs], [concept for _, concept in pairs]
 
 
-@torch.no_grad()
+# no_grad as a `with` block, not a decorator, in this file: mutmut (mutate.sh) skips decorated
+# functions.
 def encode_texts(model, texts, batch_size=256):
     """Raw descriptions (no template, as TextSpan) -> L2-normalised text embeddings [T, E], fp32."""
-    device = next(model.parameters()).device
-    out = []
-    for i in range(0, len(texts), batch_size):
-        tokens = clip.tokenize(
-            texts[i : i + batch_size], context_length=model.context_length, truncate=True
-        )
-        # [b, T]; causal: tokens after EOT never matter
-        tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]
-        out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
-    return torch.cat(out)
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        out = []
+        for i in range(0, len(texts), batch_size):
+            tokens = clip.tokenize(
+                texts[i : i + batch_size], context_length=model.context_length, truncate=True
+            )
+            # [b, T]: up to the last EOT; causal, the tokens after an EOT never reach it
+            tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]
+            out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
+        return torch.cat(out)
 
 
 def label_by_centroid(embeddings, ref_embeddings, ref_labels):
@@ -201,7 +203,6 @@ def label_by_centroid(embeddings, ref_embeddings, ref_labels):
 # 2. Head decomposition (TextSpan): the CLS output of the image tower as a sum of parts
 
 
-@torch.no_grad()
 def decompose(model, images, layers):
     """Split the image embedding (unnormalised, as encode_image) into additive parts,
     as TextSpan's PRS logger.
@@ -218,66 +219,61 @@ def decompose(model, images, layers):
       heads [B, nL, H, E]; mlp [B, nL, E] (the analysed blocks' MLPs);
       rest [B, E] (the embedding and the unanalysed blocks: 1 + 2 (L - nL) intermediates).
     """
-    visual = model.visual
-    blocks = visual.transformer.resblocks
-    analysed = sorted(set(int(l) - 1 for l in layers))  # paper's 1-based blocks -> 0-based indices
-    x = visual.embed(images)  # [B, 1+P, D]
-    B, _, D = x.shape
-    H = visual.heads
-    hs = D // H
-    heads, mlp = [], []
-    rest, rest_count = (
-        x[:, 0].float(),
-        1,
-    )  # the CLS input of block 0; unanalysed blocks add their change below
-    for b, block in enumerate(blocks):
-        if b not in analysed:
-            new = block(x)
-            rest = rest + (new[:, 0] - x[:, 0]).float()
-            rest_count += 2  # its attention output and its MLP
-            x = new
-            continue
-        attn = block.attn
-        y = block.ln_1(x)
-        out, weights = attn(y, need_weights=True)  # out [B, T, D], weights [B, H, T, T]
-        v = F.linear(
-            y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :]
-        ).float()  # values [B, T, D]
-        v = v.view(B, -1, H, hs)  # [B, T, H, hs]
-        # CLS row of each head [B, H, hs]
-        mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)
-        # out_proj.weight is [D, D] with input columns grouped by head:
-        # head h owns columns h*hs..(h+1)*hs-1
-        w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
-        # [B, H, D]
-        heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H)
-        x = x + out
-        m = block.mlp(block.ln_2(x))
-        mlp.append(m[:, 0].float())
-        x = x + m
-    ln = visual.ln_post
-    r = x[:, 0].float()  # the residual stream at CLS, what ln_post normalises [B, D]
-    mean = r.mean(-1, keepdim=True)  # [B, 1]
-    std = (
-        r.var(-1, unbiased=False, keepdim=True) + ln.eps
-    ).sqrt()  # [B, 1], as LayerNorm (eps inside)
-    proj = visual.proj.float()  # [D, E]
-    total = 2 * len(blocks) + 1  # intermediates in r
+    with torch.no_grad():
+        visual = model.visual
+        blocks = visual.transformer.resblocks
+        analysed = sorted(set(int(l) - 1 for l in layers))  # 1-based blocks -> 0-based indices
+        x = visual.embed(images)  # [B, 1+P, D]
+        B, _, D = x.shape
+        H = visual.heads
+        hs = D // H
+        heads, mlp = [], []
+        # the CLS input of block 0; unanalysed blocks add their change below
+        rest, rest_count = x[:, 0].float(), 1
+        for b, block in enumerate(blocks):
+            if b not in analysed:
+                new = block(x)
+                rest = rest + (new[:, 0] - x[:, 0]).float()
+                rest_count += 2  # its attention output and its MLP
+                x = new
+                continue
+            attn = block.attn
+            y = block.ln_1(x)
+            out, weights = attn(y, need_weights=True)  # out [B, T, D], weights [B, H, T, T]
+            v = F.linear(y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :]).float()
+            v = v.view(B, -1, H, hs)  # values [B, T, H, hs]
+            # the CLS row of each head [B, H, hs]
+            mixed = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)
+            # out_proj.weight is [D, D] with input columns grouped by head: head h owns columns
+            # h*hs..(h+1)*hs-1
+            w_o = attn.out_proj.weight.float().view(D, H, hs)  # [D_out, H, hs]
+            # [B, H, D]
+            heads.append(torch.einsum("bhd,ehd->bhe", mixed, w_o) + attn.out_proj.bias.float() / H)
+            x = x + out
+            m = block.mlp(block.ln_2(x))
+            mlp.append(m[:, 0].float())
+            x = x + m
+        ln = visual.ln_post
+        r = x[:, 0].float()  # the residual stream at CLS, what ln_post normalises [B, D]
+        mean = r.mean(-1, keepdim=True)  # [B, 1]
+        std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1], eps inside
+        proj = visual.proj.float()  # [D, E]
+        total = 2 * len(blocks) + 1  # intermediates in r
 
-    def through_ln(
-        p, share
-    ):  # a part p [B, ..., D] worth `share` of the intermediates -> [B, ..., E]
-        view = (B,) + (1,) * (p.dim() - 1)  # r's mean and std per image, broadcast over the rest
-        return (
-            (p - mean.view(view) * share) * ln.weight.float() / std.view(view)
-            + ln.bias.float() * share
-        ) @ proj
+        def through_ln(p, share):
+            """A part p [B, ..., D] worth `share` of the intermediates -> [B, ..., E]."""
+            # r's mean and std per image, broadcast over the rest
+            view = (B,) + (1,) * (p.dim() - 1)
+            return (
+                (p - mean.view(view) * share) * ln.weight.float() / std.view(view)
+                + ln.bias.float() * share
+            ) @ proj
 
-    return {
-        "heads": through_ln(torch.stack(heads, 1), 1 / (total * H)),  # [B, nL, H, E]
-        "mlp": through_ln(torch.stack(mlp, 1), 1 / total),  # [B, nL, E]
-        "rest": through_ln(rest, rest_count / total),
-    }  # [B, E]
+        return {
+            "heads": through_ln(torch.stack(heads, 1), 1 / (total * H)),  # [B, nL, H, E]
+            "mlp": through_ln(torch.stack(mlp, 1), 1 / total),  # [B, nL, E]
+            "rest": through_ln(rest, rest_count / total),  # [B, E]
+        }
 
 
 def head_contributions(model, images, layers):
@@ -912,29 +908,29 @@ def load_pool(model, pool=None, texts_file=None):
     return texts, labels, os.path.basename(texts_file)
 
 
-@torch.no_grad()
 def collect_statistics(model, loader, layers, total, keep=False):
-    """Stream the probe images through the model: (GramStatistics of every head [nL, H], fp64 on the
-    model's device; the contributions [N, nL, H, E] fp32 on the CPU if keep, else None). Memory is
-    bounded by the statistics (nL H E^2 x 8 bytes: 100 MB for 4 blocks of ViT-B/16) and one batch,
-    whatever the number of images; keep (the toy world's ground-truth probes) stores every image's
-    contributions besides."""
-    device = next(model.parameters()).device
-    stats = GramStatistics(
-        (len(layers), model.visual.heads), model.visual.output_dim, device=device
-    )
-    kept, done, start = [], 0, time.time()
-    for images, _ in loader:
-        images = images[: total - done].to(device)
-        contributions = head_contributions(model, images, layers)  # [B, nL, H, E] fp32
-        stats.add(contributions)
-        if keep:
-            kept.append(contributions.cpu())
-        done += len(images)
-        progress("probe images", done, total, start)
-        if done >= total:
-            break
-    return stats, (torch.cat(kept) if keep else None)
+    """Stream the probe images through the model: (GramStatistics of every head [nL, H], fp64 on
+    the model's device; the contributions [N, nL, H, E] fp32 on the CPU if keep, else None). Memory
+    is bounded by the statistics (nL H E^2 x 8 bytes: 100 MB for 4 blocks of ViT-B/16) and one
+    batch, whatever the number of images; keep (the toy world's ground-truth probes) stores every
+    image's contributions besides."""
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        stats = GramStatistics(
+            (len(layers), model.visual.heads), model.visual.output_dim, device=device
+        )
+        kept, done, start = [], 0, time.time()
+        for images, _ in loader:
+            images = images[: total - done].to(device)
+            contributions = head_contributions(model, images, layers)  # [B, nL, H, E] fp32
+            stats.add(contributions)
+            if keep:
+                kept.append(contributions.cpu())
+            done += len(images)
+            progress("probe images", done, total, start)
+            if done >= total:
+                break
+        return stats, (torch.cat(kept) if keep else None)
 
 
 def compute_roles(

@@ -9,19 +9,20 @@
 # on different modules never share mutmut's `mutants/` folder. mutmut first runs the module's tests once to
 # record which test calls which function, then runs on each mutant only the tests that call its function.
 # Every mutant of the scope is reported: killed, survived (a test to write, or an equivalent mutant, listed
-# in the module's test file), timeout, no tests. JOBS parallel workers (default 2).
+# in the module's test file), timeout, no tests. JOBS parallel workers (default 2). mutmut skips
+# decorated functions: the project writes `with torch.no_grad():` in a body, not the decorator.
 #
 # To scope another module: add a line to SCOPES: the module, its test files, its functions (FUNCTION or
 # Class.method; a trailing * is a glob).
 set -euo pipefail
 declare -A TESTS FUNCTIONS
 TESTS[entropy.py]="tests/test_entropy.py"
-FUNCTIONS[entropy.py]="label_by_centroid decompose head_contributions sum_parts check_textspan advice
-  GramStatistics.* textspan textspan_from_statistics concept_distribution concept_entropy default_thresholds
-  assign_role control_roles collect_statistics compute_roles"
+FUNCTIONS[entropy.py]="encode_texts label_by_centroid decompose head_contributions sum_parts
+  check_textspan advice GramStatistics.* textspan textspan_from_statistics concept_distribution
+  concept_entropy default_thresholds assign_role control_roles collect_statistics compute_roles"
 TESTS[train.py]="tests/test_train.py tests/test_precision.py"
-FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights frozen_weights_in
-  epoch_batches train_step make_scaler scale_of resume train evaluate"
+FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights
+  frozen_weights epoch_batches train_step make_scaler scale_of resume train evaluate"
 TESTS[data.py]="tests/test_data.py"
 FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
   test_transform"
@@ -29,8 +30,12 @@ TESTS[dear.py]="tests/test_dear.py tests/test_pruning.py"
 FUNCTIONS[dear.py]="role_mask block_masks insert mix AttributeTokens.* DeAR.forward DeAR.frozen_prefix
   DeAR.frozen_feature DeAR.token_blocks DeAR.image_features DeAR.encode_classes DeAR.set_classes
   DeAR.alpha cosine_logits fuse reference_forward reference_images reference_classes dear_loss make_loss"
-TESTS[config.py]="tests/test_dear.py tests/test_runs.py"
+TESTS[config.py]="tests/test_dear.py tests/test_runs.py tests/test_run_reliability.py"
 FUNCTIONS[config.py]="resolve check_numbers eval_beta default_J"
+TESTS[runs.py]="tests/test_runs.py tests/test_run_reliability.py"
+FUNCTIONS[runs.py]="file_sha256 backbone_sha256 roles_sha256 variant_name run_dir dataset_tag inputs
+  comparable differences check_same check_flags check_backbone retire finished take_folder
+  eval_only_config"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift

@@ -117,11 +117,10 @@ def matmul_weights(clip_model):
     yield clip_model.text_projection
 
 
-@contextlib.contextmanager
-def frozen_weights_in(dtype, clip_model):
-    """Inside the block, the frozen CLIP's matmul weights are stored in the autocast dtype; the fp32
-    originals come back on exit (so the fp32 path, checkpoints and anything after train/evaluate see
-    fp32).
+def frozen_weights(dtype, clip_model):
+    """The generator of the context manager frozen_weights_in (below). Inside the block, the frozen
+    CLIP's matmul weights are stored in the autocast dtype; the fp32 originals
+    come back on exit (so the fp32 path, checkpoints and anything after train/evaluate see fp32).
 
     Autocast casts a weight at every op unless it requires grad (its cache holds only trainable
     leaves), so a frozen ViT-B/16 has about 160 tensors recast at every step. Casting them once
@@ -139,6 +138,11 @@ def frozen_weights_in(dtype, clip_model):
     finally:
         for p, full in saved:
             p.data = full
+
+
+# contextmanager applied here, not as a decorator, and no_grad as a `with` block in evaluate: mutmut
+# (mutate.sh) skips decorated functions.
+frozen_weights_in = contextlib.contextmanager(frozen_weights)
 
 
 def seed_everything(seed: int):
@@ -420,7 +424,6 @@ def eval_precision(cfg, device: torch.device) -> str:
     return resolve_precision(getattr(cfg, "eval_precision", "fp32"), device)
 
 
-@torch.no_grad()
 def evaluate(model, items, classnames, template, cfg, device, logits="fused", log=print, name=""):
     """Top-1 accuracy (%) of `logits` ("fused" or "cls") on items, overall and per true class, in
     eval_precision(cfg) (fp32: fp32 weights, no autocast; fp16/bf16: autocast with the frozen
@@ -442,7 +445,7 @@ def evaluate(model, items, classnames, template, cfg, device, logits="fused", lo
     correct = torch.zeros(C, dtype=torch.long, device=device)  # per true class
     count = torch.zeros(C, dtype=torch.long, device=device)
     t_start, n_batches = time.time(), len(loader)
-    with frozen_weights_in(amp, model.clip):
+    with torch.no_grad(), frozen_weights_in(amp, model.clip):  # set_classes: no_grad too
         with autocast(device, amp):
             t = model.encode_classes()  # [C, E], once for the whole evaluation
         for i, (images, labels) in enumerate(loader):

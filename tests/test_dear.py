@@ -1026,12 +1026,14 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 # Equivalent mutants (mutate.sh): survivors that no input can tell apart from the real code.
 # - dear.py, every F.normalize(..., dim=-1) on a 2-D tensor ([B, E] or [C, E]) turned into dim=+1
 #   or the default (dim=1): reference_images 8, 18, 67, 70; reference_classes 8, 23, 65, 74;
-#   image_features 13, 14 (f_cls); encode_classes 76, 77; cosine_logits 17, 18 (t).
+#   image_features 13, 14 (f_cls); encode_classes 76, 77; cosine_logits 17, 18 (t);
+#   DeAR.frozen_feature 21, 23 (f^0 [B, E]); DeAR.set_classes 74, 76 (t^0 [C, E]).
 # - dear.py dear_loss 21, 26, 36, 39: F.cosine_similarity's dim=-1 turned into +1 or the default
 #   (1) on the 2-D features [B, E] and [C, E].
-# - dear.py reference_classes 21, 72: tokens.argmax(-1) -> argmax(+1) on the 2-D ids [C, T].
-# - dear.py reference_images 12, reference_classes 15: run_blocks(x, 0, None): end None runs to
-#   the last block, which is model.L (model.Lt).
+# - dear.py reference_classes 21, 72, DeAR.set_classes 19: tokens.argmax(-1) -> argmax(+1) on the
+#   2-D ids [C, T].
+# - dear.py reference_images 12, reference_classes 15, DeAR.frozen_feature 5, DeAR.set_classes 51:
+#   run_blocks(x, ..., None): end None runs to the last block, which is model.L (model.Lt).
 # - dear.py dear_loss 4, 5: autocast(enabled=False) -> enabled (True): no op of the loss autocasts
 #   to half precision (cross_entropy and cosine_similarity are fp32 ops of autocast on CUDA; on a
 #   CPU none of them is listed), so the values are the same bit for bit.
@@ -1040,7 +1042,10 @@ def test_token_stream_is_fp32_from_block_J_under_autocast(dtype):
 #   K tokens only) is x[:, 1:1 + K].
 # - dear.py image_features 9: P_attr.to(None): x is fp32 (token_blocks casts it) and P_attr, a
 #   trainable parameter, stays fp32 under every precision, so .to(x.dtype) changes nothing.
-# - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K).
+# - dear.py token_blocks 27, 29: slice(None, 1 + K) and slice(1 + K) are slice(0, 1 + K);
+#   DeAR.frozen_feature 11, 13: slice(None, 1) and slice(1) are slice(0, 1).
+# - dear.py DeAR.set_classes 9, 12: the prompt tokens' device None instead of P_attr's: the CPU,
+#   where the tests run.
 # - dear.py role_mask 1, 2: the default variant "role" -> "XXroleXX" / "ROLE": role_mask treats
 #   every variant other than "none" and "generalization-only" as "role" (resolve refuses other
 #   names).

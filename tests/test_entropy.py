@@ -9,10 +9,13 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
+import clip
 import entropy
 import roles_report
+from conftest import tiny_clip
 from entropy import CONCEPTS, EntropyError, RolesError
 
 
@@ -34,11 +37,65 @@ def test_heads_mlps_and_biases_add_up_to_the_image_embedding(tiny_model, layers)
     images = torch.randn(6, 3, 32, 32)
     parts = entropy.decompose(model, images, layers)
     assert parts["heads"].shape == (6, len(layers), 4, 32)  # [B, nL, H, E]
+    assert sorted(parts) == ["heads", "mlp", "rest"] and parts["rest"].shape == (6, 32)
     with torch.no_grad():
         embedding = model.encode_image(images)
     torch.testing.assert_close(entropy.sum_parts(parts), embedding, atol=1e-5, rtol=1e-5)
     # no single part explains the embedding: the heads matter
     assert parts["heads"].abs().sum() > 0.01 * embedding.abs().sum()
+
+
+def test_the_parts_add_up_with_ln_posts_eps_inside_the_root(tiny_model):
+    """ln_post divides by sqrt(var + eps); with a large eps (0.5), var - eps or no eps is far
+    off."""
+    model = perturb_ln_post(tiny_model)
+    model.visual.ln_post.eps = 0.5
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        embedding = model.encode_image(images)
+    parts = entropy.decompose(model, images, [2, 4])
+    torch.testing.assert_close(entropy.sum_parts(parts), embedding, atol=1e-5, rtol=1e-5)
+
+
+def test_texts_are_encoded_in_batches_as_clip_encodes_each_alone():
+    """encode_texts against CLIP on one text at a time: texts of several lengths, one longer than
+    the 16-position text tower (cut, keeping EOT), in batches of 2 that do not divide the 5 texts.
+    Rules out a skipped batch start, refusing or not cutting the long text, a cut before EOT, and a
+    normalisation over the batch instead of per text."""
+    model = tiny_clip(context_length=16)
+    texts = [
+        "red",
+        "a striped tail",
+        "round",
+        "a very long text about a small red bird that sits on a thin branch of an old tree",
+        "blue and shiny",
+    ]
+    got = entropy.encode_texts(model, texts, batch_size=2)  # [5, E]
+    with torch.no_grad():
+        want = [
+            F.normalize(
+                model.encode_text(clip.tokenize([t], context_length=16, truncate=True)), dim=-1
+            )
+            for t in texts
+        ]
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-6, rtol=1e-5)
+
+
+def test_collect_statistics_reads_total_images_and_stops_there(tiny_model, capsys):
+    """total 5 out of batches of 2: the third batch is cut to 1 image and no fourth batch is
+    read."""
+    images = torch.randn(8, 3, 32, 32)
+    pulled = []
+
+    def loader():
+        for i in range(0, 8, 2):
+            pulled.append(i)
+            yield images[i : i + 2], torch.zeros(2)
+
+    stats, kept = entropy.collect_statistics(tiny_model, loader(), [2, 3], 5, keep=True)
+    assert pulled == [0, 2, 4] and stats.count == 5
+    torch.testing.assert_close(kept, entropy.head_contributions(tiny_model, images[:5], [2, 3]))
+    assert "probe images 5/5" in capsys.readouterr().err
 
 
 def test_head_contributions_do_not_depend_on_which_other_blocks_are_analysed(tiny_model):
@@ -1442,23 +1499,34 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
     assert all(len(h["texts"]) == 4 for h in doc["heads"])
 
 
-# --------------------------------------------------------------------------------- mutation testing
+# ------------------------------------------------------------------------------ mutation testing
 # `./mutate.sh entropy.py` (mutmut, requirements-dev.txt). Surviving mutants judged equivalent, one
-# line each: label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or
-# default: the same on 2-D. head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same
-# axis as -1. textspan 6, 9: GramStatistics device None instead of the contributions' device: the
-# same on the CPU. textspan 10, textspan_from_statistics 7, 8: shape[+1] / shape[-2] of [N, E] or
-# [E, E]: the same size. textspan_from_statistics 37: min(rank, count) without E: a slice past E
-# keeps all E columns anyway. textspan_from_statistics 40: K = scatter * count instead of / count: a
-# positive scale, the same argmax. textspan_from_statistics 46: scores .sum(+1) on [T, E]: the same
-# axis. textspan_from_statistics 51: norm <= 1e-12 instead of <: only a norm of exactly 1e-12
-# differs. textspan_from_statistics 66, 67, 68: signs in the update of K: every later text is
-# orthogonal to u, so
-#   t K t is the same whatever multiple of u u^T, K u u^T or u u^T K is added (the deflated texts
-#   decide).
+# line each:
+# label_by_centroid 25, 26, 31, 33, 34, 35, 36: normalize's / argmax's dim -1 -> +1 or default: the
+#   same on 2-D.
+# head_contributions 21: norm(dim=+1) on the embedding [B, E]: the same axis as -1.
+# encode_texts 32, 35: normalize's dim -1 -> +1 or default on [b, E]; 25: argmax(+1) on [b, T].
+# encode_texts 27: the tokens cut one position after the last EOT: under the causal mask positions
+#   after EOT never reach it.
+# decompose 72, 90: einsum subscripts in capitals: the same contraction.
+# decompose 108, 111, 119, 123: mean / var without keepdim: [B] instead of [B, 1], and through_ln
+#   views both as [B, 1, ...] anyway; 109, 120: mean / var over dim +1 of [B, D]: the same axis.
+# encode_texts 2, 34; collect_statistics 2, 7, 10, 14: device None: the CPU, where the tests run.
+# textspan 6, 9: GramStatistics device None instead of the contributions' device: the same on the
+#   CPU.
+# textspan 10, textspan_from_statistics 7, 8: shape[+1] / shape[-2] of [N, E] or [E, E]: the same
+#   size.
+# textspan_from_statistics 37: min(rank, count) without E: a slice past E keeps all E columns
+#   anyway.
+# textspan_from_statistics 40: K = scatter * count instead of / count: a positive scale, the same
+#   argmax.
+# textspan_from_statistics 46: scores .sum(+1) on [T, E]: the same axis.
+# textspan_from_statistics 51: norm <= 1e-12 instead of <: only a norm of exactly 1e-12 differs.
+# textspan_from_statistics 66, 67, 68: signs in the update of K: every later text is orthogonal to
+#   u, so t K t is the same whatever multiple of u u^T, K u u^T or u u^T K is added (the deflated
+#   texts decide).
 # textspan_from_statistics 36: min(rank, E) without count (N < rank): the extra eigenvectors carry
-# no
-#   variance; on the cases tried the picks agree (not proven equivalent;
+#   no variance; on the cases tried the picks agree (not proven equivalent;
 #   test_textspan_with_fewer_images...).
 # concept_entropy 13: > 1e-6 -> >= 1e-6: only a sum off by exactly 1e-6 differs.
 # default_thresholds 7, 9: asarray without dtype float64: entropies are Python floats (float64
@@ -1470,4 +1538,6 @@ def test_texts_per_head_default_follows_the_pool(fake_world, capsys, monkeypatch
 # Not killed, not equivalent: compute_roles 191 (probe_factors' seed dropped: the tests use seed 0).
 # mutmut's trampoline keeps the original signature, so default-value mutants
 # (textspan_from_statistics 2; compute_roles 2, 3, 4) survive under mutmut although
-# test_textspan_defaults_are... fails on each of them planted by hand.
+# test_textspan_defaults_are... fails on each of them planted by hand. encode_texts 1 (batch_size
+# 257) and collect_statistics 1 (keep True): default values, equivalent besides: the same texts in
+# other batches; the same statistics, a copy kept.

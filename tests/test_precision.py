@@ -547,6 +547,88 @@ def test_the_first_nonfinite_step_is_the_one_reported(images, tmp_path):
     assert len(calls) == 4  # it stopped at the check after step 4
 
 
+def test_a_nonfinite_first_step_is_reported_in_full(images, tmp_path):
+    """Step 1 (index 0) is a step too: wrong rule ruled out, "no bad step yet" read as index < 1.
+    The whole message, with the checkpoint and both fixes."""
+    poisoned = lambda model, out, labels: (
+        loss_fn(model, out, labels)[0] * math.inf,
+        {"ce": torch.tensor(1.0)},
+    )
+    with pytest.raises(RunError) as e:
+        train.train(make_model(), Data(images), cfg(epochs=1), CPU, str(tmp_path), print, poisoned)
+    assert str(e.value) == (
+        f"the loss became inf at epoch 1, step 1 (parts: ce 1); the last good checkpoint is kept "
+        f"in {tmp_path / 'checkpoint.pt'}. Try a lower --lr, or --precision fp32 to rule out a "
+        "mixed-precision overflow."
+    )
+
+
+def test_each_epoch_trains_at_its_scheduled_lr(images, tmp_path, monkeypatch):
+    """A warmup epoch at warmup_lr, then the cosine schedule (lr_at): the optimizer's lr at every
+    step. Wrong rule ruled out: the schedule computed and logged but never given to AdamW."""
+    opts, lrs, real = [], [], torch.optim.AdamW
+
+    def adamw(*a, **k):
+        opts.append(real(*a, **k))
+        return opts[-1]
+
+    def recording(model, out, labels):
+        lrs.append(opts[0].param_groups[0]["lr"])
+        return loss_fn(model, out, labels)
+
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
+    c = cfg(epochs=3, warmup_epochs=1, warmup_lr=1e-4, lr=3e-3, weight_decay=0.02)
+    train.train(make_model(), Data(images), c, CPU, str(tmp_path), lambda m: None, recording)
+    assert lrs == [train.lr_at(e, c) for e in range(3) for _ in range(6)]
+    assert len(set(lrs)) == 3
+    assert opts[0].param_groups[0]["weight_decay"] == 0.02  # not AdamW's default 0.01
+
+
+def test_a_resumed_run_counts_its_steps_skips_and_eta_from_the_checkpoint(
+    images, tmp_path, monkeypatch
+):
+    """Epoch 1 of 2, then resumed with 2 skipped steps recorded in its checkpoint (as an fp16 run
+    would have): the count goes on from 2 (not -2), the last line says epoch 2/2 step 6/6 with
+    nothing left (eta 0: 6 steps to do, not (2 + 1) x 6), and checkpoint.pt records where it is."""
+    ticks = iter(range(10**6, 2 * 10**6, 7))  # the clock: 7 s between two readings
+    monkeypatch.setattr(train, "time", type("Clock", (), {"time": lambda: next(ticks)}))
+    model = make_model()
+    train.train(model, Data(images), cfg(epochs=1), CPU, str(tmp_path), lambda m: None, loss_fn)
+    path = tmp_path / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    assert (state["epoch"], state["step"], state["precision"], state["skipped_steps"]) == (
+        1,
+        0,
+        "fp32",
+        0,
+    )
+    assert state["model"].keys() == model.trainable_state().keys()
+    torch.save(dict(state, skipped_steps=2), path)
+    logs, hits = [], []
+
+    def counting(model, out, labels):  # the epoch's training accuracy, counted here
+        hits.append(int((out["fused"].argmax(-1) == labels).sum()))
+        return loss_fn(model, out, labels)
+
+    r = train.train(
+        make_model(), Data(images), cfg(epochs=2), CPU, str(tmp_path), logs.append, counting
+    )
+    assert r == {"steps": 6, "skipped_steps": 2, "final_scale": None}
+    assert logs[-1].startswith("epoch 2/2 step 6/6 ") and logs[-1].endswith(" eta 0m00s")
+    assert f" acc {100 * sum(hits) / 24:.1f}% " in logs[-1] and sum(hits) > 0
+
+
+def test_a_model_without_tokens_trains_nothing(images, tmp_path):
+    logs = []
+    frozen = DeAR(tiny_clip(text_layers=3), roles(), J=3, attr_tokens=False)
+    r = train.train(frozen, Data(images), cfg(epochs=1), CPU, str(tmp_path), logs.append, loss_fn)
+    assert r == {"steps": 0, "skipped_steps": 0, "final_scale": None}
+    assert logs == [
+        "no trainable parameters (no attribute tokens): nothing to train, the model is frozen CLIP"
+    ]
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
 def host_reads_in_training(images, tmp_path, monkeypatch, n, device=CPU):
     """How often code of this project (not torch's) reads a tensor's value on the host during one
     epoch of train.train on n images (batch 4): .item(), .tolist(), bool(), float(), int() called

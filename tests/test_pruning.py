@@ -81,8 +81,14 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
         if len(names) > 1:  # SOT + "a photo of a red" is shared; three prompt lengths
             assert model.text_shared.shape[1] == 6
             assert len(model.text_groups) == (3 if group_cost == 0 else 1)
-            # the last block: three EOT rows in all
-            assert sum(len(g[2]) for g in model.text_groups) == 3
+            assert (
+                sum(len(g[2]) for g in model.text_groups) == 3
+            )  # the last block: three EOT rows in all
+            # each group is padded to its longest prompt, no further (not one position past EOT)
+            eot = model.prompt_tokens.argmax(-1)  # [C]
+            S = model.text_shared.shape[1]
+            for idx, x, _, _ in model.text_groups:
+                assert x.shape[1] == int(eot[idx].max()) + 1 - S
         t, t0 = reference_classes(model)
         assert torch.allclose(model.t0, t0, atol=1e-6)
         ours = model.encode_classes()
@@ -92,6 +98,33 @@ def test_text_side_equals_the_plain_computation(group_cost, monkeypatch):
             assert torch.allclose(a, b, atol=1e-6)
     # all but EOT
     assert model.text_shared.shape[1] == len(clip.tokenize(["a photo of a dog."])[0].nonzero()) - 1
+
+
+def test_the_frozen_feature_runs_its_last_block_on_cls_alone():
+    """Shortcut 1 for f^0: the last block computes the CLS row only, [B, 1, D]. Every row (rows
+    None or slice(0, 2)) gives the same f^0 at up to 1+P times the cost, so no value test can see
+    it. f^0 is frozen: no autograd even when its input has a graph."""
+    model = DeAR(tiny_clip(text_layers=4), varied_roles(), J=2, beta=0.7)
+    shapes = []
+    last = model.clip.visual.transformer.resblocks[-1]
+    hook = last.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+    x = model.frozen_prefix(torch.randn(3, 3, 32, 32))  # [3, 1 + 16, 64]
+    f0 = model.frozen_feature(x.requires_grad_())
+    hook.remove()
+    assert shapes == [(3, 1, 64)]
+    assert f0.shape == (3, 32) and not f0.requires_grad
+
+
+def test_prompts_are_tokenized_to_the_models_context_length():
+    """A text tower of 16 positions (the toy CLIP's): prompt_tokens [C, 16], and a prompt longer
+    than 16 tokens is refused by the tokenizer (tokenizing to CLIP's usual 77 lets it through)."""
+    model = DeAR(tiny_clip(text_layers=4, context_length=16), varied_roles(), J=2, beta=0.7)
+    model.set_classes(["cat", "sea lion"], "a photo of a {}.")
+    assert tuple(model.prompt_tokens.shape) == (2, 16)
+    with pytest.raises(ValueError, match="context length 16"):
+        model.set_classes(
+            ["a very long name of a rather rare breed of red sea lion"], "a photo of {}."
+        )
 
 
 def perturbed(model, seed):

@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,6 +200,60 @@ def test_bad_flags_stop_before_any_work(world, tmp_path, capsys, monkeypatch, fl
     err = stop_message(cli(world, tmp_path / "runs", *flags), capsys)
     assert says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+# (field, a value on the edge that passes, the nearest value past it, what the message says):
+# each bound is pinned on both sides, so > for >=, a dropped check or a message naming another
+# flag fails.
+EDGES = [
+    ("J", 1, 0, "--J counts blocks from 1"),
+    ("lr", 1e-9, 0.0, "--lr must be positive"),
+    ("warmup_lr", 1e-9, 0.0, "--warmup-lr must be positive"),
+    ("weight_decay", 0.0, -1e-9, "--weight-decay"),
+    ("lambda_reg", 0.0, -1e-9, "--lambda-reg"),
+    ("lambda_fusion", 0.0, -1e-9, "--lambda-fusion"),
+    ("shots", 1, 0, "--shots must be >= 1"),
+    ("workers", 0, -1, "--workers must be >= 0"),
+    ("beta", 0.0, -1e-9, "--beta must lie in [0, 1]"),
+    ("beta", 1.0, 1 + 1e-9, "--beta must lie in [0, 1]"),
+    ("alpha_cls", 1e-9, 0.0, "--alpha-cls must lie in (0, 1)"),
+    ("alpha_cls", 1 - 1e-9, 1.0, "--alpha-cls must lie in (0, 1)"),
+    ("epochs", 1, 0, "--epochs and --batch-size must be >= 1"),
+    ("batch_size", 1, 0, "--epochs and --batch-size must be >= 1"),
+    ("crop_scale", 1e-9, 0.0, "--crop-scale must lie in (0, 1]"),
+    ("crop_scale", 1.0, 1 + 1e-9, "--crop-scale must lie in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize("field, edge, past, says", EDGES)
+def test_each_number_is_refused_just_past_its_bound(field, edge, past, says):
+    filled = config.resolve(dear.Config(dataset="eurosat"))
+    config.check_numbers(dataclasses.replace(filled, **{field: edge}))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config.check_numbers(dataclasses.replace(filled, **{field: past}))
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "beta",
+        "lambda_reg",
+        "lambda_fusion",
+        "alpha_cls",
+        "lr",
+        "warmup_lr",
+        "weight_decay",
+        "crop_scale",
+    ],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_each_float_flag_must_be_finite_and_is_named(field, value):
+    """Wrong rules ruled out: a NaN let through (every comparison with NaN is False, so a range
+    check alone passes or fails by accident), and a message naming another flag."""
+    filled = config.resolve(dear.Config(dataset="eurosat"))
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag} must be a finite number, got {value}$"):
+        config.check_numbers(dataclasses.replace(filled, **{field: value}))
 
 
 def enospc_for(name, real):
@@ -773,3 +828,85 @@ def test_without_imagenet_the_roles_probe_is_the_training_split(world, tmp_path,
     with pytest.raises(runs.RunError):
         runs.load_roles(cfg, model, torch.device("cpu"), log=lambda msg: None)
     assert asked == [(world[2], "train")]
+
+
+# ---------------------------------------------------------------- the reuse checks, one by one
+
+
+def test_zero_shot_configs_compare_only_what_a_zero_shot_run_depends_on():
+    """Wrong rule ruled out: for a zero-shot run, comparing by ZEROSHOT_IGNORES alone (the
+    bookkeeping fields then count); the schedule is ignored, the precision is not."""
+    a = dataclasses.asdict(dear.Config(method="zeroshot"))
+    b = dict(a, out="elsewhere", workers=7, eval_batch_size=3, epochs=9, lr=0.5)
+    assert runs.differences(a, b) == []
+    assert runs.differences(a, dict(a, precision="bf16")) == [("precision", "amp", "bf16")]
+
+
+def test_targets_written_as_a_string_compare_as_their_list():
+    """A Config made in code holds targets "a,b"; config.json from the command line holds the list.
+    Wrong rules ruled out: the string compared as is, split on spaces, or kept under another key."""
+    assert runs.comparable({"targets": "dtd,eurosat"}) == {"targets": ["dtd", "eurosat"]}
+    assert runs.comparable({"targets": ""}) == {"targets": []}
+    assert runs.differences({"targets": "dtd,eurosat"}, {"targets": ["dtd", "eurosat"]}) == []
+    assert runs.differences({"targets": "dtd"}, {"targets": ["dtd", "eurosat"]}) == [
+        ("targets", ["dtd"], ["dtd", "eurosat"])
+    ]
+
+
+def test_check_same_names_up_to_four_differences_and_the_fixes(tmp_path):
+    rdir = str(tmp_path)
+    with pytest.raises(runs.RunError) as e:
+        runs.check_same(rdir, {}, "finished")  # no config.json
+    assert str(e.value) == (
+        f"{rdir} holds a finished run but no readable config.json, so it cannot be told apart "
+        "from another run; choose another --out, or pass --force to redo it"
+    )
+    now = {"beta": 0.1, "epochs": 1, "J": 2, "lr": 0.1, "seed": 1}
+    four = dict(now, beta=0.2, epochs=2, J=3, lr=0.2)
+    with pytest.raises(runs.RunError) as e:
+        runs.check_same(rdir, now, "finished", saved=four)
+    assert str(e.value) == (
+        f"{rdir} holds a finished run of a different configuration (J: 3 there, 2 now; "
+        "beta: 0.2 there, 0.1 now; epochs: 2 there, 1 now; lr: 0.2 there, 0.1 now); choose "
+        "another --out to keep both, or pass --force to replace it (its results are deleted)"
+    )
+    with pytest.raises(runs.RunError) as e:  # a fifth: named by "...", not shown
+        runs.check_same(rdir, now, "finished", saved=dict(four, seed=2))
+    assert "lr: 0.2 there, 0.1 now; ...); choose another --out" in str(e.value)
+    assert "seed" not in str(e.value)
+
+
+def test_finished_reuses_only_results_beside_their_own_config(tmp_path, capsys):
+    """results.json beside a checkpoint, unreadable, or made with another config (in config.json or
+    in its own identity record): one line each, naming the finished run and the fix."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    results, ckpt = rdir / "results.json", rdir / "checkpoint.pt"
+    config = {"lr": 0.1, "seed": 1}
+    (rdir / "config.json").write_text(json.dumps(config))
+
+    def stop():
+        with pytest.raises(runs.RunError) as e:
+            runs.finished(str(rdir), str(results), str(ckpt), config)
+        return str(e.value)
+
+    results.write_text("{not json")
+    assert stop() == f"{results} is not readable; delete it, or pass --force to redo it"
+    results.write_text(json.dumps({"identity": dict(config, lr=0.2), "evals": {}}))
+    assert stop().startswith(f"{rdir} holds a finished run of a different configuration (lr: 0.2")
+    ckpt.write_bytes(b"")
+    assert stop() == (
+        f"{rdir} holds results.json beside an interrupted run's checkpoint.pt (an interrupted "
+        "restart?), so its results may be another run's; pass --force to start it over"
+    )
+    ckpt.unlink()
+    (rdir / "config.json").write_text(json.dumps(dict(config, seed=2)))
+    assert stop().startswith(f"{rdir} holds a finished run of a different configuration (seed: 2")
+    (rdir / "config.json").write_text(json.dumps(config))
+    results.write_text(json.dumps({"identity": config, "evals": {}}))
+    assert runs.finished(str(rdir), str(results), str(ckpt), config)["evals"] == {}
+    assert capsys.readouterr().out == f"done already: {results} (pass --force to redo)\n"
+
+
+# Mutation testing: `./mutate.sh runs.py` (its scope: the identity, naming and reuse checks) and
+# `./mutate.sh config.py check_numbers` leave no survivor, so no equivalent mutant is listed here.

@@ -148,6 +148,67 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
         assert sum(c["n"] for c in r["per_class"]) == len(items)
 
 
+def predicted(model, ds):
+    """(path, the model's own fused prediction, "") for every test item: 100% for evaluate."""
+    model.set_classes(ds.classnames, ds.template)
+    transform = data.test_transform(32)
+    images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in ds.test])
+    with torch.no_grad():
+        fused = model(images)["fused"].argmax(-1)
+    return [(p, int(fused[i]), "") for i, (p, _, _) in enumerate(ds.test)]
+
+
+def test_evaluate_wiring_progress_and_one_image_classes(squares, monkeypatch):
+    """evaluate on the CPU, batches of one image. Its DataLoader gets eval_batch_size and workers,
+    keeps the order and pins no memory on a CPU; the class text features are computed once, not
+    again at every batch; a progress line comes at every fifth of the batches (every batch when
+    there are fewer than 10), never at the last, with the count and the linear ETA (elapsed / done
+    x left); an accuracy divides by the true count, also for one image (max(1, n) only guards 0)."""
+    model = fresh_model()
+    items = predicted(model, squares)
+    loaders, real_loader = [], torch.utils.data.DataLoader
+    monkeypatch.setattr(
+        torch.utils.data, "DataLoader", lambda *a, **kw: loaders.append(kw) or real_loader(*a, **kw)
+    )
+    encodes, real_encode = [], model.encode_classes
+    monkeypatch.setattr(model, "encode_classes", lambda: encodes.append(1) or real_encode())
+    ticks = iter(range(1000, 2000, 6))  # the clock: 6 s between two readings
+    monkeypatch.setattr(train, "time", type("Clock", (), {"time": lambda: next(ticks)}))
+    cfg = dear.resolve(dear.Config(eval_batch_size=1, workers=0))
+
+    def evaluate(items):
+        logs, encodes[:] = [], []
+        r = train.evaluate(
+            model,
+            items,
+            squares.classnames,
+            squares.template,
+            cfg,
+            torch.device("cpu"),
+            log=logs.append,
+            name="test",
+        )
+        assert len(encodes) == 1 and r["n"] == len(items) and r["accuracy"] == 100.0
+        return r, [line.split(": ")[1] for line in logs]
+
+    # 17 batches: a line every 3 (17 // 5; // 6 would be 2), the 15th the last
+    _, logs = evaluate(items[:17])
+    assert logs == [
+        f"{k}/17 batches, eta 0m{eta:02d}s"
+        for k, eta in [(3, 28), (6, 22), (9, 16), (12, 10), (15, 4)]
+    ]  # 6 s a line: elapsed 2k s at batch k, so 2k / k x (17 - k)
+    assert loaders[-1]["batch_size"] == 1 and loaders[-1]["num_workers"] == 0
+    assert loaders[-1]["shuffle"] is False and loaders[-1]["pin_memory"] is False
+    # 5 batches: a line after each but the last; one of them the only image of its class
+    lone = min(range(len(COLORS)), key=lambda c: sum(y == c for _, y, _ in items) or 99)
+    few = [next(i for i in items if i[1] == lone)] + [i for i in items if i[1] != lone][:4]
+    r, logs = evaluate(few)
+    assert [line.split(",")[0] for line in logs] == [f"{k}/5 batches" for k in range(1, 5)]
+    assert (r["per_class"][lone]["n"], r["per_class"][lone]["accuracy"]) == (1, 100.0)
+    r, logs = evaluate(items[:1])  # one image in all
+    assert logs == [] and r["accuracy"] == 100.0
+
+
 # ------------------------------------------------------------------------------------ fp16 vs fp32
 
 SAFE_SCALE = 2.0**8  # no step of the tiny CLIP overflows at this scale (tests/test_precision.py)
@@ -341,11 +402,113 @@ def test_resume_reads_a_checkpoint_without_newer_fields_and_says_where_it_contin
     assert train.resume(str(new), lin, opt, scaler, "fp32", cpu, logs.append) == (3, 2, 5)
 
 
+def linear_checkpoint(path, precision="fp16", **extra):
+    """A checkpoint of a trained Linear, its AdamW (one step taken) and an fp16 GradScaler at scale
+    2**10, 3 steps skipped: (path, the saved state)."""
+    lin = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = {
+        "model": lin.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": 1,
+        "step": 4,
+        "precision": precision,
+        "skipped_steps": 3,
+        **extra,
+    }
+    torch.save(state, path)
+    return str(path), state
+
+
+def fresh_training():
+    lin = torch.nn.Linear(2, 2)
+    return lin, torch.optim.AdamW(lin.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+
+
+def test_resume_loads_the_model_the_optimizer_and_the_scaler(tmp_path):
+    """Wrong rules ruled out: returning the position without loading (or loading only the model):
+    the weights, AdamW's moments and step and the scaler's scale all come back."""
+    path, saved = linear_checkpoint(tmp_path / "checkpoint.pt")
+    lin, opt, scaler = fresh_training()
+    cpu = torch.device("cpu")
+    assert train.resume(path, lin, opt, scaler, "fp16", cpu, lambda m: None) == (1, 4, 3)
+    assert all(torch.equal(v, lin.state_dict()[k]) for k, v in saved["model"].items())
+    moments = opt.state_dict()["state"][0]
+    assert torch.equal(moments["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
+    assert int(moments["step"]) == 1 and scaler.get_scale() == 2.0**10
+
+
+def test_resume_refuses_other_precisions_and_code_in_a_checkpoint(tmp_path, capsys):
+    """Another precision: one line naming both precisions and the fixes, nothing loaded. A
+    checkpoint that would run code when unpickled (weights_only=False would load it): refused with
+    the first line of torch's message only."""
+    path, _ = linear_checkpoint(tmp_path / "checkpoint.pt")
+    lin, opt, scaler = fresh_training()
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    cpu = torch.device("cpu")
+    with pytest.raises(train.RunError) as e:
+        train.resume(path, lin, opt, scaler, "bf16", cpu, lambda m: None)
+    assert str(e.value) == (
+        f"{path} was written with --precision fp16; resume with that precision (this run has "
+        "bf16), or pass --force to start over"
+    )
+    assert all(torch.equal(v, lin.state_dict()[k]) for k, v in before.items())
+    assert opt.state_dict()["state"] == {}
+    evil, _ = linear_checkpoint(tmp_path / "evil.pt", hook=Evil())
+    with pytest.raises(train.RunError) as e:
+        train.resume(evil, lin, opt, scaler, "fp16", cpu, lambda m: None)
+    try:
+        torch.load(evil, weights_only=True)
+    except Exception as torch_error:
+        lines = str(torch_error).splitlines()
+    assert len(lines) > 1  # a message of several lines, of which only the first is kept
+    assert str(e.value) == (
+        f"the checkpoint {evil} cannot be resumed (UnpicklingError: {lines[0]}); pass --force "
+        "to start the run over"
+    )
+    assert not Evil.ran
+    empty = tmp_path / "empty.pt"  # a truncated write: torch raises EOFError with no message
+    empty.write_bytes(b"")
+    with pytest.raises(train.RunError) as e:
+        train.resume(str(empty), lin, opt, scaler, "fp16", cpu, lambda m: None)
+    assert str(e.value) == (
+        f"the checkpoint {empty} cannot be resumed (EOFError: ); pass --force to start the run over"
+    )
+
+
+class Evil:
+    """An object whose unpickling runs code."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (setattr, (Evil, "ran", True))
+
+
 # Equivalent mutants (mutate.sh), one line each:
 # matmul_weights: m.parameters(recurse=True / None) for a Linear or Conv2d (2 mutants): they have no
 #   sub-modules, so their own parameters are all there are (None reads as False).
 # epoch_batches: n > batch_size instead of >=: at n == batch_size the slice keeps all n either way.
 # train_step: opt.zero_grad(set_to_none=False / None) (2 mutants): the graph is the same at every
 #   step, so a parameter with a gradient once has a fresh one at every step; AdamW sees the same.
-# Not mutated by mutmut 3 (it skips decorated functions): frozen_weights_in, evaluate; not run in
-#   time: train.
+# evaluate: pin_memory compared with "XXcudaXX" / "CUDA" (2 mutants): False on a CPU, as the code
+#   gives there.
+# evaluate: device None or dropped in torch.zeros and .to (8 mutants): the CPU, where the tests run;
+#   non_blocking False or dropped (4): the same values (the copy only waits).
+# evaluate: scores.argmax(+1) on [B, C]: the same axis as -1.
+# evaluate: name="XXXX" (a default value): mutmut's trampoline keeps the original signature.
+# resume: torch.load's map_location None or dropped (2 mutants): the CPU, where the tests run;
+#   weights_only None or dropped (2): torch's default is True (since 2.6), as given; strict=None
+#   in load_state_dict: falsy, as False.
+# train (a sample: the mutants numbered 5, 10, 15, ...): images.to(None), resume(..., None, ...),
+#   scale_of(scaler, None) (the CPU, where the tests run); labels.to(..., non_blocking=False) (the
+#   same values); argmax(+1) of the fused [B, C]; {"fused": False} and pin_memory compared with
+#   "XXcudaXX" (CUDA only); first_bad[1] < 0 (the stored loss) for first_bad[0] < 0 (its step) as
+#   "no bad step yet": the loss is a sum of terms >= 0, so a stored non-finite one (inf, nan) is
+#   never < 0 either.
+# frozen_weights_in is contextlib.contextmanager(frozen_weights) and evaluate has no decorator,
+#   so both are mutated (mutmut 3 skips decorated functions).
