@@ -247,16 +247,17 @@ def check_same(rdir: str, current: dict, what: str, saved=None):
     """
     path = os.path.join(rdir, "config.json")
     saved = read_json(path) if saved is None else saved
+    a = "an" if what[0] in "aeiou" else "a"
     if not isinstance(saved, dict):
         raise RunError(
-            f"{rdir} holds a {what} run but no readable config.json, so it cannot be told apart "
+            f"{rdir} holds {a} {what} run but no readable config.json, so it cannot be told apart "
             "from another run; choose another --out, or pass --force to redo it"
         )
     diff = differences(saved, current)
     if diff:
         shown = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in diff[:4])
         raise RunError(
-            f"{rdir} holds a {what} run of a different configuration ({shown}"
+            f"{rdir} holds {a} {what} run of a different configuration ({shown}"
             f"{'; ...' if len(diff) > 4 else ''}); choose another --out to keep both, "
             "or pass --force to replace it (its results are deleted)"
         )

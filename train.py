@@ -254,6 +254,7 @@ def resume(ckpt, model, opt, scaler, precision, device, log):
             model.load_state_dict(state["model"], strict=False)
             opt.load_state_dict(state["optimizer"])
             scaler.load_state_dict(state["scaler"])
+        epoch, step = state["epoch"], state["step"]
     except Exception as e:  # a truncated file, another run's checkpoint, or not a checkpoint at all
         first_line = str(e).splitlines()[0] if str(e) else ""
         raise RunError(
@@ -265,8 +266,8 @@ def resume(ckpt, model, opt, scaler, precision, device, log):
             f"{ckpt} was written with --precision {saved_precision}; resume with that "
             f"precision (this run has {precision}), or pass --force to start over"
         )
-    log(f"resuming from {ckpt}: epoch {state['epoch'] + 1}, step {state['step']}")
-    return state["epoch"], state["step"], state.get("skipped_steps", 0)
+    log(f"resuming from {ckpt}: epoch {epoch + 1}, step {step}")
+    return epoch, step, state.get("skipped_steps", 0)
 
 
 def train(model, ds, cfg, device, rdir, log, loss_fn, ckpt_every_s=600.0):

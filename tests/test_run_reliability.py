@@ -126,6 +126,7 @@ def test_eval_only_refuses_a_model_whose_keys_do_not_match(world, tmp_path, caps
     model_pt = results.parent / "model.pt"
     state = torch.load(model_pt)
     torch.save({"module." + k: v for k, v in state.items()}, model_pt)
+    capsys.readouterr()  # what the training run said (alone, it first writes the folder's split)
     err = stop_message(
         cli(
             world,

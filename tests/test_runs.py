@@ -282,7 +282,7 @@ def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, 
     results.unlink()
     torch.save({"model": {}}, results.parent / "checkpoint.pt")
     err = stop_message(args + ["--resume"], capsys)
-    assert "interrupted run of a different configuration" in err and "precisions" in err
+    assert "holds an interrupted run of a different configuration" in err and "precisions" in err
     monkeypatch.setattr(runs, "resolve_precision", real)
     bf16 = runs.run_dir(dear.parse_args(args + ["--eval-precision", "bf16"]))
     assert bf16 != str(results.parent) and "eval_precision-bf16" in bf16

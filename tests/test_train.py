@@ -478,6 +478,15 @@ def test_resume_refuses_other_precisions_and_code_in_a_checkpoint(tmp_path, caps
     assert str(e.value) == (
         f"the checkpoint {empty} cannot be resumed (EOFError: ); pass --force to start the run over"
     )
+    state = torch.load(path, weights_only=True)
+    del state["step"]  # written by other code: loads, but says nowhere where to continue
+    torch.save(state, tmp_path / "stepless.pt")
+    with pytest.raises(train.RunError) as e:  # one line, not a KeyError traceback
+        train.resume(str(tmp_path / "stepless.pt"), lin, opt, scaler, "fp16", cpu, print)
+    assert str(e.value) == (
+        f"the checkpoint {tmp_path / 'stepless.pt'} cannot be resumed (KeyError: 'step'); pass "
+        "--force to start the run over"
+    )
 
 
 class Evil:
