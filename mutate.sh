@@ -24,8 +24,8 @@ TESTS[train.py]="tests/test_train.py tests/test_precision.py"
 FUNCTIONS[train.py]="lr_at resolve_precision autocast_dtype eval_precision matmul_weights
   frozen_weights epoch_batches train_step make_scaler scale_of resume train evaluate"
 TESTS[data.py]="tests/test_data.py"
-FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb train_transform
-  test_transform"
+FUNCTIONS[data.py]="fewshot_sample fewshot_split subsample_classes read_folder to_rgb random_crop_box
+  TrainTransform.* EvalTransform.*"
 TESTS[dear.py]="tests/test_dear.py tests/test_pruning.py"
 FUNCTIONS[dear.py]="role_mask block_masks insert mix AttributeTokens.* DeAR.forward DeAR.frozen_prefix
   DeAR.frozen_feature DeAR.token_blocks DeAR.image_features DeAR.encode_classes DeAR.set_classes
