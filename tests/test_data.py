@@ -725,6 +725,15 @@ def test_pipelines_equal_torchvisions_bit_for_bit():
                     if 7 in data.random_crop_box(w, h, min_scale)[2:]:  # (h, w) of the box
                         fallbacks.add((w, h))
     assert fallbacks == {(200, 7), (7, 200)}  # the fallback crop was taken, both ways
+    # a box as wide (or as tall) as the image is taken, not drawn again: 10x10, scale (0.9, 1)
+    full, square = 0, Image.new("RGB", (10, 10))
+    for seed in range(20):
+        torch.manual_seed(seed)
+        want = TV.RandomResizedCrop.get_params(square, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3))
+        torch.manual_seed(seed)
+        assert data.random_crop_box(10, 10, 0.9) == want, seed
+        full += 10 in want[2:]
+    assert full > 0
 
 
 def make_items(tmp_path, n=10):
@@ -1598,3 +1607,13 @@ def test_to_rgb_scales_mode_i_above_255_and_clips_outside_16_bit():
 # to_rgb: np.asarray without dtype=np.float64 (2 mutants): the division by 257.0 is float64 anyway.
 # to_rgb: .astype(None) instead of uint8: a float image of whole values 0..255 converts to the same
 #   RGB bytes.
+# random_crop_box: uniform_'s upper bound dropped (its default is 1.0); randint without its low 0
+#   (the default, the same draw, 2 mutants); 0 <= w, 1 < w, 0 <= h, 1 < h: a drawn box is at least
+#   sqrt(0.08 area / (4/3)) wide, never 0 or 1 pixel on the images of the tests (4 mutants); the
+#   fallback's <= / >= at exactly ratio 3/4 or 4/3, `width * height` for its elif and `w, h = None`
+#   in its last branch: only an image whose ratio lies inside (3/4, 4/3) reaches that branch, and
+#   such an image never misses 10 draws (4 mutants).
+# TrainTransform/EvalTransform: resize's resample BICUBIC -> None or left out (Pillow's default for
+#   RGB is BICUBIC); to_tensor's std left out (clip.STD holds the same values as CLIP_STD);
+#   torch.rand(1) <= 0.5 (only a draw of exactly 0.5 differs); __init__ default sizes (mutmut keeps
+#   the original signature).
