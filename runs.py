@@ -324,6 +324,16 @@ def check_backbone(backbone):
         raise RunError(str(e)) from None
 
 
+def toy_threads(backbone, device):
+    """One intra-op thread for the toy CLIP on a CPU unless OMP_NUM_THREADS says otherwise: its
+    matrices (88 x 128 for a batch of 4) are too small for a second thread to pay, which only wakes
+    and waits (BENCH.md, the quick start's training; the same numbers either way). Its pretraining
+    sets its own threads (toyworld.pretrain)."""
+    toy_on_cpu = backbone == toyworld.BACKBONE and device.type == "cpu"
+    if toy_on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def load_clip(backbone, device, log=None):
     """clip.load, with its errors (no network, wrong checksum, not a checkpoint) as one clear
     RunError. log: where the toy CLIP's first pretraining reports (the run's log.txt), else stdout.
@@ -800,6 +810,7 @@ def _run_locked(
             f"| {device} -> {rdir}"
         )
         clip_model, _ = load_clip(cfg.backbone, device, log=log)
+        toy_threads(cfg.backbone, device)
         L = clip_model.visual.transformer.layers
         J = cfg.J or default_J(L)
         if not 1 <= J <= L:

@@ -51,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -592,6 +593,58 @@ def toy_state_dict(model):
     return sd
 
 
+def warmup_cosine(lr, step, steps, n_warm):
+    """The learning rate at `step` (from 1): linear warm-up over n_warm steps, then cosine decay."""
+    if step <= n_warm:
+        return lr * step / n_warm
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
+
+
+def pretraining_batch(n, generator, token_cache):
+    """One pretraining batch from sample_batch: (images [n, 3, 32, 32], tokens [n, 16], truth
+    [n, n]), truth[i, j] = every factor that caption j names equals image i's factor."""
+    from clip.tokenizer import tokenize
+
+    img_f, cap_f, texts, seeds = sample_batch(n, generator)
+    arrays = [
+        render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
+        for (c, s, t, l), sd in zip(img_f.tolist(), seeds)
+    ]
+    for t in texts:
+        if t not in token_cache:
+            token_cache[t] = tokenize([t], context_length=TOY_CONFIG["context_length"])[0]
+    tokens = torch.stack([token_cache[t] for t in texts])
+    truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(-1)
+    return to_tensor(arrays), tokens, truth
+
+
+def tower_step(model, images, tokens, truth, worker, then=None):
+    """model(images, tokens), contrastive_loss and loss.backward(), with the two towers on two
+    cores: the text tower runs on `worker` (a one-thread executor) while this thread runs the image
+    tower, forward and backward. The towers share no weights, so each gets the same gradient, bit
+    for bit, as from one backward through the whole graph (a test checks). Returns (loss, then()),
+    `then` running on the worker after the text tower's backward (the next batch)."""
+    text = worker.submit(model.encode_text, tokens)
+    image_out = model.encode_image(images)  # [B, E]
+    text_out = text.result()  # [B, E]
+    # the loss on detached copies; their gradients then flow into each tower separately
+    image_leaf = image_out.detach().requires_grad_()
+    text_leaf = text_out.detach().requires_grad_()
+    image_features = F.normalize(image_leaf, dim=-1)
+    text_features = F.normalize(text_leaf, dim=-1)
+    logits = model.logit_scale.exp() * image_features @ text_features.t()  # as CLIP.forward
+    loss = contrastive_loss(logits, truth)
+    loss.backward()  # into logit_scale and the two leaves
+
+    def text_backward():
+        text_out.backward(text_leaf.grad)
+        return then() if then else None
+
+    after = worker.submit(text_backward)
+    image_out.backward(image_leaf.grad)
+    return loss.detach(), after.result()
+
+
 def pretrain(
     steps=DEFAULT_STEPS,
     seed=0,
@@ -608,9 +661,8 @@ def pretrain(
     Images and captions are generated on the fly over all factor combinations, including the
     combinations that later serve as novel classes (as web data contains them for real CLIP).
     AdamW, linear warm-up then cosine decay. Deterministic in `seed`: torch.manual_seed for the
-    weights, one torch.Generator for the data. Saves to out_path atomically when given."""
-    from clip.tokenizer import tokenize
-
+    weights, one torch.Generator for the data, one intra-op thread per tower (tower_step), so the
+    weights do not depend on OMP_NUM_THREADS. Saves to out_path atomically when given."""
     torch.manual_seed(seed)
     model = build_toy_model().train()
     gen = torch.Generator().manual_seed(seed)
@@ -639,43 +691,36 @@ def pretrain(
     n_warm = max(1, int(warmup * steps))
     token_cache = {}
     t0, loss_avg = time.time(), None
-    for step in range(1, steps + 1):
-        lr_now = (
-            lr * step / n_warm
-            if step <= n_warm
-            else lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
-        )
-        for opt in opts:
-            for group in opt.param_groups:
-                group["lr"] = lr_now
-        img_f, cap_f, texts, seeds = sample_batch(batch_size, gen)
-        arrays = [
-            render_array(COLORS[c], SHAPES[s], TEXTURES[t], LOCATIONS[l], sd)
-            for (c, s, t, l), sd in zip(img_f.tolist(), seeds)
-        ]
-        images = to_tensor(arrays)  # [B, 3, 32, 32]
-        for t in texts:
-            if t not in token_cache:
-                token_cache[t] = tokenize([t], context_length=TOY_CONFIG["context_length"])[0]
-        tokens = torch.stack([token_cache[t] for t in texts])  # [B, 16]
-        # truth[i, j] [B, B]: every factor that caption j names equals image i's factor
-        truth = ((cap_f[None, :, :] == img_f[:, None, :]) | (cap_f[None, :, :] < 0)).all(-1)
-        logits, _ = model(images, tokens)
-        loss = contrastive_loss(logits, truth)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for opt in opts:
-            opt.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))  # as in CLIP
-        loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
-        if log and (step % log_every == 0 or step == steps):
-            el = time.time() - t0
-            log(
-                f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
-                f"elapsed {fmt_time(el)}  ETA {fmt_time(el / step * (steps - step))}"
-            )
+    threads = torch.get_num_threads()
+    # one intra-op thread per tower (process-wide, the worker's too): the same weights for any
+    # OMP_NUM_THREADS, since two threads split float sums differently
+    torch.set_num_threads(1)
+    try:
+        # the worker thread runs the text tower and draws the next batch (its ops release the GIL)
+        with ThreadPoolExecutor(1) as worker:
+            batch = pretraining_batch(batch_size, gen, token_cache)
+            for step in range(1, steps + 1):
+                lr_now = warmup_cosine(lr, step, steps, n_warm)
+                for opt in opts:
+                    for group in opt.param_groups:
+                        group["lr"] = lr_now
+                    opt.zero_grad(set_to_none=True)
+                last = step == steps
+                draw = None if last else (lambda: pretraining_batch(batch_size, gen, token_cache))
+                loss, batch = tower_step(model, *batch, worker, then=draw)
+                for opt in opts:
+                    opt.step()
+                with torch.no_grad():
+                    model.logit_scale.clamp_(0, math.log(100))  # as in CLIP
+                loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
+                if log and (step % log_every == 0 or last):
+                    el = time.time() - t0
+                    log(
+                        f"toy pretrain step {step}/{steps}  loss {loss_avg:.3f}  lr {lr_now:.2e}  "
+                        f"elapsed {fmt_time(el)}  ETA {fmt_time(el / step * (steps - step))}"
+                    )
+    finally:
+        torch.set_num_threads(threads)
     model.token_embedding.sparse = False
     model.eval()
     info = dict(

@@ -19,8 +19,8 @@ import tempfile
 # loads, and inherited by every subprocess a test starts; a user's own OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One intra-op thread per test process unless you set OMP_NUM_THREADS: the tests' models are tiny
-# (a second thread adds CPU time, not speed), the toy CLIP pretrains in a process of its own beside
-# the tests (conftest's PRETRAIN: one core each), and a one-thread toy CLIP is the README's.
+# (a second thread adds CPU time, not speed), and the toy CLIP pretrains in a process of its own
+# beside the tests (conftest's PRETRAIN; its two towers on two threads whatever this says).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
@@ -125,10 +125,28 @@ toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True)
 """
 _pretraining = {}  # "proc", "cache", "log", "folder", "saved": the pretraining of this session
 
+# The quick start's two commands (DeAR, then --method zeroshot), through dear.py's main in a process
+# of their own, started as soon as the toy CLIP is ready, so that they run beside the other tests
+# that need it (run_all.sh --smoke); the test that reads their results (fixture toy_demo) waits.
+# argv: folder (data/, runs/ and clip_cache/, a copy of the toy CLIP's cache: roles of its own).
+DEMO = """
+import os, sys, threading
+import dear
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(1)), daemon=True).start()
+folder = sys.argv[1]
+os.environ["CLIP_CACHE"] = os.path.join(folder, "clip_cache")
+common = ["--dataset", "toyworld", "--root", os.path.join(folder, "data")]
+common += ["--out", os.path.join(folder, "runs"), "--workers", "0"]
+dear.main(common)
+dear.main(common + ["--method", "zeroshot"])
+"""
+_demo = {}  # "wanted", "proc", "log", "folder": the quick start of this session
+
 # A toy CLIP pretrained by an earlier session on this machine is reused while nothing that decides
-# its weights has changed: these files, torch's version, the thread count and the CPU's vector
-# instructions (the key below). DEAR_TEST_CACHE: the folder (default ~/.cache/dear/tests); set it
-# empty to pretrain every time. A clean machine (CI) pretrains, as a new user's first run does.
+# its weights has changed: these files, torch's and numpy's versions and the CPU's vector
+# instructions (the key below; not the thread count: toyworld.pretrain uses one per tower).
+# DEAR_TEST_CACHE: the folder (default ~/.cache/dear/tests); set it empty to pretrain every time.
+# A clean machine (CI) pretrains, as a new user's first run does.
 TOY_INPUTS = (
     "toyworld.py",
     "clip/model.py",
@@ -148,9 +166,8 @@ def toy_key(root=ROOT):
         with open(os.path.join(root, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read())
     cpu = torch.backends.cpu.get_cpu_capability()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
     versions = f"torch {torch.__version__} numpy {np.__version__}"
-    h.update(f"{versions} threads {threads} {cpu} {platform.machine()}".encode())
+    h.update(f"{versions} {cpu} {platform.machine()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -189,7 +206,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_collection_finish(session):
-    if not any("toy_pretraining" in getattr(item, "fixturenames", ()) for item in session.items):
+    names = [getattr(item, "fixturenames", ()) for item in session.items]
+    _demo["wanted"] = any("toy_demo" in f for f in names)
+    if not any("toy_pretraining" in f for f in names):
         return
     import toyworld
 
@@ -216,6 +235,11 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    if _demo.get("proc") is not None:
+        if _demo["proc"].poll() is None:
+            _demo["proc"].kill()
+            _demo["proc"].wait()
+        _demo["log"].close()
     if not _pretraining:
         return
     proc = _pretraining.get("proc")
@@ -253,4 +277,41 @@ def toy_pretraining(tmp_path_factory):
 @pytest.fixture(scope="session")
 def toy_cache(toy_pretraining):
     """The CLIP cache folder holding the default toy CLIP; shared by the end-to-end tests."""
+    start_demo(toy_pretraining[0])
     return toy_pretraining[0]
+
+
+def start_demo(cache, wanted=False):
+    """Start the quick start (DEMO) on a copy of the toy CLIP: once per session, if a collected test
+    wants it (or `wanted`)."""
+    if "proc" in _demo or not (wanted or _demo.get("wanted")):
+        return
+    import toyworld
+
+    folder = tempfile.mkdtemp(prefix="toy-demo-")
+    os.makedirs(os.path.join(folder, "clip_cache"))
+    name = toyworld.checkpoint_name()
+    for suffix in TOY_FILES:
+        shutil.copy2(os.path.join(cache, name + suffix), os.path.join(folder, "clip_cache"))
+    log = open(os.path.join(folder, "log.txt"), "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEMO, folder],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    _demo.update(proc=proc, log=log, folder=folder)
+
+
+@pytest.fixture(scope="session")
+def toy_demo(toy_cache):
+    """(folder, log lines) of the quick start's two runs (DEMO): folder/runs, folder/clip_cache."""
+    start_demo(toy_cache, wanted=True)  # if not started yet (no test asked for toy_cache before)
+    proc, log = _demo["proc"], _demo["log"]
+    proc.wait()
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert proc.returncode == 0, "the toy quick start failed:\n" + "\n".join(lines[-20:])
+    yield _demo["folder"], lines
+    shutil.rmtree(_demo["folder"], ignore_errors=True)

@@ -286,3 +286,24 @@ def test_the_precision_used_is_part_of_a_runs_identity(world, tmp_path, capsys, 
     monkeypatch.setattr(runs, "resolve_precision", real)
     bf16 = runs.run_dir(dear.parse_args(args + ["--eval-precision", "bf16"]))
     assert bf16 != str(results.parent) and "eval_precision-bf16" in bf16
+
+
+def test_the_toy_clip_trains_on_one_thread_unless_the_user_says_otherwise(monkeypatch):
+    threads = torch.get_num_threads()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for backbone, device, want in (
+            ("ViT-B/16", cpu, 2),  # a real CLIP keeps torch's choice
+            ("toy", cuda, 2),  # nothing to do with CPU threads
+            ("toy", cpu, 1),
+        ):
+            torch.set_num_threads(2)
+            runs.toy_threads(backbone, device)
+            assert torch.get_num_threads() == want, (backbone, device)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting wins
+        torch.set_num_threads(2)
+        runs.toy_threads("toy", cpu)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
