@@ -223,31 +223,49 @@ def pytest_collection_finish(session):
         with open(os.path.join(saved, "log.txt")) as f:
             _pretraining["lines"] = f.read().splitlines()
         return
+    _pretraining.update(start_script(PRETRAIN, cache, folder))
+
+
+def start_script(script, arg, folder):
+    """Run `script` (PRETRAIN, DEMO) with argument `arg` in a Python process of its own, its output
+    in folder/log.txt; its stdin is a pipe from this session, whose end stops it."""
     log = open(os.path.join(folder, "log.txt"), "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-c", PRETRAIN, cache],
+        [sys.executable, "-c", script, arg],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    _pretraining.update(proc=proc, log=log)
+    return dict(proc=proc, log=log)
+
+
+def wait_script(state, what):
+    """Wait for start_script's process; its log lines (one failure message naming `what`)."""
+    proc, log = state["proc"], state["log"]
+    proc.wait()
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert proc.returncode == 0, f"{what} failed:\n" + "\n".join(lines[-20:])
+    return lines
+
+
+def stop_script(state):
+    """At the session's end (stopped early: -x, Ctrl-C): leave no start_script process running."""
+    proc = state.get("proc")
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    state["log"].close()
 
 
 def pytest_sessionfinish(session):
-    if _demo.get("proc") is not None:
-        if _demo["proc"].poll() is None:
-            _demo["proc"].kill()
-            _demo["proc"].wait()
-        _demo["log"].close()
+    stop_script(_demo)
     if not _pretraining:
         return
-    proc = _pretraining.get("proc")
-    if proc is not None:
-        if proc.poll() is None:  # stopped early (-x, Ctrl-C): do not leave it running
-            proc.kill()
-            proc.wait()
-        _pretraining["log"].close()
+    stop_script(_pretraining)
     shutil.rmtree(_pretraining["folder"], ignore_errors=True)
 
 
@@ -263,11 +281,7 @@ def toy_pretraining(tmp_path_factory):
         toyworld.ensure_pretrained(str(cache), log=lines.append)
         return str(cache), lines
     if "lines" not in _pretraining:  # pretrained in this session
-        proc, log = _pretraining["proc"], _pretraining["log"]
-        proc.wait()
-        log.seek(0)
-        lines = log.read().splitlines()
-        assert proc.returncode == 0, "toy pretraining failed:\n" + "\n".join(lines[-20:])
+        lines = wait_script(_pretraining, "toy pretraining")
         _pretraining["lines"] = lines
         if _pretraining["saved"]:
             save_pretraining(_pretraining["cache"], lines, _pretraining["saved"])
@@ -293,25 +307,13 @@ def start_demo(cache, wanted=False):
     name = toyworld.checkpoint_name()
     for suffix in TOY_FILES:
         shutil.copy2(os.path.join(cache, name + suffix), os.path.join(folder, "clip_cache"))
-    log = open(os.path.join(folder, "log.txt"), "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DEMO, folder],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    _demo.update(proc=proc, log=log, folder=folder)
+    _demo.update(start_script(DEMO, folder, folder), folder=folder)
 
 
 @pytest.fixture(scope="session")
 def toy_demo(toy_cache):
     """(folder, log lines) of the quick start's two runs (DEMO): folder/runs, folder/clip_cache."""
     start_demo(toy_cache, wanted=True)  # if not started yet (no test asked for toy_cache before)
-    proc, log = _demo["proc"], _demo["log"]
-    proc.wait()
-    log.seek(0)
-    lines = log.read().splitlines()
-    assert proc.returncode == 0, "the toy quick start failed:\n" + "\n".join(lines[-20:])
+    lines = wait_script(_demo, "the toy quick start")
     yield _demo["folder"], lines
     shutil.rmtree(_demo["folder"], ignore_errors=True)
