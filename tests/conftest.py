@@ -126,8 +126,9 @@ toyworld.ensure_pretrained(sys.argv[1], log=lambda line: print(line, flush=True)
 _pretraining = {}  # "proc", "cache", "log", "folder", "saved": the pretraining of this session
 
 # The quick start's two commands (DeAR, then --method zeroshot), through dear.py's main in a process
-# of their own, started as soon as the toy CLIP is ready, so that they run beside the other tests
-# that need it (run_all.sh --smoke); the test that reads their results (fixture toy_demo) waits.
+# of their own, started as soon as the toy CLIP is ready (saved: at collection; pretrained: after
+# the first test to end after it), so that they run beside the other tests; the test that reads
+# their results (fixture toy_demo) waits.
 # argv: folder (data/, runs/ and clip_cache/, a copy of the toy CLIP's cache: roles of its own).
 DEMO = """
 import os, sys, threading
@@ -222,6 +223,7 @@ def pytest_collection_finish(session):
             shutil.copy2(os.path.join(saved, name + suffix), cache)
         with open(os.path.join(saved, "log.txt")) as f:
             _pretraining["lines"] = f.read().splitlines()
+        start_demo(cache)  # the toy CLIP is there: the quick start runs beside every test
         return
     _pretraining.update(start_script(PRETRAIN, cache, folder))
 
@@ -259,6 +261,13 @@ def stop_script(state):
         proc.kill()
         proc.wait()
     state["log"].close()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """After each test: once the toy CLIP's pretraining has ended well, start the quick start."""
+    proc = _pretraining.get("proc")
+    if proc is not None and "proc" not in _demo and proc.poll() == 0:
+        start_demo(_pretraining["cache"])
 
 
 def pytest_sessionfinish(session):
