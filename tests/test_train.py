@@ -123,11 +123,7 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
         model.tokens.R.normal_()
         model.P_attr.add_(0.5 * torch.randn_like(model.P_attr))
         model.w.copy_(torch.tensor([-3.0, 0, 0, 0, 0, 0]))
-    model.set_classes(squares.classnames, squares.template)
-    transform = data.test_transform(32)
-    images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in squares.test])
-    with torch.no_grad():
-        out = model(images)
+    out = outputs_on_test(model, squares)
     cls, fused = out["logits"][:, 0].argmax(-1), out["fused"].argmax(-1)
     items = [(p, int(cls[i]), "") for i, (p, _, _) in enumerate(squares.test) if cls[i] != fused[i]]
     assert len(items) >= 3
@@ -148,13 +144,18 @@ def test_evaluate_scores_the_logits_it_is_asked_for(squares):
         assert sum(c["n"] for c in r["per_class"]) == len(items)
 
 
-def predicted(model, ds):
-    """(path, the model's own fused prediction, "") for every test item: 100% for evaluate."""
+def outputs_on_test(model, ds):
+    """The model's forward (fp32, no autograd) on every test image of ds, with ds's classes."""
     model.set_classes(ds.classnames, ds.template)
     transform = data.test_transform(32)
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in ds.test])
     with torch.no_grad():
-        fused = model(images)["fused"].argmax(-1)
+        return model(images)
+
+
+def predicted(model, ds):
+    """(path, the model's own fused prediction, "") for every test item: 100% for evaluate."""
+    fused = outputs_on_test(model, ds)["fused"].argmax(-1)
     return [(p, int(fused[i]), "") for i, (p, _, _) in enumerate(ds.test)]
 
 
@@ -287,11 +288,7 @@ def test_evaluate_counts_per_class_by_the_true_label(squares):
     with torch.no_grad():  # tokens and fusion weights that spread the predictions over the classes
         model.tokens.R.normal_()
         model.P_attr.add_(0.5 * torch.randn_like(model.P_attr))
-    model.set_classes(squares.classnames, squares.template)
-    transform = data.test_transform(32)
-    images = torch.stack([transform(Image.open(p).convert("RGB")) for p, _, _ in squares.test])
-    with torch.no_grad():
-        pred = model(images)["fused"].argmax(-1).tolist()
+    pred = outputs_on_test(model, squares)["fused"].argmax(-1).tolist()
     C = len(squares.classnames)
     labels = [p if i % 3 == 0 else (p + 1 + i % 2) % C for i, p in enumerate(pred)]
     items = [(path, y, "") for (path, _, _), y in zip(squares.test, labels)]
