@@ -630,10 +630,7 @@ def tower_step(model, images, tokens, truth, worker, then=None):
     # the loss on detached copies; their gradients then flow into each tower separately
     image_leaf = image_out.detach().requires_grad_()
     text_leaf = text_out.detach().requires_grad_()
-    image_features = F.normalize(image_leaf, dim=-1)
-    text_features = F.normalize(text_leaf, dim=-1)
-    logits = model.logit_scale.exp() * image_features @ text_features.t()  # as CLIP.forward
-    loss = contrastive_loss(logits, truth)
+    loss = contrastive_loss(model.similarity(image_leaf, text_leaf), truth)
     loss.backward()  # into logit_scale and the two leaves
 
     def text_backward():

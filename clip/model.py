@@ -414,10 +414,14 @@ class CLIP(nn.Module):
             order.append(idx)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back in the order of `tokens`
 
+    def similarity(self, image_out: torch.Tensor, text_out: torch.Tensor) -> torch.Tensor:
+        """Tower outputs [B, E] and [C, E] -> logits per image [B, C]: scaled cosine similarity."""
+        image_features = F.normalize(image_out, dim=-1)
+        text_features = F.normalize(text_out, dim=-1)
+        return self.logit_scale.exp() * image_features @ text_features.t()
+
     def forward(self, images: torch.Tensor, tokens: torch.Tensor):
-        image_features = F.normalize(self.encode_image(images), dim=-1)
-        text_features = F.normalize(self.encode_text(tokens), dim=-1)
-        logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()  # [B, C]
+        logits_per_image = self.similarity(self.encode_image(images), self.encode_text(tokens))
         return logits_per_image, logits_per_image.t()
 
 
