@@ -36,6 +36,19 @@ TESTS[runs.py]="tests/test_runs.py tests/test_run_reliability.py"
 FUNCTIONS[runs.py]="file_sha256 backbone_sha256 roles_sha256 variant_name run_dir dataset_tag inputs
   comparable differences check_same check_flags check_backbone retire finished take_folder
   eval_only_config"
+# toyworld.py: without the tests that need the default toy CLIP (a pretraining per mutant) and the
+# knob bookkeeping's (render_knobs reads the drawing functions' code, which mutmut rewrites)
+TESTS[toyworld.py]="tests/test_toyworld.py --deselect
+  tests/test_toyworld.py::test_default_pretraining_beats_chance_zero_shot --deselect
+  tests/test_toyworld.py::test_checkpoint_loads_strictly_and_is_reused --deselect
+  tests/test_toyworld.py::test_dear_on_toyworld_beats_zero_shot_on_base_classes --deselect
+  tests/test_toyworld.py::test_attribute_heads_decode_their_attribute_best --deselect
+  tests/test_toyworld.py::test_heads_specialise_and_generalization_heads_favour_no_factor --deselect
+  tests/test_toyworld.py::test_a_dataset_drawn_with_other_knobs_stops_the_run --deselect
+  tests/test_toyworld.py::test_every_knob_the_drawing_reads_is_recorded_and_compared --deselect
+  tests/test_toyworld.py::test_a_render_file_of_the_first_v2_datasets_is_still_read"
+FUNCTIONS[toyworld.py]="shape_mask texture_dark render_array caption class_list dataset_items
+  factor_labels to_tensor sample_batch contrastive_loss warmup_cosine pretraining_batch tower_step"
 
 module=${1:?usage: ./mutate.sh MODULE.py [FUNCTION ...]}
 shift

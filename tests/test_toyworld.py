@@ -430,6 +430,44 @@ def test_pretraining_is_deterministic_in_the_seed():
     assert not torch.equal(a, weights(4))
 
 
+def test_contrastive_loss_is_cross_entropy_to_the_positives_both_ways():
+    """Each image against every caption, and each caption against every image: minus the mean log
+    softmax over its positives, averaged over the rows (columns), then over the two directions; by
+    hand with math.exp / math.log. The truth has 2, 3 and 1 positives per row and 2, 1 and 3 per
+    column, so normalising a row by its column's count (or the mean by the wrong axis) differs."""
+    logits = [[2.0, -1.0, 0.5], [0.3, 1.7, -0.4], [1.1, 0.2, 2.5]]
+    truth = [[1, 0, 1], [1, 1, 1], [0, 0, 1]]  # rows: 2 / 3 / 1 positives, columns: 2 / 1 / 3
+
+    def one_way(rows, positives):
+        total = 0.0
+        for row, pos in zip(rows, positives):
+            log_z = math.log(sum(math.exp(v) for v in row))
+            total -= sum(v - log_z for v, p in zip(row, pos) if p) / sum(pos)
+        return total / len(rows)
+
+    columns = [list(c) for c in zip(*logits)]
+    want = (one_way(logits, truth) + one_way(columns, [list(c) for c in zip(*truth)])) / 2
+    got = T.contrastive_loss(torch.tensor(logits, dtype=torch.float64), torch.tensor(truth).bool())
+    assert got.item() == pytest.approx(want, rel=1e-6)  # the weights 1 / count are float32
+    assert got.item() != pytest.approx(one_way(logits, truth), rel=1e-3)  # both ways count
+
+
+def test_pretraining_lr_warms_up_linearly_then_decays_to_zero_on_a_cosine():
+    """warmup_cosine by hand: lr * step / n_warm up to n_warm, then lr * (1 + cos(pi * t)) / 2,
+    t = (step - n_warm) / (steps - n_warm), 0 at the last step; pretrain's own schedule (400 steps,
+    20 of warm-up) included."""
+    lr = 3.0
+    for steps, n_warm in ((10, 3), (2, 1), (400, 20)):
+        for step in range(1, steps + 1):
+            if step <= n_warm:
+                want = lr * step / n_warm
+            else:
+                want = lr * (1 + math.cos(math.pi * (step - n_warm) / (steps - n_warm))) / 2
+            assert T.warmup_cosine(lr, step, steps, n_warm) == pytest.approx(want, abs=1e-12)
+    assert T.warmup_cosine(lr, 400, 400, 20) == pytest.approx(0.0, abs=1e-12)
+    assert T.warmup_cosine(lr, 20, 400, 20) == lr  # the peak at the end of warm-up
+
+
 def test_tower_step_gives_the_gradients_of_one_backward_through_the_whole_model():
     """Pretraining runs the text tower on a second thread (tower_step): loss and every gradient must
     equal, bit for bit, model(images, tokens) + contrastive_loss + one backward."""
