@@ -259,7 +259,7 @@ def classnames():
 
 
 def dataset_items():
-    """Every image of the dataset as a dict: split, label, classname, folder, file, factors, seed.
+    """Every image of the dataset as a dict: split, label, classname, file, factors, seed.
 
     The single source of truth for ensure_dataset and zero_shot. Texture and location cycle through
     all 12 combinations inside each class and split; each image has its own rendering seed."""
@@ -277,7 +277,6 @@ def dataset_items():
                         split=split,
                         label=label,
                         classname=f"{color} {shape}",
-                        folder=folder,
                         file=f"{folder}/{split}_{i:03d}.png",
                         color=color,
                         shape=shape,

@@ -77,6 +77,87 @@ def test_render_is_deterministic_per_seed():
     assert img.mode == "RGB" and np.array_equal(np.asarray(img), a)
 
 
+def test_shapes_have_their_geometric_areas():
+    """shape_mask on a fine grid (r = 100 pixels, a centre off the pixel grid), against the areas by
+    hand: circle pi r^2; square of half-side 0.85 r; triangle of base 2 r and height 1.8 r; cross of
+    two 2r x 0.66r arms less their overlap."""
+    r, cx, cy = 100.0, 250.3, 249.6
+    y, x = np.mgrid[0:500, 0:500].astype(np.float64) + 0.5
+    want = {
+        "circle": math.pi * r**2,
+        "square": (2 * 0.85 * r) ** 2,
+        "triangle": 0.5 * (2 * r) * (1.8 * r),
+        "cross": 2 * (2 * r) * (2 * 0.33 * r) - (2 * 0.33 * r) ** 2,
+    }
+    for shape, area in want.items():
+        mask = T.shape_mask(shape, x, y, cx, cy, r)
+        assert mask.sum() == pytest.approx(area, rel=0.01), shape
+    tri = T.shape_mask("triangle", x, y, cx, cy, r)
+    rows = tri.any(1).nonzero()[0]
+    assert rows.min() == pytest.approx(cy - r, abs=1) and rows.max() == pytest.approx(
+        cy + 0.8 * r, abs=1
+    )
+    assert tri[int(cy - r) + 2].sum() < tri[int(cy + 0.8 * r) - 2].sum()  # apex up, base down
+
+
+def test_textures_are_diagonal_stripes_and_a_grid_of_dots():
+    """texture_dark by hand: stripes are diagonals (constant along x + y), half dark; dots repeat
+    every 5/32 of the image (5 pixels at 32) in both directions and cover pi 0.28^2 of each cell;
+    unknown names list the known ones."""
+    y, x = np.mgrid[0:320, 0:320].astype(np.float64) + 0.5
+    rng = np.random.default_rng(0)
+    stripes = T.texture_dark("striped", x, y, 320, rng)
+    assert (stripes[1:, :-1] == stripes[:-1, 1:]).all()  # (i + 1, j - 1): the same x + y
+    assert stripes.mean() == pytest.approx(0.5, abs=0.01)
+    y, x = np.mgrid[0:32, 0:32].astype(np.float64) + 0.5
+    dots = T.texture_dark("dotted", x, y, 32, rng)
+    assert (dots[5:] == dots[:-5]).all() and (dots[:, 5:] == dots[:, :-5]).all()
+    y, x = np.mgrid[0:3200, 0:3200].astype(np.float64) + 0.5
+    fine = T.texture_dark("dotted", x, y, 3200, rng)
+    assert fine[:3000, :3000].mean() == pytest.approx(math.pi * 0.28**2, rel=0.005)  # 6 x 6 cells
+    assert not T.texture_dark("solid", x, y, 3200, rng).any()
+    with pytest.raises(
+        T.ToyWorldError, match="^unknown texture 'wavy'; choose one of: solid, striped"
+    ):
+        T.texture_dark("wavy", x, y, 32, rng)
+    with pytest.raises(
+        T.ToyWorldError, match="^unknown shape 'star'; choose one of: circle, square"
+    ):
+        T.shape_mask("star", x, y, 1.0, 1.0, 1.0)
+
+
+def test_a_textured_ground_is_darkened_by_background_dark(monkeypatch):
+    """TEXTURE_ON = "background" (an experiment knob): the ground's patterned pixels are
+    BACKGROUND_DARK times as bright as their unpatterned neighbours (no noise: only the ground's
+    gentle gradient between them), the rest of the ground keeps its level."""
+    monkeypatch.setattr(T, "TEXTURE_ON", "background")
+    a = T.render_array("red", "circle", "striped", "bottom right", seed=5, size=64, noise=0.0)
+    light = a.astype(np.float64).mean(-1)[:24, :24]  # the top left: ground only
+    ratio = np.minimum(light[:, 1:], light[:, :-1]) / np.maximum(light[:, 1:], light[:, :-1])
+    dark_edges = ratio[ratio < 0.9]  # neighbours across a stripe's edge
+    assert len(dark_edges) > 50
+    assert np.median(dark_edges) == pytest.approx(T.BACKGROUND_DARK, abs=0.03)
+
+
+def test_transfer_scale_shrinks_the_object_and_pixels_clip_at_both_ends():
+    """render_array's scale (the "small" transfer set: 0.6) shrinks the object to about 0.36 of its
+    area; pixel values are clipped to [0, 1] and rounded to the nearest of 0..255, so strong noise
+    piles up at exactly 0 and 255 (a value over 1 does not wrap around)."""
+    grey = lambda a: (
+        (a.max(-1) - a.min(-1)) < 20
+    )  # the ground: grey with a faint tint (chroma 13-14)
+
+    def object_pixels(scale):
+        a = T.render_array(
+            "blue", "square", "solid", "top left", seed=4, size=128, noise=0.0, scale=scale
+        )
+        return (~grey(a)).sum()
+
+    assert object_pixels(0.6) / object_pixels(1.0) == pytest.approx(0.36, abs=0.04)
+    a = T.render_array("yellow", "square", "solid", "top left", seed=4, noise=0.5)
+    assert (a == 255).mean() > 0.05 and (a == 0).mean() > 0.05
+
+
 def test_every_factor_is_recoverable_from_the_pixels(monkeypatch):
     """At full saturation (recipe v1's colours), where the object's chroma sets it apart from the
     grey ground; the pale colours of the default are checked in test_pale_colours_stay_apart."""
@@ -430,6 +511,119 @@ def test_pretraining_is_deterministic_in_the_seed():
     assert not torch.equal(a, weights(4))
 
 
+def hand_caption(named, photo):
+    """A pretraining caption by hand from its named factors (None: left out)."""
+    color, shape, texture, location = named
+    words = [w for w in (color, texture) if w] + [shape or "object"]
+    text = "a " + " ".join(words) + (f" in the {location}" if location else "")
+    return f"a photo of {text}." if photo else text
+
+
+def test_pretraining_batch_pairs_each_image_with_the_captions_true_of_it():
+    """pretraining_batch = sample_batch's draw, rendered and tokenized: image i is render_array of
+    its factors and seed through to_tensor, caption j is tokenized into the 16-token context, and
+    truth[i, j] holds exactly when every factor caption j names is image i's (a double loop here).
+    The batch names factor value 0 (red, circle, solid, top left), which `< 1` would take for
+    unnamed."""
+    n = 32
+    img_f, cap_f, texts, seeds = T.sample_batch(n, torch.Generator().manual_seed(7))
+    images, tokens, truth = T.pretraining_batch(n, torch.Generator().manual_seed(7), {})
+    assert (cap_f == 0).any()
+    vocab = (T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)
+    for i in (0, 5, n - 1):
+        a = T.render_array(*(v[k] for v, k in zip(vocab, img_f[i].tolist())), seeds[i])
+        assert torch.equal(images[i], T.to_tensor([a])[0])
+    assert torch.equal(tokens, tokenize(texts, context_length=16))
+    for i in range(n):
+        for j in range(n):
+            want = all(c == -1 or c == f for c, f in zip(cap_f[j].tolist(), img_f[i].tolist()))
+            assert bool(truth[i, j]) == want, (i, j)
+    assert 0 < truth.float().mean() < 1
+
+
+def test_pretraining_images_are_normalised_as_the_evaluation_transform():
+    """to_tensor (pretraining, zero-shot) equals data.py's test transform of the same image, bit for
+    bit: pixels / 255, CLIP's mean and std per channel, on an image whose channels differ."""
+    import data
+    from PIL import Image
+
+    arrays = [T.render_array("orange", "cross", "dotted", "bottom right", seed=s) for s in (1, 2)]
+    assert arrays[0].std(axis=(0, 1)).min() > 5  # not a flat image
+    got = T.to_tensor(arrays)  # [2, 3, 32, 32]
+    for a, x in zip(arrays, got):
+        assert torch.equal(x, data.test_transform(32)(Image.fromarray(a)))
+        by_hand = (a[..., 1].astype(np.float64) / 255 - T.CLIP_MEAN[1]) / T.CLIP_STD[1]
+        assert np.allclose(x[1].numpy(), by_hand, atol=1e-5)  # the green channel, as [H, W]
+
+
+def test_pretraining_draws_from_its_own_generator_only(monkeypatch):
+    """sample_batch and pretraining_batch read no global random state: the same generator seed gives
+    the same batch whatever torch's global seed (also for the v1 captions and minimal pairs)."""
+
+    def draw(global_seed, n=20, group=None):
+        torch.manual_seed(global_seed)
+        return T.sample_batch(n, torch.Generator().manual_seed(3), group=group)
+
+    two_kinds = {"CAPTION_FACTORS": (0.5, 0.5, 0, 0)}  # how many factors a caption names: drawn
+    for knobs, group in (({}, None), (two_kinds, None), ({"CAPTION_FACTORS": None}, None), ({}, 4)):
+        for k, v in knobs.items():
+            monkeypatch.setattr(T, k, v)
+        a, b = draw(1, group=group), draw(2, group=group)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2:] == b[2:], knobs
+        monkeypatch.undo()
+    torch.manual_seed(1)
+    a = T.pretraining_batch(8, torch.Generator().manual_seed(3), {})
+    torch.manual_seed(2)
+    b = T.pretraining_batch(8, torch.Generator().manual_seed(3), {})
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_pretraining_captions_are_the_short_or_the_class_template_form(monkeypatch):
+    """Caption j, by hand from the factors it names: "a [colour] [texture] shape|object [in the
+    location]", in "a photo of ... ." for about half of them; recipe v1's captions (CAPTION_FACTORS
+    None) leave each factor out with its CAPTION_DROP probability."""
+    vocab = (T.COLORS, T.SHAPES, T.TEXTURES, T.LOCATIONS)
+    n = 400
+    _, cap_f, texts, _ = T.sample_batch(n, torch.Generator().manual_seed(0))
+    photos = 0
+    for fc, text in zip(cap_f.tolist(), texts):
+        named = [v[c] if c >= 0 else None for v, c in zip(vocab, fc)]
+        photo = text.startswith("a photo of ")
+        photos += photo
+        assert text == hand_caption(named, photo), text
+    assert 0.4 < photos / n < 0.6
+    monkeypatch.setattr(T, "CAPTION_FACTORS", None)  # recipe v1
+    monkeypatch.setattr(T, "CAPTION_DROP", (0.15, 0.0, 0.5, 0.8))
+    _, cap_f, texts, _ = T.sample_batch(4000, torch.Generator().manual_seed(0))
+    left_out = (cap_f < 0).float().mean(0).tolist()
+    assert left_out == pytest.approx([0.15, 0.0, 0.5, 0.8], abs=0.03)
+
+
+def test_pretraining_seeds_never_draw_a_dataset_image():
+    """Pretraining images have seeds from 2**32 on; every dataset and transfer-set seed lies below
+    (the largest transfer seed is 10,000,000 x 4 + ...), so no pretraining image is a test image;
+    and they are drawn from a wide range, so images of the same factors differ."""
+    _, _, _, seeds = T.sample_batch(512, torch.Generator().manual_seed(0))
+    assert min(seeds) >= 2**32 > 10**8
+    assert len(set(seeds)) >= 510  # drawn from 2**31 seeds: (almost) every image its own noise
+    dataset_seeds = [it["seed"] for it in T.dataset_items()]
+    assert max(dataset_seeds) < 10**8 and len(set(dataset_seeds)) == len(dataset_seeds)
+
+
+def test_minimal_pairs_of_two_and_a_last_short_group():
+    """group = 2: pairs that differ in one factor; a batch that is not a multiple of the group ends
+    with a shorter group of its own."""
+    img_f, cap_f, _, _ = T.sample_batch(10, torch.Generator().manual_seed(2), group=2)
+    for start in range(0, 10, 2):
+        f = img_f[start : start + 2]
+        assert (f[0] != f[1]).sum() == 1, f  # one factor differs
+    img_f, cap_f, _, _ = T.sample_batch(10, torch.Generator().manual_seed(2), group=4)
+    last = img_f[8:10]  # 10 = 4 + 4 + 2
+    assert (last[0] != last[1]).sum() == 1
+    k = int((last[0] != last[1]).nonzero())
+    assert (cap_f[8:10, k] == last[:, k]).all()
+
+
 def test_contrastive_loss_is_cross_entropy_to_the_positives_both_ways():
     """Each image against every caption, and each caption against every image: minus the mean log
     softmax over its positives, averaged over the rows (columns), then over the two directions; by
@@ -780,3 +974,29 @@ def test_the_saved_toy_clip_is_keyed_by_everything_that_decides_its_weights(tmp_
             f.write(b"\0")
         keys.add(conftest.toy_key(str(tmp_path)))
     assert len(keys) == len(conftest.TOY_INPUTS) + 1
+
+
+# `./mutate.sh toyworld.py` (the scope in mutate.sh leaves out the tests that need the default toy
+# CLIP and the knob bookkeeping's). Equivalent mutants, one line each:
+# contrastive_loss: t.sum(0) without keepdim (2 mutants): [C] broadcasts over the rows as [1, C];
+#   loss_t's .sum(1).mean() for .sum(0).mean(): the same total over a square [B, B] matrix / B.
+# warmup_cosine: step < n_warm for <=: at step == n_warm the cosine branch also gives lr.
+# to_tensor: mean / std .view(3, 1, 1) (2 mutants): broadcasts over [B, 3, H, W] as [1, 3, 1, 1].
+# sample_batch: rand > CAPTION_DROP and rand <= 0.5 for >= and < (continuous draws); randint
+#   without its low 0 (the default); more randperm repeats (the values are cut to m); arange(4)
+#   .expand(4) (broadcasts to [n, 4] in the comparison); the pretraining seeds' range moved or
+#   widened while it stays >= 2**32 and wide (7 mutants): other pixels, the same rule.
+# shape_mask, texture_dark: < for <= on a shape's or stripe's edge (12 mutants): pixel centres lie
+#   on an edge with probability 0 (random centre, size and phase); texture_dark's solid mask as a
+#   0-d or float array (3 mutants): np.where broadcasts it, the same pixels; the dots' centre moved
+#   within its cell (period / 3 for / 2, 2 mutants) or the phase's range moved (uniform(1, ...)):
+#   the same grid of dots, shifted.
+# render_array: the mgrid as astype(None) (float64 too); SATURATION != 2.0 (at 1.0 the formula
+#   leaves the colour as it is); noise and colour jitter subtracted instead of added (symmetric
+#   draws, 2 mutants). Not killed, not equivalent (design ranges no rule states; the README's toy
+#   numbers pin them): the ground's gradient off centre (2 mutants), the colour jitter's ranges
+#   (uniform(1.0) and uniform(+0.03, 0.03): no jitter; / for *: 1.0-1.14 instead of 0.88-1.0).
+# class_list: (i - j) % 2 for (i + j) % 2 (2 mutants): the same parity, the same checkerboard.
+# dataset_items: the seed formula's constants and signs (5 mutants): the seeds stay distinct and
+#   below 10**8 (other pixels; the README's toy numbers pin these); texture and location offset by
+#   i - label: each class and split still cycles through all 12 combinations.
