@@ -133,8 +133,6 @@ TOY_CONFIG = dict(
 SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}
 SPLIT_FILE = "split_zhou_ToyWorld.json"
 RENDER_FILE = "render.json"  # beside a written dataset: the rendering knobs it was drawn with
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's image normalisation (to_tensor)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class ToyWorldError(Exception):
@@ -503,12 +501,9 @@ def ensure_transfer(root):
 
 
 def to_tensor(arrays):
-    """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (as the test
-    transform)."""
-    x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    return (x - mean) / std
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] normalised with CLIP's mean/std (clip.to_tensor, as
+    the test transform)."""
+    return clip.to_tensor(np.stack(arrays))
 
 
 def sample_batch(n, generator, group=None):

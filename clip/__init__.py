@@ -242,8 +242,9 @@ def center_crop(image, size):
 
 
 def to_tensor(image, mean=MEAN, std=STD):
-    """8-bit RGB PIL image -> float [3, H, W]: pixels / 255, then (x - mean) / std per channel."""
-    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()  # [3, H, W]
+    """8-bit RGB PIL image -> float [3, H, W] (or uint8 images [..., H, W, 3] -> [..., 3, H, W]):
+    pixels / 255, then (x - mean) / std per channel."""
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).movedim(-1, -3).contiguous()  # [3, H, W]
     x = x.float().div(255)
     return x.sub_(torch.tensor(mean).view(3, 1, 1)).div_(torch.tensor(std).view(3, 1, 1))
 

@@ -552,8 +552,9 @@ def test_pretraining_images_are_normalised_as_the_evaluation_transform():
     got = T.to_tensor(arrays)  # [2, 3, 32, 32]
     for a, x in zip(arrays, got):
         assert torch.equal(x, data.test_transform(32)(Image.fromarray(a)))
-        by_hand = (a[..., 1].astype(np.float64) / 255 - T.CLIP_MEAN[1]) / T.CLIP_STD[1]
-        assert np.allclose(x[1].numpy(), by_hand, atol=1e-5)  # the green channel, as [H, W]
+        for c in range(3):  # each channel with its own mean and std (channel order swapped: wrong)
+            by_hand = (a[..., c].astype(np.float64) / 255 - data.CLIP_MEAN[c]) / data.CLIP_STD[c]
+            assert np.allclose(x[c].numpy(), by_hand, atol=1e-5), c  # [H, W]
 
 
 def test_pretraining_draws_from_its_own_generator_only(monkeypatch):
@@ -981,7 +982,6 @@ def test_the_saved_toy_clip_is_keyed_by_everything_that_decides_its_weights(tmp_
 # contrastive_loss: t.sum(0) without keepdim (2 mutants): [C] broadcasts over the rows as [1, C];
 #   loss_t's .sum(1).mean() for .sum(0).mean(): the same total over a square [B, B] matrix / B.
 # warmup_cosine: step < n_warm for <=: at step == n_warm the cosine branch also gives lr.
-# to_tensor: mean / std .view(3, 1, 1) (2 mutants): broadcasts over [B, 3, H, W] as [1, 3, 1, 1].
 # sample_batch: rand > CAPTION_DROP and rand <= 0.5 for >= and < (continuous draws); randint
 #   without its low 0 (the default); more randperm repeats (the values are cut to m); arange(4)
 #   .expand(4) (broadcasts to [n, 4] in the comparison); the pretraining seeds' range moved or
