@@ -989,8 +989,8 @@ def test_the_saved_toy_clip_is_keyed_by_everything_that_decides_its_weights(tmp_
 # shape_mask, texture_dark: < for <= on a shape's or stripe's edge (12 mutants): pixel centres lie
 #   on an edge with probability 0 (random centre, size and phase); texture_dark's solid mask as a
 #   0-d or float array (3 mutants): np.where broadcasts it, the same pixels; the dots' centre moved
-#   within its cell (period / 3 for / 2, 2 mutants) or the phase's range moved (uniform(1, ...)):
-#   the same grid of dots, shifted.
+#   within its cell (period / 3 for / 2, 2 mutants), the phase's range moved (uniform(1, ...))
+#   or the phase subtracted instead of added (3 mutants): the same stripes and dots, shifted.
 # render_array: the mgrid as astype(None) (float64 too); SATURATION != 2.0 (at 1.0 the formula
 #   leaves the colour as it is); noise and colour jitter subtracted instead of added (symmetric
 #   draws, 2 mutants). Not killed, not equivalent (design ranges no rule states; the README's toy
