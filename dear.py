@@ -1,500 +1,855 @@
-"""DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles (CVPR 2026).
+"""DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles (CVPR 2026), in plain PyTorch.
 
-A reference reproduction in plain PyTorch. This file is the method; read it top to bottom:
-
-  1. Attribute tokens: one shared matrix R, per-block aligners F_v / F_t, beta mixing
-  2. role_mask: the role-based per-head attention mask of one vision block
-  3. The DeAR module: DeAR.forward is the paper's Figure 2, one named step a line, and
-     reference_forward the same computation written plainly (no shortcut), side by side
-  4. The loss: CE(fused) + lambda_reg * self-regularisation + lambda_fusion * -log alpha_cls
-  5. The command line: `main` reads a Config (config.py) and hands it to runs.run with the method
-
-Layers, from the top: dear.py (the method, `main`) -> runs.py (one run: its folder, what it reads,
-results.json; the method is handed to it as `make_model` / `make_loss`) -> config.py (Config, the
-per-dataset tables, resolve, the flags) -> train.py (MMRL's training loop and evaluation, nothing
-DeAR-specific) and entropy.py (the head roles, Concept Entropy).
-
-The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), and so do the flags and the
-roles file. Code indexes blocks from 0: `DeAR.__init__` converts J once (`self.first = J - 1`), and
-`block_masks` reads the 1-based roles with `roles[b + 1]`. Every design choice the paper leaves open
-is a flag; see README.md, "Where this reproduction had to choose".
+Top to bottom: 1. attribute tokens, 2. the role-based mask, 3. the DeAR module (Figure 2), 4. logits, fusion, loss,
+5. the recipe (Config, MMRL/MMRL++ tables, flags), 6. training and evaluation, 7. the run, 8. predict and explain.
+The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), as do the flags and roles files; the code
+counts from 0 and converts once, in DeAR.__init__ (self.first = J - 1).
 """
 
-import copy
+import argparse
+import dataclasses
+import fcntl
+import hashlib
 import json
+import math
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see BENCH.md
+import platform
+import shutil
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep: fast on shared CPU cores
 
-import clip
-import runs
-from clip.model import length_buckets
-from config import Config, parse_args, resolve  # noqa: F401  (resolve: run_all.sh's dear.resolve)
-from runs import run_dir  # noqa: F401  run_all.sh asks dear.py where a run writes (dear.run_dir)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import clip  # noqa: E402
+import data  # noqa: E402
+import entropy  # noqa: E402
+import toyworld  # noqa: E402
+from clip.model import length_buckets  # noqa: E402
+from data import UserError  # noqa: E402
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
-K = len(ATTRIBUTES)  # number of attribute tokens, one per attribute, in this order
+K = len(ATTRIBUTES)  # attribute tokens, one per attribute, in this order
+RES_RANK, PROJ_RANK = 4, 64  # MMRL++'s RES_LORA_DIM and PROJ_LORA_DIM (configs/trainers/MMRLpp/*.yaml)
 
-# ----------------------------------------------------------------------------------------------
-# 1. Attribute tokens
+# ------------------------------------------------------------------------------------------------------------------
+# 1. Attribute tokens: one shared matrix R, mapped to every block J..L of both towers
 
 
-class AttributeTokens(nn.Module):
-    """The learnable attribute tokens: one shared matrix R [K, rep_dim] and, for every block l in
-    J..L, a vision aligner F_v^l: rep_dim -> D and a text aligner F_t^l: rep_dim -> W. Vision and
-    text tokens are projections of the same R, which couples the two modalities. As in MMRL, one
-    aligner of each kind is initialised and copied to every block: all F_v^l start identical, and so
-    do all F_t^l (they are trained apart)."""
+class Aligner(nn.Module):
+    """R [K, rep] -> the tokens of block i [K, width], one tower. mmrlpp, as MMRL++ (yunncheng/MMRL trainers/mmrlpp.py,
+    Shared_Residual_Representation_Aligner, Residual_Aligner): a shared trainable W plus per block a rank-4 residual
+    A_i B_i (A kaiming-uniform, B zeros) and a bias of its own (the shared Linear's at first), so every block starts
+    with the same tokens. mmrl, as MMRL (trainers/mmrl.py): a full Linear per block, all copies of one."""
 
-    def __init__(self, n_blocks: int, rep_dim: int, vision_width: int, text_width: int):
+    def __init__(self, n_blocks, rep_dim, width, kind="mmrlpp"):
         super().__init__()
-        self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
-        # nn.Linear's default initialisation
-        F_v, F_t = nn.Linear(rep_dim, vision_width), nn.Linear(rep_dim, text_width)
-        self.F_v = nn.ModuleList([copy.deepcopy(F_v) for _ in range(n_blocks)])
-        self.F_t = nn.ModuleList([copy.deepcopy(F_t) for _ in range(n_blocks)])
+        base = nn.Linear(rep_dim, width)  # nn.Linear's default initialisation, as both
+        if kind == "mmrlpp":
+            self.weight = nn.Parameter(base.weight.detach().clone())  # [width, rep], shared by the blocks
+            self.A = nn.Parameter(torch.empty(n_blocks, width, RES_RANK))
+            for a in self.A.data:
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            self.B = nn.Parameter(torch.zeros(n_blocks, RES_RANK, rep_dim))
+        else:
+            self.weight = nn.Parameter(base.weight.detach().repeat(n_blocks, 1, 1))  # [n, width, rep]
+        self.bias = nn.Parameter(base.bias.detach().repeat(n_blocks, 1))  # [n, width]
 
-    def vision(self, i: int) -> torch.Tensor:
-        return self.F_v[i](self.R)  # [K, D]: the tokens fed to the i-th block after insertion
-
-    def text(self, i: int) -> torch.Tensor:
-        return self.F_t[i](self.R)  # [K, W]
+    def forward(self, R, i):
+        W = self.weight[i] if self.weight.dim() == 3 else self.weight + self.A[i] @ self.B[i]
+        return F.linear(R, W, self.bias[i])  # [K, width]
 
 
-def insert(x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Put the K tokens right after the first token (CLS, or SOT): [B, 1 + K + rest, D]."""
+def insert(x, fresh):
+    """The K tokens right after the first token (CLS, or SOT): [B, 1 + K + rest, D]."""
     return torch.cat([x[:, :1], fresh.unsqueeze(0).expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
 
 
-def mix(x: torch.Tensor, fresh: torch.Tensor, beta: float) -> torch.Tensor:
-    """beta mixing of the token slots x[:, 1:1+K]: beta * F^l(R) + (1 - beta) * (their output of
-    block l-1). x: [B, L, D]; fresh: [K, D]. A new tensor (no in-place write, simple autograd)."""
+def mix(x, fresh, beta):
+    """MMRL++'s beta mixing of the token slots: beta F^l(R) + (1 - beta) (their output of block l-1)."""
     tokens = beta * fresh.unsqueeze(0) + (1.0 - beta) * x[:, 1 : 1 + K]  # [B, K, D]
     return torch.cat([x[:, :1], tokens, x[:, 1 + K :]], dim=1)
 
 
-# ----------------------------------------------------------------------------------------------
-# 2. The role-based attention mask
+# ------------------------------------------------------------------------------------------------------------------
+# 2. The role-based attention mask of one vision block
 
 
-def role_mask(head_roles, num_patches: int, variant: str = "role") -> torch.Tensor:
-    """The additive mask [H, L, L] of one vision block, L = 1 + K + num_patches, token order
-    [CLS, attr_1..attr_K, patches]; row = query, column = key; 0 = allowed, -inf = blocked.
-
-    - generalization head (and an "other specialist": a low-entropy head whose concept is not one of
-      the five): the originals (CLS, patches) and the attribute tokens never see each other; each
-      attribute token sees only itself. These heads compute exactly what the frozen CLIP computes.
-    - attribute head for attribute a: originals <-> attr_a both ways; every other attribute token
-      sees only itself and nobody sees it.
+def role_mask(head_roles, num_patches, variant="role"):
+    """The additive mask [H, L, L] of one block, L = 1 + K + patches, order [CLS, attr_1..attr_K, patches];
+    row = query, column = key; 0 = allowed, -inf = blocked.
+    - generalization head (and an "other specialist"): originals (CLS, patches) and attribute tokens never see
+      each other; each attribute token sees only itself. These heads compute exactly what frozen CLIP computes.
+    - attribute head of attribute a: originals <-> attr_a both ways; the other tokens see only themselves.
     - mixed head: no restriction.
-    variant "generalization-only": attribute heads act as mixed; "none": no mask at all (all zeros).
-    """
+    variant "generalization-only": attribute heads act as mixed; "none": all zeros."""
     H, L = len(head_roles), 1 + K + num_patches
     allowed = torch.ones(H, L, L, dtype=torch.bool)
-    attr = torch.arange(1, 1 + K)  # positions of the attribute tokens
+    attr = torch.arange(1, 1 + K)
     orig = torch.tensor([0] + list(range(1 + K, L)))  # CLS and patches
-    eye = torch.eye(K, dtype=torch.bool)
     for h, entry in enumerate(head_roles):
         role = entry["role"]
-        as_mixed = variant == "generalization-only" and role == "attribute"
-        if variant == "none" or role == "mixed" or as_mixed:
+        if variant == "none" or role == "mixed" or (variant == "generalization-only" and role == "attribute"):
             continue
         a = allowed[h]
-        a[attr[:, None], :] = False  # attribute rows: nothing ...
-        a[:, attr] = False  # ... and attribute columns: nobody,
-        a[attr[:, None], attr[None, :]] = eye  # except each token itself.
+        a[attr[:, None], :] = False  # attribute rows read nothing ...
+        a[:, attr] = False  # ... and nobody reads attribute columns,
+        a[attr, attr] = True  # except each token itself
         if role == "attribute":
             i = 1 + ATTRIBUTES.index(entry["attribute"])
-            a[i, orig] = True  # attr_a reads the originals
-            a[orig, i] = True  # the originals read attr_a
-    mask = torch.zeros(H, L, L)
-    return mask.masked_fill(~allowed, float("-inf"))
+            a[i, orig] = a[orig, i] = True  # attr_a <-> originals
+    return torch.zeros(H, L, L).masked_fill(~allowed, float("-inf"))
 
 
-def block_masks(roles, first: int, num_layers: int, num_patches: int, variant: str):
-    """One [H, L, L] mask per block first..num_layers-1 (0-based); None where nothing is masked."""
-    if variant == "none":
-        return [None] * (num_layers - first)
-    # roles count blocks from 1
-    return [role_mask(roles[b + 1], num_patches, variant) for b in range(first, num_layers)]
-
-
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------------
 # 3. The DeAR module
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + attribute tokens from block J + role masks + trainable P_attr + fusion w.
+    """Frozen CLIP + attribute tokens from block J + role masks + P_attr + fusion weights w. Exact shortcuts (tests
+    check them against every block on every position): blocks 1..J-1 once, without autograd; the last block on the
+    rows read (CLS and the tokens, EOT); the prompt start shared by all classes once per block; length groups."""
 
-    forward computes what reference_forward computes, with four shortcuts that change no result:
-    1. the last block computes only the rows read afterwards (CLS and the K tokens; CLS for f^0;
-       EOT for text); 2. the start shared by every prompt (SOT and the template's first words) runs
-    once per block; 3. prompts run in groups of similar length, padded only to their group's
-    longest; 4. blocks 1..J-1 run once for f^0 and f_cls, and once per class list for the text."""
-
-    def __init__(
-        self,
-        clip_model,
-        roles,
-        J=9,
-        beta=0.9,
-        rep_dim=512,
-        mask="role",
-        attr_tokens=True,
-        alpha_cls=0.7,
-    ):
+    def __init__(self, clip_model, roles, J=9, beta=0.9, rep_dim=512, mask="role", attr_tokens=True,
+                 alpha_cls=0.7, tokens="mmrlpp"):  # fmt: skip
         super().__init__()
-        self.clip = clip_model.eval()
-        for p in self.clip.parameters():
-            p.requires_grad_(False)
+        self.clip = clip_model.eval().requires_grad_(False)
         visual, L = clip_model.visual, clip_model.visual.transformer.layers
-        if not 1 <= J <= L:
-            raise ValueError(f"J must lie in 1..{L} (the backbone has {L} blocks), got {J}")
-        self.J, self.first, self.L = J, J - 1, L  # first: block J, counted from 0
-        self.beta, self.use_tokens = beta, attr_tokens
-        n = L - self.first  # blocks with tokens: J..L of the vision tower, the text tower's last n
-        self.Lt = clip_model.transformer.layers
-        self.first_text = self.Lt - n  # equals J - 1 when both towers are equally deep (ViT-B)
-        if self.first_text < 0:
-            raise ValueError(
-                f"J = {J} puts tokens in {n} blocks, but the text tower has only {self.Lt}"
-            )
-        widths = visual.transformer.width, clip_model.transformer.width
-        self.tokens = AttributeTokens(n, rep_dim, *widths)
-        self.P_attr = nn.Parameter(visual.proj.detach().clone())  # [D, E], starts as a copy of proj
-        # fusion weights w, alpha = softmax(w): alpha_cls for the class logits, the rest shared
-        w = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log()
-        self.w = nn.Parameter(w)
-        masks = [None] * n
-        if attr_tokens:
-            masks = block_masks(roles, self.first, L, visual.num_patches, mask)
-        for i, m in enumerate(masks):  # buffers: .to(device) moves them; not saved in checkpoints
+        self.J, self.first, self.L, self.Lt = J, J - 1, L, clip_model.transformer.layers
+        n = L - self.first  # blocks with tokens: J..L of the vision tower, the last n of the text tower
+        self.first_text = self.Lt - n
+        if not (1 <= J <= L and self.first_text >= 0):
+            raise UserError(f"--J {J}: the backbone has {L} vision and {self.Lt} text blocks")
+        self.beta, self.use_tokens, self.kind = beta, attr_tokens, tokens
+        # R [K, rep_dim] (MMRL's init N(0, 0.02)) and its aligners: both towers' tokens are projections of one R
+        self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
+        self.F_v = Aligner(n, rep_dim, visual.transformer.width, tokens)
+        self.F_t = Aligner(n, rep_dim, clip_model.transformer.width, tokens)
+        D, E = visual.proj.shape
+        if tokens == "mmrlpp":  # P_attr = frozen proj + A B, rank 64 (MMRL++ clip/model_mmrlpp.py, proj_rep)
+            self.P_A = nn.Parameter(nn.init.kaiming_uniform_(torch.empty(D, PROJ_RANK), a=math.sqrt(5)))
+            self.P_B = nn.Parameter(torch.zeros(PROJ_RANK, E))
+        else:  # MMRL: a full trainable P_attr, here starting as a copy of proj
+            self.P_full = nn.Parameter(visual.proj.detach().clone())
+        # fusion weights, alpha = softmax(w): alpha_cls for the class logits, the rest split evenly
+        self.w = nn.Parameter(torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log())
+        self.roles = roles
+        for i, b in enumerate(range(self.first, L)):  # buffers: .to(device) moves them; not saved
+            m = role_mask(roles[b + 1], visual.num_patches, mask) if attr_tokens and mask != "none" else None
             self.register_buffer(f"mask_{i}", m, persistent=False)
-        if not attr_tokens:  # nothing but the fusion weights would remain: the model is frozen CLIP
-            for p in self.trainable():
-                p.requires_grad_(False)
-
-    def trainable(self):
-        return [p for name, p in self.named_parameters() if not name.startswith("clip.")]
+        if not attr_tokens:  # nothing but w would remain: the model is frozen CLIP
+            self.requires_grad_(False)
 
     def trainable_state(self):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("clip.")}
 
-    def alpha(self) -> torch.Tensor:
+    def load_trainable(self, state, path):
+        """A saved trainable state, strictly: the same keys and shapes, finite values."""
+        if set(state) != set(self.trainable_state()) or not all(v.isfinite().all() for v in state.values()):
+            raise UserError(f"{path} does not fit this model (other keys, or values that are not finite)")
+        try:
+            self.load_state_dict({**self.state_dict(), **state})
+        except RuntimeError as e:
+            raise UserError(f"{path} does not fit this model: {str(e).splitlines()[-1].strip()}") from None
+
+    def attr_proj(self):
+        return self.clip.visual.proj + self.P_A @ self.P_B if self.kind == "mmrlpp" else self.P_full  # [D, E]
+
+    def alpha(self):
         return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...
 
-    def fusion_weights(self) -> dict:
-        """alpha by name, as results.json records it: {"cls": .., "color": .., ...}."""
+    def fusion_weights(self):
         return dict(zip(("cls",) + ATTRIBUTES, self.alpha().tolist()))
 
-    def set_beta(self, beta: float):
-        """The token mixing beta of the next forward passes (an evaluation may use another beta than
-        training: the xd targets); nothing is rebuilt, the token blocks read self.beta."""
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta must lie in [0, 1], got {beta}")
-        self.beta = float(beta)
-
-    # --- the forward pass: Figure 2 ---------------------------------------------------------------
     def forward(self, images, t=None, with_frozen=False):
-        """Figure 2, one step a line. images [B, 3, R, R]; t [C, E]: the class features, if already
-        computed (an evaluation computes them once), else encode_classes(). with_frozen: also f^0
-        (for the loss). Returns the six logit sets [B, 1+K, C] (class first, then the K tokens), the
-        fused logits [B, C] and the features the loss reads. The towers may run under autocast; the
-        head is fp32."""
+        """Figure 2, a step a line. t [C, E]: class features if computed already; with_frozen: also f^0 (the loss)."""
         scale = self.clip.logit_scale
-        t = self.encode_classes() if t is None else t  # [C, E]     t: text tokens in J..L
-        x = self.frozen_prefix(images)  # [B, 1+P, D]  blocks 1..J-1, frozen
+        t = self.encode_classes() if t is None else t  # [C, E]      text tokens in J..L
+        x = self.frozen_prefix(images)  # [B, 1+P, D]  blocks 1..J-1
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]  f^0
-        if not self.use_tokens:  # zero-shot CLIP: f^0 alone
+        if not self.use_tokens:  # zero-shot CLIP
             logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
-            return {
-                "logits": logits,
-                "fused": logits[:, 0],
-                "f_cls": feats[:, 0],
-                "f0": f0.float(),
-                "t": t,
-            }
+            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0.float(), "t": t}
         x = self.token_blocks(x)  # [B, 1+K, D]  tokens from J, role masks
         f_cls, f_attr = self.image_features(x)  # [B, E], [B, K, E]
-        feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
-        logits, feats, t = cosine_logits(feats, t, scale)  # [B, 1+K, C]  the six logit sets
-        fused = fuse(logits, self.alpha())  # [B, C]       sum_k alpha_k logits_k
-        return {
-            "logits": logits,
-            "fused": fused,
-            "f_cls": feats[:, 0],
-            "f_attr": feats[:, 1:],
-            "f0": None if f0 is None else f0.float(),
-            "t": t,
-        }
+        logits, feats, t = cosine_logits(torch.cat([f_cls.unsqueeze(1), f_attr], 1), t, scale)  # [B, 1+K, C]
+        fused = fuse(logits, self.alpha())  # [B, C]  sum_k alpha_k logits_k
+        f0 = None if f0 is None else f0.float()
+        return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": feats[:, 1:], "f0": f0, "t": t}
 
-    # --- the image side --------------------------------------------------------------------------
-    # The frozen parts run under `with torch.no_grad()`, not the decorator: mutmut (mutate.sh) skips
-    # decorated functions.
+    @torch.no_grad()
     def frozen_prefix(self, images):
-        """Embedding and blocks 1..J-1 of the frozen vision tower: [B, 3, R, R] -> [B, 1+P, D]."""
         visual = self.clip.visual
-        with torch.no_grad():  # blocks 1..J-1 never change: no autograd
-            return visual.run_blocks(visual.embed(images), 0, self.first)
+        return visual.run_blocks(visual.embed(images), 0, self.first)  # [B, 1+P, D]
 
+    @torch.no_grad()
     def frozen_feature(self, x):
-        """f^0 [B, E]: the frozen CLIP image feature, blocks J..L without tokens on the prefix x
-        (shortcut 1: the last block computes CLS alone), normalised. The stream keeps the prefix's
-        dtype."""
-        visual = self.clip.visual
-        with torch.no_grad():
-            cls = visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
-            return F.normalize(visual.head(cls), dim=-1)
+        """f^0 [B, E]: blocks J..L without tokens; the last block computes CLS alone."""
+        cls = self.clip.visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
+        return F.normalize(self.clip.visual.head(cls), dim=-1)
 
-    def token_blocks(self, x):
-        """Blocks J..L with the attribute tokens: inserted after CLS at block J, mixed with beta
-        from J+1, each block under its role mask. [B, 1+P, D] -> [B, 1+K, D] (CLS and the K tokens:
-        shortcut 1, the last block computes only these rows). As in MMRL the tokens are fp32 and so
-        is the stream from block J on (under autocast the matmuls still run in half precision;
-        residual adds and LayerNorm inputs are fp32), whatever the prefix's dtype."""
-        x = x.float()
-        for i, b in enumerate(range(self.first, self.L)):
-            fresh = self.tokens.vision(i).float()  # [K, D]
+    def token_blocks(self, x, stop=None):
+        """Blocks J..stop-1 (default ..L) with the tokens, inserted at J, mixed from J+1, under the role masks; in
+        fp32 from J as MMRL (autocast still runs the matmuls in half). [B, 1+P, D] -> [B, 1+K, D] after block L."""
+        x, stop = x.float(), stop or self.L
+        for i, b in enumerate(range(self.first, stop)):
+            fresh = self.F_v(self.R, i).float()  # [K, D]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
-            rows = slice(0, 1 + K) if b == self.L - 1 else None  # last block: [B, 1+K, D]
-            mask = getattr(self, f"mask_{i}")  # [H, 1+K+P, 1+K+P] or None
-            x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=mask, rows=rows)
+            rows = slice(0, 1 + K) if b == self.L - 1 else None
+            x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"), rows=rows)
         return x
 
     def image_features(self, x):
-        """f_cls [B, E] (CLS through the frozen ln_post and proj) and f_attr [B, K, E] (the K tokens
-        through ln_post and the trainable P_attr), normalised. x [B, 1+K, D]."""
-        f_cls = self.clip.visual.head(x[:, 0])  # [B, E]
-        f_attr = self.clip.visual.ln_post(x[:, 1 : 1 + K]) @ self.P_attr.to(x.dtype)  # [B, K, E]
+        """f_cls [B, E]: CLS through the frozen ln_post and proj; f_attr [B, K, E]: the tokens through P_attr."""
+        f_cls = self.clip.visual.head(x[:, 0])
+        f_attr = self.clip.visual.ln_post(x[:, 1 : 1 + K]) @ self.attr_proj().to(x.dtype)
         return F.normalize(f_cls, dim=-1), F.normalize(f_attr, dim=-1)
 
-    def encode_images(self, images, with_frozen=False):
-        """The image tower of forward alone: f_cls, f_attr and f^0 (None unless with_frozen)."""
-        x = self.frozen_prefix(images)
-        f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None
-        if not self.use_tokens:
-            return f0, None, f0
-        return (*self.image_features(self.token_blocks(x)), f0)
-
-    # --- the text side ---------------------------------------------------------------------------
+    @torch.no_grad()
     def set_classes(self, classnames, template):
-        """Everything class-dependent that never changes, computed once per class list: the prompts'
-        token ids (prompt_tokens [C, T]), blocks 1..J-1 of every prompt and the frozen text features
-        t^0.
+        """Once per class list: blocks 1..J-1 of every prompt, and t^0. text_shared [1, S, W]: the first S positions,
+        equal in every prompt (SOT and the template's first words), so also equal states under the causal mask:
+        blocks J..L run them once. text_groups: the rest of each prompt, in groups padded to their longest."""
+        m, device = self.clip, self.w.device
+        tokens = clip.tokenize([template.format(c) for c in classnames], context_length=m.context_length)
+        tokens = tokens.to(device)  # [C, T]
+        eot = tokens.argmax(-1)  # [C]: EOT has the largest id
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T]: 1 while all prompts agree
+        S = min(int(same.sum()), int(eot.min()))
+        groups, t0, order = [], [], []
+        for n, idx, rows, pick in length_buckets(eot):  # a group's EOTs sit at rows [r] (<= n)
+            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
+            t0.append(m.text_head(m.run_text_blocks(x, self.first_text, self.Lt, rows=rows), pick))  # [c, E]
+            groups.append((x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
+            order.append(idx)
+            self.text_shared = x[:1, :S]  # [1, S, W], equal in every group
+        self.text_groups, self.text_order = groups, torch.cat(order).argsort()  # group order -> class order
+        self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
+        self.prompt_tokens = tokens
 
-        Blocks 1..J-1 are kept in the form encode_classes runs fastest, with the same result:
-        - text_shared [1, S, W]: the first S positions, whose token ids are the same in every prompt
-          (SOT and the template's first words). Under the causal mask their states are the same for
-          every class, so blocks J..L run them once, and every class attends to them (shortcut 2).
-        - text_groups: the rest of each prompt in groups padded to their longest (shortcut 3;
-          length_buckets): [(indices, [c, n, W], rows [r]: the group's EOT positions, pick [c]: each
-          prompt's row in rows)]; the last block computes only the EOT rows (shortcut 1).
-        """
-        with torch.no_grad():
-            prompts = [template.format(c.replace("_", " ")) for c in classnames]
-            device = self.P_attr.device
-            m = self.clip
-            tokens = clip.tokenize(prompts, context_length=m.context_length).to(device)  # [C, T]
-            eot = tokens.argmax(-1)  # [C] EOT has the largest id
-            same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T] 1 while all prompts agree
-            S = min(int(same.sum()), int(eot.min()))  # keep at least EOT per class
-            groups, t0, order = [], [], []
-            for n, idx, rows, pick in length_buckets(eot):  # EOTs at rows [r] (<= n)
-                x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
-                frozen = m.run_text_blocks(x, self.first_text, self.Lt, rows=rows)  # [c, r, W]
-                t0.append(m.text_head(frozen, pick))  # [c, E]
-                groups.append((idx, x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
-                order.append(idx)
-                self.text_shared = x[:1, :S]  # [1, S, W], equal in every group
-            self.text_groups = groups
-            self.text_order = torch.cat(order).argsort()  # group order -> class order
-            self.t0 = F.normalize(torch.cat(t0)[self.text_order], dim=-1)  # [C, E]
-            self.prompt_tokens, self.classnames = tokens, list(classnames)
-
-    def encode_classes(self) -> torch.Tensor:
-        """t [C, E]: the class text features with the K text tokens after SOT in blocks J..L,
-        normalised. The shared start runs once per block and every class group attends to it
-        (causal: the start never sees the class name); the last block computes only EOT."""
+    def encode_classes(self):
+        """t [C, E]: the K text tokens after SOT in blocks J..L (causal: they see SOT, the words see them)."""
         if not self.use_tokens:
             return self.t0
-        m, groups = self.clip, self.text_groups
-        shared = self.text_shared  # [1, S, W]: [SOT, common words]
-        parts = [x for _, x, _, _ in groups]  # [c, n, W]: the rest of a prompt
+        m, shared, parts = self.clip, self.text_shared, [g[0] for g in self.text_groups]
         for i, b in enumerate(range(self.first_text, self.Lt)):
-            fresh = self.tokens.text(i).to(shared.dtype)  # [K, W]
-            # [1, S + K, W]: [SOT, t_1..t_K, common words]; the tokens see SOT and earlier tokens,
-            # the words after them see them
-            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)
+            fresh = self.F_t(self.R, i).to(shared.dtype)  # [K, W]
+            shared = insert(shared, fresh) if i == 0 else mix(shared, fresh, self.beta)  # [1, S + K, W]
             last = b == self.Lt - 1
-            parts = [
-                m.run_text_blocks(x, b, b + 1, rows=g[2] if last else None, past=shared)
-                for x, g in zip(parts, groups)
-            ]  # causal over [shared, x]
+            parts = [m.run_text_blocks(x, b, b + 1, rows=g[1] if last else None, past=shared)
+                     for x, g in zip(parts, self.text_groups)]  # fmt: skip
             if not last:
                 shared = m.run_text_blocks(shared, b, b + 1)
-        t = torch.cat([m.text_head(x, g[3]) for x, g in zip(parts, groups)])  # [C, E]
+        t = torch.cat([m.text_head(x, g[2]) for x, g in zip(parts, self.text_groups)])  # [C, E]
         return F.normalize(t[self.text_order], dim=-1)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# 4. Logits, fusion and loss in fp32 outside autocast: logits are ~100 cos, where bf16 steps of 0.125-0.25 would tie
+
+
 def cosine_logits(feats, t, logit_scale):
-    """logits = s * cos(f, t) [B, S, C], s = exp(logit_scale), in fp32 outside autocast, in training
-    and evaluation alike. feats [B, S, E] (f_cls then f_attr, or f_cls alone), t [C, E]: features
-    that may come out of autocast in half precision, cast to fp32 and normalised again: CLIP's
-    logits are about 100 cos, 20-35, where bf16 steps are 0.125-0.25 (fp16 0.016-0.03), so in half
-    precision close classes would tie or swap. Returns the logits and the fp32 features."""
+    """s cos(f, t) [B, S, C] with s = exp(logit_scale); feats [B, S, E], t [C, E]. Returns logits and features."""
     with torch.autocast(feats.device.type, enabled=False):
-        feats = F.normalize(feats.float(), dim=-1)  # [B, S, E]
-        t = F.normalize(t.float(), dim=-1)  # [C, E]
-        return logit_scale.float().exp() * feats @ t.t(), feats, t  # [B, S, C]
+        feats, t = F.normalize(feats.float(), dim=-1), F.normalize(t.float(), dim=-1)
+        return logit_scale.float().exp() * feats @ t.t(), feats, t
 
 
 def fuse(logits, alpha):
-    """The fused logits sum_k alpha_k logits_k [B, C] of the six logit sets [B, 1+K, C], in fp32."""
+    """sum_k alpha_k logits_k [B, C] of the six logit sets [B, 1+K, C]."""
     with torch.autocast(logits.device.type, enabled=False):
         return torch.einsum("k,bkc->bc", alpha.float(), logits.float())
 
 
-# ----------------------------------------------------------------------------------------------
-# The plain computation: forward without its shortcuts (tests/test_pruning.py: they change nothing)
-
-
-def reference_forward(model, images, with_frozen=True):
-    """What forward computes, written plainly: every block computes every position, every prompt
-    runs whole, padded to the context length, through every block; f^0 and t^0 are computed from
-    scratch. Returns forward's dict, plus "t0"."""
-    t, t0 = reference_classes(model)
-    f_cls, f_attr, f0 = reference_images(model, images)
-    if not model.use_tokens:
-        logits, feats, t = cosine_logits(f0.unsqueeze(1), t0, model.clip.logit_scale)
-        return {
-            "logits": logits,
-            "fused": logits[:, 0],
-            "f_cls": feats[:, 0],
-            "f0": f0,
-            "t": t,
-            "t0": t0,
-        }
-    feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
-    logits, feats, t = cosine_logits(feats, t, model.clip.logit_scale)
-    return {
-        "logits": logits,
-        "fused": fuse(logits, model.alpha()),
-        "f_cls": feats[:, 0],
-        "f_attr": feats[:, 1:],
-        "f0": f0 if with_frozen else None,
-        "t": t,
-        "t0": t0,
-    }
-
-
-def reference_images(model, images):
-    """f_cls [B, E], f_attr [B, K, E] and f^0 [B, E], normalised: every block on every position."""
-    visual = model.clip.visual
-    x = visual.embed(images)  # [B, 1+P, D]
-    f0 = F.normalize(visual.head(visual.run_blocks(x, 0, model.L)[:, 0]), dim=-1)
-    for b in range(model.L):
-        i = b - model.first  # < 0: before block J
-        if i >= 0:
-            fresh = model.tokens.vision(i).float()  # [K, D]
-            x = insert(x.float(), fresh) if i == 0 else mix(x, fresh, model.beta)  # [B, 1+K+P, D]
-        mask = getattr(model, f"mask_{i}") if i >= 0 else None
-        x = visual.run_blocks(x, b, b + 1, attn_mask=mask)  # every position
-    if not model.use_tokens:
-        return f0, None, f0
-    f_cls = F.normalize(visual.head(x[:, 0]), dim=-1)
-    f_attr = F.normalize(visual.ln_post(x[:, 1 : 1 + K]) @ model.P_attr, dim=-1)
-    return f_cls, f_attr, f0
-
-
-def reference_classes(model):
-    """t [C, E] and t^0 [C, E], normalised: each prompt of set_classes, padded to the context
-    length, through every text block on every position (causal), the K tokens after SOT from block J
-    on."""
-    m, tokens = model.clip, model.prompt_tokens  # [C, T]
-    x = m.embed_text(tokens)  # [C, T, W]
-    t0 = F.normalize(m.text_head(m.run_text_blocks(x, 0, model.Lt), tokens.argmax(-1)), dim=-1)
-    for b in range(model.Lt):
-        i = b - model.first_text
-        if i >= 0 and model.use_tokens:
-            fresh = model.tokens.text(i).to(x.dtype)  # [K, W]
-            x = insert(x, fresh) if i == 0 else mix(x, fresh, model.beta)  # [C, T + K, W]
-        x = m.run_text_blocks(x, b, b + 1)
-    shift = K if model.use_tokens else 0  # tokens move EOT K places
-    return F.normalize(m.text_head(x, tokens.argmax(-1) + shift), dim=-1), t0
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. The loss
-
-
 def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
-    """CE(fused, y) + lambda_reg * [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion *
-    -log alpha_cls, in fp32 outside autocast. Returns the total and its parts (0-dim tensors on the
-    device: reading them waits for it, which the training loop does only at log lines)."""
+    """CE(fused, y) + lambda_reg [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion (-log alpha_cls).
+    Returns the total and its parts (0-dim device tensors: reading them waits for the device)."""
     with torch.autocast(labels.device.type, enabled=False):
         ce = F.cross_entropy(out["fused"].float(), labels)
         reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
         reg_txt = 1 - F.cosine_similarity(out["t"].float(), t0.float(), dim=-1).mean()
         fusion = -alpha[0].float().log()
         total = ce + lambda_reg * (reg_img + reg_txt) + lambda_fusion * fusion
-    parts = {"ce": ce, "reg_img": reg_img, "reg_txt": reg_txt, "fusion": fusion}
-    return total, {k: v.detach() for k, v in parts.items()}
+    return total, {"ce": ce.detach(), "reg_img": reg_img.detach(), "reg_txt": reg_txt.detach(), "fusion": fusion}
 
 
-def make_model(clip_model, roles, cfg: Config) -> DeAR:
-    """The model of a run (runs.run calls it with the backbone and the head roles it loaded)."""
-    return DeAR(
-        clip_model,
-        roles,
-        J=cfg.J,
-        beta=cfg.beta,
-        rep_dim=cfg.rep_dim,
-        mask=cfg.mask,
-        attr_tokens=cfg.method == "dear" and cfg.attr_tokens,
-        alpha_cls=cfg.alpha_cls,
-    )
+# ------------------------------------------------------------------------------------------------------------------
+# 5. The recipe: a field left None takes its default from these tables (resolve), yunncheng/MMRL at 27d8821
+
+# (beta, lambda_reg) per dataset, base-to-novel and few-shot: MMRL++'s table (trainers/config.py); else (0.9, 1.0)
+DATASET_DEFAULTS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": (0.9, 3.0), "dtd": (0.9, 7.0),
+                    "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0), "caltech101": (0.6, 3.0),
+                    "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0), "eurosat": (0.2, 0.01),
+                    "food101": (0.1, 1.0)}  # fmt: skip
+XD_DEFAULTS = (0.9, 0.1)  # the ImageNet source of cross-dataset / domain generalisation (MMRL++, task CD)
+# MMRL++'s test-time beta per xd target (task CD); --target-beta source uses the source's beta instead
+XD_TARGET_BETA = {"imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
+                  "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6, "caltech101": 0.6,
+                  "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}  # fmt: skip
+# (epochs, batch size, warm-up epochs, lr), one published config per row: b2n MMRL's vit_b16 (ImageNet:
+# vit_b16_imagenet); fewshot MMRL++'s vit_b16_few_shot, tuned with the table above (ImageNet: vit_b16_imagenet); xd
+# MMRL's vit_b16_cross_datasets. The toy world's tiny CLIP needs 20 b2n epochs to fit.
+SCHEDULES = {"b2n": (10, 4, 1, 1e-3), ("b2n", "imagenet"): (5, 32, 1, 1e-3), ("b2n", "toyworld"): (20, 4, 1, 1e-3),
+             "fewshot": (100, 32, 1, 2e-3), ("fewshot", "imagenet"): (5, 32, 1, 1e-3),
+             ("fewshot", "toyworld"): (50, 32, 1, 1e-3), "xd": (1, 32, 0, 1e-3)}  # fmt: skip
 
 
-def make_loss(cfg: Config):
-    """The DeAR loss with a run's weights, as train.train calls it: loss_fn(model, out, labels)."""
+def number(kind, ok, what):
+    """An argparse type: a finite `kind` with ok(value)."""
 
-    def loss_fn(model, out, labels):
-        return dear_loss(out, labels, model.t0, model.alpha(), cfg.lambda_reg, cfg.lambda_fusion)
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
 
-    return loss_fn
+    return parse
 
 
-# ----------------------------------------------------------------------------------------------
-# 5. The command line
+POSITIVE, COUNT = number(int, lambda v: v >= 1, "a whole number >= 1"), number(int, lambda v: v >= 0, "a count >= 0")
+SEED, CROP = number(int, lambda v: 0 <= v < 2**32, "a seed < 2^32"), number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+UNIT, OPEN = number(float, lambda v: 0 <= v <= 1, "in [0, 1]"), number(float, lambda v: 0 < v < 1, "in (0, 1)")
+NONNEG, RATE = number(float, lambda v: v >= 0, "a number >= 0"), number(float, lambda v: v > 0, "a number > 0")
+
+
+def opt(default, help, type=str, choices=None, **kw):
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices, **kw))
+
+
+@dataclass
+class Config:
+    dataset: str = opt("eurosat", "a data.py name (toyworld: offline), or folder:PATH")
+    root: str = opt(os.environ.get("DATA", "data"), "folder of the datasets in CoOp's layout ($DATA)")
+    protocol: str = opt("b2n", "base-to-novel, few-shot, or cross-dataset (train the source, test --targets too)",
+                        choices=("b2n", "fewshot", "xd"))  # fmt: skip
+    method: str = opt("dear", "zeroshot: frozen CLIP through the same code", choices=("dear", "zeroshot"))
+    shots: int = opt(16, "training images per class", POSITIVE)
+    seed: int = opt(1, "seed of the few-shot subset and the run", SEED)
+    backbone: str = opt(None, "ViT-B/32, ViT-B/16, ViT-L/14, ViT-L/14@336px, toy, or a file (default: ViT-B/16; toy)")
+    targets: list = opt(None, "xd targets, comma-separated or repeated (default: ImageNet's 4 variants, 10 datasets)",
+                        action="append")  # fmt: skip
+    out: str = opt("runs", "output root; every run gets its own folder")
+    J: int = opt(None, "tokens enter block J (from 1) (default: the last third of the blocks: 9 of 12)", POSITIVE)
+    beta: float = opt(None, "token mixing (default: MMRL++'s table, else 0.9)", UNIT)
+    lambda_reg: float = opt(None, "self-regularisation (default: MMRL++'s table, else 1.0; xd source 0.1)", NONNEG)
+    lambda_fusion: float = opt(1.0, "weight of -log alpha_cls", NONNEG)
+    alpha_cls: float = opt(0.7, "initial fusion weight of the class logits (each token: the rest / 5)", OPEN)
+    rep_dim: int = opt(512, "width of the shared token matrix R", POSITIVE)
+    tokens: str = opt("mmrlpp", "MMRL++'s token parameters (shared aligner + rank-4 residuals, P_attr = proj + rank 64)"
+                      "or MMRL's (a full aligner per block and P_attr)", choices=("mmrlpp", "mmrl"))  # fmt: skip
+    mask: str = opt("role", "per-head mask or an ablation", choices=("role", "generalization-only", "none"))
+    attr_tokens: bool = opt(True, "ablation: no attribute tokens (frozen CLIP)", flag="--no-attr-tokens")
+    novel_logits: str = opt("fused", "novel classes, xd targets (cls: MMRL's)", choices=("fused", "cls"))
+    target_beta: str = opt("table", "xd targets: MMRL++'s beta, or the source's", choices=("table", "source"))
+    roles: str = opt(None, "roles JSON written by entropy.py (default: computed once, cached)")
+    roles_control: str = opt("none", "random: each block's roles shuffled (by --seed); oracle: the toy's ground truth",
+                             choices=("none", "random", "oracle"))  # fmt: skip
+    epochs: int = opt(None, "default: b2n 10 (ImageNet 5, toy 20), fewshot 100 (ImageNet 5, toy 50), xd 1", POSITIVE)
+    batch_size: int = opt(None, "default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)", POSITIVE)
+    warmup_epochs: int = opt(None, "epochs at --warmup-lr before the cosine (default: 1; xd 0)", COUNT)
+    lr: float = opt(None, "AdamW lr (default: 1e-3; fewshot 2e-3, ImageNet fewshot 1e-3)", RATE)
+    warmup_lr: float = opt(1e-5, "learning rate of the warm-up epochs", RATE)
+    weight_decay: float = opt(5e-4, "AdamW weight decay", NONNEG)
+    crop_scale: float = opt(None, "smallest area of the training crop (default: 0.5; toyworld 1)", CROP)
+    eval_batch_size: int = opt(100, "evaluation batch size", POSITIVE)
+    workers: int = opt(None, "data-loading processes (default: up to 4); no result depends on it", COUNT)
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N")
+    precision: str = opt("amp", "amp: fp16 + GradScaler on CUDA, fp32 on a CPU (MMRL's); head and loss always fp32",
+                         choices=("amp", "fp16", "bf16", "fp32"))  # fmt: skip
+    eval_precision: str = opt("fp32", "as MMRL's test()", choices=("fp32", "fp16", "bf16"))
+    eval_only: bool = opt(False, "evaluate the run of --load on --dataset / --protocol")
+    load: str = opt(None, "a finished run folder")
+    resume: bool = opt(False, "continue an interrupted run from its last epoch (else start it)")
+    force: bool = opt(False, "redo a finished run, or restart an interrupted one")
+    roles_only: bool = opt(False, "only compute (or find) the head roles, into OUT/roles/J<J>/")
+
+
+GROUPS = {"J": "the method", "epochs": "optimisation", "eval_only": "runs"}
+NAMES = [f.name for f in dataclasses.fields(Config)]
+TUNED = ["backbone"] + NAMES[NAMES.index("J") : NAMES.index("eval_only")]  # the flags that name a variant
+# Fields that change no result, or only through the files they name (compared by content)
+BOOKKEEPING = ("root", "out", "workers", "eval_batch_size", "device", "load", "resume", "force", "roles_only")
+# What --eval-only takes from the evaluated run
+CARRIED = ("backbone", "J", "beta", "rep_dim", "tokens", "mask", "attr_tokens", "alpha_cls", "roles_control", "seed",
+           "method", "novel_logits")  # fmt: skip
+
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(description="DeAR: adapt CLIP with attribute tokens and role-based head masks.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)  # fmt: skip
+    p.error, g = refuse, p.add_argument_group("what to run")
+    for f in dataclasses.fields(Config):
+        m = dict(f.metadata)
+        flag = m.pop("flag", "--" + f.name.replace("_", "-"))
+        if f.name in GROUPS:  # the fields come in four groups, each starting with one of these
+            g = p.add_argument_group(GROUPS[f.name])
+        if f.type is bool:
+            g.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=m["help"])
+        else:
+            shown = f" (default: {f.default})" if f.default is not None and "default" not in m["help"] else ""
+            g.add_argument(flag, dest=f.name, default=f.default, **dict(m, help=m["help"] + shown))
+    return Config(**vars(p.parse_args(argv)))
+
+
+def refuse(message):
+    raise UserError(f"{message} (see --help)")  # argparse's errors as one line, through main's handler
+
+
+EXAMPLES = """examples:
+  python dear.py --dataset toyworld                  # offline, a tiny CLIP, minutes on a CPU
+  python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16
+  python dear.py predict --load RUN a.jpg --explain x.png   # classify and explain your own images
+environment: DATA (default --root), CLIP_CACHE (checkpoints, the toy CLIP, head roles; default ~/.cache/clip)"""
+
+
+def resolve(cfg: Config) -> Config:
+    """The flag checks (for a Config built in code too), then every None filled from the tables above; J needs the
+    backbone's depth (default_J)."""
+    for f in dataclasses.fields(Config):
+        value, m, flag = getattr(cfg, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        try:
+            if value is not None and f.type in (int, float) and m["type"](str(value)) != value:
+                raise argparse.ArgumentTypeError(f"{value!r} is not a {f.type.__name__}")
+        except argparse.ArgumentTypeError as e:
+            raise UserError(f"{flag}: {e}") from None
+        if value is not None and m["choices"] and value not in m["choices"]:
+            raise UserError(f"{flag} {value!r}: choose from {', '.join(m['choices'])}")
+    c = dataclasses.replace(cfg)
+    c.backbone = c.backbone or ("toy" if c.dataset == "toyworld" else "ViT-B/16")
+    beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
+    epochs, batch, warmup, lr = SCHEDULES.get((c.protocol, c.dataset), SCHEDULES[c.protocol])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for k, v in dict(beta=beta, lambda_reg=lam, epochs=epochs, batch_size=batch, warmup_epochs=warmup, lr=lr,
+                     crop_scale=1.0 if c.dataset == "toyworld" else 0.5, workers=min(4, cpus)).items():  # fmt: skip
+        setattr(c, k, v if getattr(c, k) is None else getattr(c, k))
+    c.targets = [t for v in c.targets or [] for t in ([v] if v.startswith("folder:") else v.split(",")) if t]
+    if c.protocol == "xd" and not c.targets:
+        c.targets = [t for t in data.DG_TARGETS + data.B2N_DATASETS if t != c.dataset]
+    return c
+
+
+def default_J(num_layers):
+    """Tokens in the last third of the blocks, as DeAR's 9..12 of 12: ViT-L/14 17..24, the toy CLIP 3..4."""
+    return num_layers - math.ceil(num_layers / 3) + 1
+
+
+def eval_beta(c: Config, dataset):
+    """An evaluation's beta: the run's, except on xd targets (MMRL++'s test-time beta, where its table has one)."""
+    if c.protocol != "xd" or dataset == c.dataset or c.target_beta == "source":
+        return c.beta
+    return XD_TARGET_BETA.get(dataset, c.beta)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 6. Training and evaluation, MMRL's protocol
+
+AMP = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def lr_at(epoch, c: Config):
+    """Epoch e (from 0): warmup_lr for e < W, then lr (1 + cos(pi (e - W) / E)) / 2, as Dassl's constant warm-up
+    and cosine schedulers stepped per epoch."""
+    if epoch < c.warmup_epochs:
+        return c.warmup_lr
+    return c.lr * (1 + math.cos(math.pi * (epoch - c.warmup_epochs) / c.epochs)) / 2
+
+
+def pick_device(c: Config):
+    """The device, and the precisions used on it: amp (MMRL's PREC "amp") is fp16 with a GradScaler on CUDA, fp32
+    on a CPU."""
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if c.device == "auto" else c.device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available here")
+    if "bf16" in (c.precision, c.eval_precision) and name.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise UserError("--precision bf16: this GPU has no bfloat16; use fp16")
+    c.precision = ("fp16" if name.startswith("cuda") else "fp32") if c.precision == "amp" else c.precision
+    return torch.device(name)
+
+
+class SeededImages(data.ImageList):
+    """Each image's augmentation drawn from a seed of its own, handed over with its index by the loader: the draws
+    do not depend on the number of data-loading workers."""
+
+    def __getitem__(self, item):
+        i, seed = item
+        torch.default_generator.manual_seed(seed)  # the CPU generator only (torch.manual_seed seeds CUDA too: slow)
+        return super().__getitem__(i)
+
+
+def train(model, ds, c: Config, device, ckpt, log):
+    """Train on ds.train with a checkpoint at every epoch end, which --resume continues from, to exactly the weights
+    of an uninterrupted run. Returns what results.json records of the training."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        log("no trainable parameters (no attribute tokens): the model is frozen CLIP")
+        return {"steps": 0, "trainable": 0}
+    model.set_classes(ds.classnames, ds.template)
+    amp = AMP[c.precision]
+    opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay, fused=device.type == "cuda")
+    # fp16: the GradScaler skips a step whose gradients overflowed (inf/nan) and lowers the scale, as MMRL's amp
+    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
+    start = 0
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location=device, weights_only=True)
+        if state["precision"] != c.precision:
+            raise UserError(f"{ckpt} was written with --precision {state['precision']}; resume with it, or --force")
+        model.load_trainable(state["model"], ckpt)
+        opt.load_state_dict(state["opt"])
+        scaler.load_state_dict(state["scaler"])
+        start = state["epoch"]
+        log(f"resuming from {ckpt} at epoch {start + 1}")
+    images = SeededImages(ds.train, data.train_transform(model.clip.visual.input_resolution, c.crop_scale))
+    n = len(ds.train)
+    steps = max(1, n // c.batch_size)  # Dassl drops the last incomplete batch
+    t_start, done, log_every = time.time(), 0, max(1, min(50, steps // 2))
+    taken = lambda: int(opt.state[params[0]].get("step", 0))  # noqa: E731  AdamW's count: skipped steps excluded
+    for epoch in range(start, c.epochs):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(epoch, c)
+        seed = c.seed * 1000 + epoch
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        batches = [
+            [(i, seed * 2**24 + i) for i in order[s * c.batch_size : (s + 1) * c.batch_size]] for s in range(steps)
+        ]
+        loader = torch.utils.data.DataLoader(images, batch_sampler=batches, num_workers=c.workers,
+                                             pin_memory=device.type == "cuda")  # fmt: skip
+        model.train()
+        for step, (x, y) in enumerate(loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                out = model(x, with_frozen=True)
+            loss, parts = dear_loss(out, y, model.t0, model.alpha(), c.lambda_reg, c.lambda_fusion)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            done += 1
+            if (step + 1) % log_every == 0 or step + 1 == steps:  # the only waits for the device
+                value, skipped = loss.item(), epoch * steps + step + 1 - taken()
+                if not math.isfinite(value) and not scaler.is_enabled():  # nothing skips this step: stop
+                    to = "--precision fp32" if c.precision == "bf16" else "a lower --lr"
+                    raise UserError(f"the loss became {value} by epoch {epoch + 1}, step {step + 1}; try {to}")
+                eta = (time.time() - t_start) / done * ((c.epochs - start) * steps - done)
+                ce, lr = parts["ce"].item(), lr_at(epoch, c)
+                log(f"epoch {epoch + 1}/{c.epochs} step {step + 1}/{steps} loss {value:.4f} ce {ce:.3f} lr {lr:.2e}"
+                    + (f" skipped {skipped}" if skipped else "") + f" eta {eta:.0f}s")  # fmt: skip
+        save({"model": model.trainable_state(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
+              "epoch": epoch + 1, "precision": c.precision}, ckpt)  # fmt: skip
+    return {"steps": done, "skipped_steps": c.epochs * steps - taken(), "trainable": sum(p.numel() for p in params)}
+
+
+@torch.no_grad()
+def evaluate(model, items, classnames, template, c: Config, device, rule="fused", log=print, name=""):
+    """Top-1 accuracy (%) of the fused (or class-only) logits, overall and per class; fp32 unless --eval-precision
+    says otherwise (MMRL's test() has no autocast)."""
+    model.eval()
+    model.set_classes(classnames, template)
+    amp = AMP[c.eval_precision]
+    images = data.ImageList(items, data.test_transform(model.clip.visual.input_resolution))
+    loader = torch.utils.data.DataLoader(images, batch_size=c.eval_batch_size, num_workers=c.workers,
+                                         pin_memory=device.type == "cuda")  # fmt: skip
+    correct = torch.zeros(len(classnames), dtype=torch.long, device=device)  # per true class
+    count, t_start = torch.zeros_like(correct), time.time()
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        t = model.encode_classes()  # [C, E], once for the whole evaluation
+        for i, (x, y) in enumerate(loader):
+            out = model(x.to(device, non_blocking=True), t=t)
+            scores, y = out["fused"] if rule == "fused" else out["logits"][:, 0], y.to(device)  # [B, C]
+            correct.index_add_(0, y, (scores.argmax(-1) == y).long())
+            count.index_add_(0, y, torch.ones_like(y))
+            if (i + 1) % 50 == 0:
+                eta = (time.time() - t_start) / (i + 1) * (len(loader) - i - 1)
+                log(f"  eval {name}: {i + 1}/{len(loader)} batches, eta {eta:.0f}s")
+    correct, count = correct.tolist(), count.tolist()
+    per_class = [{"class": k, "accuracy": 100.0 * a / max(1, n), "n": n} for k, a, n in zip(classnames, correct, count)]
+    accuracy = 100.0 * sum(correct) / max(1, sum(count))
+    return dict(accuracy=accuracy, n=sum(count), logits=rule, precision=c.eval_precision, per_class=per_class)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 7. The run. Its folder is its identity: a finished run is reused, and an interrupted one resumed, only when its
+# recorded config (the resolved flags; by content the dataset folder, checkpoint and roles) equals the call's.
+
+
+def save(obj, path):
+    """A checkpoint, or JSON for a .json path, written whole or not at all."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    if path.endswith(".json"):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def variant(c: Config):
+    """The flags that differ from this dataset and protocol's defaults: `default`, or e.g. `mask-none_J-7`."""
+    base = resolve(Config(dataset=c.dataset, protocol=c.protocol, root=c.root))
+    names = ("backbone", "precision", "eval_precision") if c.method == "zeroshot" else TUNED  # zero-shot: what it uses
+    parts = [f"{k}-{getattr(c, k)}" for k in names if k not in BOOKKEEPING and getattr(c, k) != getattr(base, k)]
+    parts = [p if len(p) < 40 else p[:20] + hashlib.sha256(p.encode()).hexdigest()[:8] for p in parts]
+    return "_".join(parts).replace("/", "-") or "default"
+
+
+def run_dir(c: Config):
+    """OUT/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>/ (--eval-only: RUN/eval/<protocol>-<dataset>/);
+    a folder:PATH dataset is named after its folder and its resolved path's hash."""
+    tag, path = c.dataset, os.path.realpath(c.dataset[7:])
+    if c.dataset.startswith("folder:"):
+        tag = f"folder-{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+    if c.eval_only:
+        return os.path.join(c.load, "eval", f"{c.protocol}-{tag}")
+    return os.path.join(c.out, c.protocol, tag, f"{c.method}-{variant(c)}-shots{c.shots}-seed{c.seed}")
+
+
+def environment():
+    """Where a run ran: versions, the device, the code's commit and whether the tree had changes."""
+    git = lambda *a: subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), *a],  # noqa: E731
+                                    capture_output=True, text=True).stdout.strip()  # fmt: skip
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((l.split(":")[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), cpu)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    return dict(python=platform.python_version(), torch=torch.__version__, torchvision=torchvision.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), device=device,
+                git_commit=git("rev-parse", "HEAD") or None, git_dirty=bool(git("status", "--porcelain")))  # fmt: skip
+
+
+def lock(rdir):
+    """An exclusive flock on rdir/.lock held by this process; O_NOFOLLOW: never through a link."""
+    fd = os.open(os.path.join(rdir, ".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{rdir} is being written by another process") from None
+    return fd
+
+
+def build(c: Config, device, log, roles_path=None):
+    """The backbone, the head roles and the DeAR model of a resolved config: (model, roles file or None)."""
+    clip_model, _ = toyworld.load_clip(c.backbone, device=device, log=log)
+    if c.backbone == "toy" and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # the toy CLIP's matrices are too small for a second thread to pay
+    L = clip_model.visual.transformer.layers
+    c.J, roles = c.J or default_J(L), None
+    if c.J > L:
+        raise UserError(f"--J {c.J}: {c.backbone} has {L} blocks")
+    layers = list(range(c.J, L + 1))
+    if c.method == "dear" and c.attr_tokens and c.mask != "none":
+        roles_path = roles_path or c.roles
+        if not roles_path:  # computed once and cached, on ImageNet's test images if ImageNet is under --root (as
+            # TextSpan), else on the run's own training images (never its test images)
+            imagenet = os.path.isdir(data.dataset_folder("imagenet", c.root))
+            probe, split = ("imagenet", "test") if imagenet else (c.dataset, "train")
+            log(f"head roles of {c.backbone}, blocks {c.J}..{L}: probe {probe} {split} (computed once, then cached)")
+            roles_path = entropy.run(c.backbone, probe, c.root, layers, split=split, device=str(device), log=log)
+        heads = clip_model.visual.transformer.heads
+        roles = entropy.load_roles(roles_path, num_layers=L, num_heads=heads, layers=layers, sha256=clip_model.sha256)
+        if c.roles_control != "none":
+            roles = entropy.control_roles(roles, c.roles_control, c.seed)
+    torch.manual_seed(c.seed)  # the tokens' initialisation
+    model = DeAR(clip_model, roles, c.J, c.beta, c.rep_dim, c.mask, c.method == "dear" and c.attr_tokens, c.alpha_cls,
+                 c.tokens)  # fmt: skip
+    return model.to(device), roles_path if roles is not None else None
+
+
+def datasets(c: Config):
+    """(training set, [(test set, split, logits rule)]), every split read before any long work."""
+    if c.dataset == "toyworld":
+        toyworld.ensure_dataset(c.root)
+    if c.protocol == "b2n":
+        base, novel = (data.build_dataset(c.dataset, c.root, c.shots, c.seed, s) for s in ("base", "novel"))
+        return base, [(base, "base", "fused"), (novel, "novel", c.novel_logits)]
+    source = data.build_dataset(c.dataset, c.root, c.shots, c.seed)
+    targets = [(data.build_dataset(t, c.root), "all", c.novel_logits) for t in c.targets]
+    return source, [(source, "all", "fused")] + targets
+
+
+def run(cfg: Config, log_to_stdout=True):
+    """One run: train (unless zero-shot or --eval-only), evaluate, write results.json; returns the results."""
+    if cfg.eval_only:
+        if not (cfg.load and os.path.isfile(os.path.join(cfg.load, "model.pt"))):
+            raise UserError("--eval-only needs --load RUN, a finished run folder")
+        with open(os.path.join(cfg.load, "config.json")) as f:
+            cfg = dataclasses.replace(cfg, **{k: v for k, v in json.load(f)["config"].items() if k in CARRIED})
+    c = resolve(cfg)
+    name, rdir = variant(c), run_dir(c)  # named by the flags as given (amp, not what amp resolves to)
+    device = pick_device(c)
+    train_ds, evals = datasets(c)  # a missing dataset stops the run before anything is written
+    os.makedirs(rdir, exist_ok=True)
+    fd, p = lock(rdir), lambda f: os.path.join(rdir, f)  # noqa: E731
+    for f in ("results.json", "checkpoint.pt", "model.pt", "roles.json", "config.json") if c.force else ():
+        if os.path.exists(p(f)):  # results first: once they are gone the folder holds no finished run
+            os.remove(p(f))
+    log_file = open(p("log.txt"), "a")
+
+    def log(msg):
+        for out in (log_file, sys.stdout) if log_to_stdout else (log_file,):
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=out, flush=True)
+
+    try:
+        env = environment()
+        log(f"{c.method} {c.protocol} {c.dataset} -> {rdir} | " + " ".join(f"{k} {v}" for k, v in env.items()))
+        # a resumed or evaluated run keeps its own copy of the roles, whatever the cache holds now
+        resuming, finished = c.resume and os.path.exists(p("checkpoint.pt")), os.path.exists(p("results.json"))
+        own = os.path.join(c.load, "roles.json") if c.eval_only else p("roles.json")
+        model, roles = build(c, device, log, own if (c.eval_only or resuming) and os.path.exists(own) else None)
+        config = {k: v for k, v in dataclasses.asdict(c).items() if k not in BOOKKEEPING}
+        roles_sha = roles and hashlib.sha256(open(roles, "rb").read()).hexdigest()
+        inputs = {"dataset_folder": os.path.realpath(data.dataset_folder(c.dataset, c.root)),
+                  "backbone_sha256": model.clip.sha256, "roles_sha256": roles_sha}  # fmt: skip
+        if os.path.exists(p("checkpoint.pt")) and not (finished or c.resume):
+            raise UserError(f"{rdir} holds an interrupted run: pass --resume to continue it, or --force")
+        if finished or resuming:  # the folder's recorded config must equal this call's
+            saved = json.load(open(p("config.json"))) if os.path.exists(p("config.json")) else {}
+            now = {f"config.{k}": v for k, v in config.items()} | {f"inputs.{k}": v for k, v in inputs.items()}
+            was = {f"{g}.{k}": v for g in ("config", "inputs") for k, v in saved.get(g, {}).items()}
+            diff = [f"{k}: {was.get(k)!r} -> {v!r}" for k, v in now.items() if was.get(k) != v]
+            if diff:
+                raise UserError(
+                    f"{rdir} holds a run of another config ({'; '.join(diff[:4])}); use another --out or --force"
+                )
+        if finished:
+            results = json.load(open(p("results.json")))
+            if not all(0 <= e["accuracy"] <= 100 for e in results["evals"]):  # NaN fails too
+                raise UserError(f"{p('results.json')} holds accuracies outside 0..100; --force redoes the run")
+            print(f"done already: {p('results.json')} (--force redoes it)")
+            return results
+        if roles and os.path.realpath(roles) != os.path.realpath(p("roles.json")):
+            shutil.copyfile(roles, p("roles.json.tmp"))
+            os.replace(p("roles.json.tmp"), p("roles.json"))
+        if roles:
+            entropy.write_report(json.load(open(p("roles.json"))), rdir)  # roles.md, roles.png
+        classes = sum((e[0].classnames for e in evals[: 2 if c.protocol == "b2n" else 1]), [])  # base + novel
+        save({"config": config, "inputs": inputs, "env": env, "classes": classes, "template": train_ds.template},
+             p("config.json"))  # fmt: skip
+        t0, stats = time.time(), None
+        if c.eval_only:
+            trained = os.path.join(c.load, "model.pt")
+            model.load_trainable(torch.load(trained, map_location=device, weights_only=True), trained)
+        elif c.method == "dear":
+            log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {c.epochs} epochs, batch "
+                f"{c.batch_size}, beta {c.beta}, lambda_reg {c.lambda_reg}, J {c.J}, tokens {c.tokens}: "
+                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable values")  # fmt: skip
+            stats = train(model, train_ds, c, device, p("checkpoint.pt"), log)
+            save(model.trainable_state(), p("model.pt"))
+        warnings = list(dict.fromkeys(w for ds in [train_ds] + [e[0] for e in evals] for w in ds.warnings))
+        results = {"config": config, "inputs": inputs, "variant": name, "env": env, "evals": [], "train": stats,
+                   "train_shots": train_ds.shots_per_class, "warnings": warnings}  # fmt: skip
+        t1 = time.time()
+        for ds, split, rule in evals:
+            model.beta = eval_beta(c, ds.name)  # xd targets: MMRL++'s test-time beta
+            r = evaluate(model, ds.test, ds.classnames, ds.template, c, device, rule, log, f"{ds.name}/{split}")
+            results["evals"].append({"dataset": ds.name, "split": split, "beta": model.beta, **r})
+            log(f"{ds.name} {split}: {r['accuracy']:.2f}% of {r['n']} ({rule} logits, beta {model.beta})")
+        if c.protocol == "b2n":
+            b, n = (e["accuracy"] for e in results["evals"])
+            results["hm"] = 2 * b * n / (b + n) if b + n > 0 else 0.0
+            log(f"HM {results['hm']:.2f}")
+        if model.use_tokens:
+            results["fusion_weights"] = model.fusion_weights()
+        results["timing"] = {"train_s": t1 - t0, "eval_s": time.time() - t1}
+        save(results, p("results.json"))
+        if os.path.exists(p("checkpoint.pt")):
+            os.remove(p("checkpoint.pt"))
+        log(f"wrote {p('results.json')}")
+        return results
+    finally:
+        log_file.close()
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 8. Predict and explain: a trained run on your own images
+
+
+@torch.no_grad()
+def attention_maps(model, images):
+    """[B, 1+K, P]: what CLS (all heads) and each attribute token (its expert heads in the last block, or the mixed
+    heads where it has none) attend to among the patches in the last block; and the heads of each map."""
+    x = model.token_blocks(model.frozen_prefix(images), stop=model.L - 1)  # the input of the last block [B, T, D]
+    if model.first == model.L - 1:  # J = L: the tokens enter the last block itself
+        x = insert(x.float(), model.F_v(model.R, 0).float())
+    block, mask = model.clip.visual.transformer.resblocks[-1], getattr(model, f"mask_{model.L - 1 - model.first}")
+    w = block.attn(block.ln_1(x), attn_mask=mask, need_weights=True)[1][:, :, : 1 + K, 1 + K :]  # [B, H, 1+K, P]
+    last = model.roles[model.L] if model.roles else [{"role": "mixed"}] * w.shape[1]
+    heads = [list(range(w.shape[1]))]  # CLS: every head
+    for a in ATTRIBUTES:
+        experts = [h for h, r in enumerate(last) if r["role"] == "attribute" and r["attribute"] == a]
+        heads.append(experts or [h for h, r in enumerate(last) if r["role"] == "mixed"])
+    return torch.stack([w[:, hs, k].mean(1) for k, hs in enumerate(heads)], 1), heads
+
+
+def predict(argv):
+    p = argparse.ArgumentParser(prog="dear.py predict", description="Classify (and explain) images with a trained run.")
+    p.add_argument("images", nargs="+", help="image files")
+    p.add_argument("--load", required=True, help="a finished run folder")
+    p.add_argument("--classes", help="a file of class names, one a line (default: the run's classes, base and novel)")
+    p.add_argument("--template", help="the prompt template (default: the run's)")
+    p.add_argument("--explain", help="a PNG: what CLS and each attribute token look at in the last block")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    with open(os.path.join(a.load, "config.json")) as f:
+        saved = json.load(f)
+    c = resolve(Config(**dict(saved["config"], device=a.device)))
+    device = pick_device(c)
+    model = build(c, device, print, os.path.join(a.load, "roles.json"))[0]
+    model.load_trainable(torch.load(os.path.join(a.load, "model.pt"), map_location=device, weights_only=True), a.load)
+    names = [l.strip() for l in open(a.classes) if l.strip()] if a.classes else saved["classes"]
+    model.eval().set_classes(names, a.template or saved["template"])
+    images = [Image.open(f).convert("RGB") for f in a.images]
+    x = torch.stack([data.test_transform(model.clip.visual.input_resolution)(im) for im in images]).to(device)
+    out, alpha = model(x), model.fusion_weights() if model.use_tokens else {"cls": 1.0}
+    report, top = [], out["fused"].softmax(-1).topk(min(5, len(names)))  # [B, 5]
+    for i, f in enumerate(a.images):
+        evidence = {k: {"alpha": alpha[k], "top": names[out["logits"][i, j].argmax()]} for j, k in enumerate(alpha)}
+        top5 = [[names[j], p] for p, j in zip(top.values[i].tolist(), top.indices[i].tolist())]
+        report.append({"image": f, "top5": top5, "evidence": evidence})
+        if not a.json:
+            print(f + ": " + ", ".join(f"{n} {p:.1%}" for n, p in top5))
+            print(
+                "  by logit set: " + ", ".join(f"{k} (alpha {v['alpha']:.2f}) {v['top']}" for k, v in evidence.items())
+            )
+    if a.explain and model.use_tokens:
+        labels = ["CLS"] + [f"{k} alpha {alpha[k]:.2f}" for k in ATTRIBUTES]
+        entropy.draw_maps(images, attention_maps(model, x)[0].cpu(), labels, a.explain)
+    if a.json:
+        print(json.dumps(report, indent=1))
+    return report
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        if cfg.roles_only:
-            return runs.export_roles(cfg)
-        results = runs.run(cfg, make_model, make_loss)
-    except runs.USER_ERRORS as e:  # a problem the user can fix: one line, exit 2
+        if argv[:1] == ["predict"]:
+            return predict(argv[1:])
+        cfg = parse_args(argv)
+        if cfg.roles_only:  # the roles a run would use, copied to OUT/roles/J<J>/ (where tables.py reads them)
+            c = resolve(dataclasses.replace(cfg, method="dear", attr_tokens=True, mask="role"))
+            source, dest = os.path.dirname(build(c, pick_device(c), print)[1]), os.path.join(c.out, "roles", f"J{c.J}")
+            os.makedirs(dest, exist_ok=True)
+            return [shutil.copy(os.path.join(source, f), dest) for f in ("roles.json", "roles.md", "roles.png")]
+        results = run(cfg)
+    except (UserError, OSError) as e:  # a problem the user can fix, or the system reports: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except runs.Interrupted as e:
-        print(f"\n{e}", file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:  # outside a run folder (the roles stage, a toy pretraining)
-        print(
-            "\ninterrupted: nothing was kept; rerun the same command to start again",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command with --resume to continue from the last epoch", file=sys.stderr)
         sys.exit(130)
     line = {e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}
-    if "hm" in results:  # base-to-novel
-        line["hm"] = round(results["hm"], 2)
-    print(json.dumps(line))
+    print(json.dumps(dict(line, **({"hm": round(results["hm"], 2)} if "hm" in results else {}))))
+    return results
 
 
 if __name__ == "__main__":

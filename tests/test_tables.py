@@ -1,350 +1,220 @@
-"""tables.py over hostile output folders: backup copies (two results for one cell), results.json
-files that are no results, runs no table has a cell for, and runs of several schedules (epochs,
-batch size, lr) under one root. Each result that fills no cell is named, on stderr and at the end of
-tables.md; a cell never mixes schedules. The tables themselves (cells, averages, reference numbers)
-are tested in test_run_all.py."""
+"""tables.py on hand-made results.json files (the CONTRACT schema, in folders whose names mean nothing):
+cells, averages and HMs by hand, uneven result folders, published numbers, env differences, the toy tables."""
 
+import csv
+import itertools
 import json
 import os
-import shutil
 
 import pytest
 
 import tables
 
-B2N = tables.B2N_DATASETS
+ENV = dict(python="3.11.9", torch="2.4.1", torchvision="0.19.1", cuda="12.1", cudnn=90100, device="NVIDIA H100",
+           git_commit="f4cba4f", git_dirty=False)  # fmt: skip
+FOLDER = itertools.count()
 
 
-def write_results(folder, res):
-    os.makedirs(folder, exist_ok=True)
+def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, variant="default", backbone="ViT-B/16",
+        env=None, **config):  # fmt: skip
+    """One results.json; `evals`: (dataset, split, accuracy) each. Its folder is named by a counter only."""
+    cfg = dict(protocol=protocol, dataset=dataset, method=method, shots=shots, seed=seed, backbone=backbone,
+               eval_only=False, epochs=5, batch_size=4, lr=0.001, warmup_epochs=1, warmup_lr=1e-05,
+               weight_decay=0.0005, J=9, beta=0.9, mask="role")  # fmt: skip
+    res = {"config": dict(cfg, **config), "variant": variant, "env": dict(ENV, **(env or {})),
+           "inputs": {"dataset_folder": dataset, "backbone_sha256": "ab" * 32, "roles_sha256": None},
+           "evals": [{"dataset": d, "split": s, "beta": 0.9, "accuracy": a, "n": 100, "logits": "fused",
+                      "per_class": []} for d, s, a in evals]}  # fmt: skip
+    folder = os.path.join(out, f"run{next(FOLDER)}")
+    os.makedirs(folder)
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(res, f)
-    return os.path.join(folder, "results.json")
-
-
-def run(
-    out,
-    protocol,
-    dataset,
-    evals,
-    method="dear",
-    seed=1,
-    shots=16,
-    variant="default",
-    backbone="ViT-B/16",
-    **extra,
-):
-    """One results.json in dear.py's format and folder layout; returns its path."""
-    d = os.path.join(out, protocol, dataset, f"{method}-{variant}-shots{shots}-seed{seed}")
-    res = {
-        "method": method,
-        "protocol": protocol,
-        "dataset": dataset,
-        "backbone": backbone,
-        "shots": shots,
-        "seed": seed,
-        "variant": variant,
-        "config": {},
-        "evals": [
-            {"dataset": ds, "split": split, "accuracy": acc, "n": 100} for ds, split, acc in evals
-        ],
-        **extra,
-    }
-    return write_results(d, res)
+    return f.name
 
 
 def b2n(out, dataset, base, novel, **kw):
-    return run(out, "b2n", dataset, [(dataset, "base", base), (dataset, "novel", novel)], **kw)
+    return put(out, "b2n", dataset, [(dataset, "base", base), (dataset, "novel", novel)], **kw)
 
 
-def rows_by_label(table):
-    """{(dataset group, method label): cells} of a B2N table; {label: cells} for the others."""
-    _, header, rows, _ = table
-    out, group = {}, None
-    for row in rows:
-        if header[:2] == ["Dataset", "Method"]:
-            group = row[0] or group
-            out[(group, row[1])] = row[2:]
-        else:
-            out[row[0]] = row[1:]
-    return out
+def section(md, title, where="ViT-B/16"):
+    """The table whose title starts with `title` and ends with `[where]`."""
+    return next(s for s in md.split("\n## ") if s.startswith(title) and s.split("\n")[0].endswith(f"[{where}]"))
 
 
-def md_row(md, label, dataset):
-    """The cells of the Markdown row `| <dataset> | <label> | ...` (B2N tables: the dataset opens
-    its group)."""
-    lines, group = md.splitlines(), None
-    for line in lines:
+def row(md, title, *labels, where="ViT-B/16"):
+    """The cells of the Markdown row labelled `labels` (Table 1: the dataset names its first row only)."""
+    group = None
+    for line in section(md, title, where).splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) > 2:
+        if line.startswith("|") and len(labels) == 2:
             group = cells[0] or group
-            if group == dataset and cells[1] == label:
+            if (group, cells[1]) == labels:
                 return cells[2:]
-    return None
+        elif line.startswith("|") and cells[0] == labels[0]:
+            return cells[1:]
+    raise KeyError(labels)
 
 
-# ------------------------------------------------------------------------------------ duplicates
+def test_cell_is_mean_and_population_std_over_seeds_with_n(tmp_path):
+    for seed, base in ((1, 80.0), (2, 82.0), (3, 87.0)):  # EuroSAT: 3 seeds
+        b2n(tmp_path, "eurosat", base, 60.0, seed=seed)
+    for ds, seed in itertools.product(tables.B2N_DATASETS, (1, 2)):  # the others: 2 seeds, 70 and 74
+        b2n(tmp_path, ds, 70.0 + 4 * (seed - 1), 50.0, seed=seed) if ds != "eurosat" else None
+    md = tables.build(str(tmp_path))
+    # std with ddof=0 as CoOp's parse_test_res.py: sqrt((9 + 1 + 16) / 3) = 2.94 (ddof=1 would give 3.61)
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "83.00 ± 2.94 (n=3)"
+    # HM(83, 60) = 69.65 (the mean of the per-seed HMs would be 69.63); its std over the per-seed HMs
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[2] == "69.65 ± 1.03 (n=3)"
+    assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[0] == "72.00 ± 2.00 (n=2)"
+    # the mean of the dataset means, (83 + 10 * 72) / 11 = 73.00 (over seeds 1 and 2 only: 72.73); its std and n
+    # over the seeds all datasets have: seed 1 (80 + 700) / 11 = 70.91, seed 2 (82 + 740) / 11 = 74.73
+    assert row(md, "Table 1", "Average", tables.OURS_DEAR)[0] == "73.00 ± 1.91 (n=2)"
 
 
-def test_a_backup_copy_is_named_and_fills_no_cell(tmp_path, capsys):
-    """A copy of some runs under the same root (runs/old/...): the copy used to win the cell
-    silently. Now the cell it shares is left empty and both files are named; the other cells are
-    unaffected."""
-    out = str(tmp_path)
-    first = b2n(out, "eurosat", 90.0, 70.0)
-    copy = b2n(os.path.join(out, "old"), "eurosat", 80.0, 60.0)  # an older copy, other numbers
-    b2n(out, "dtd", 70.0, 50.0)
-    problems = []
-    runs = tables.load_runs(out, problems=problems)
+def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
+    accs = {ds: (60.0, 60.0) for ds in tables.B2N_DATASETS} | {"dtd": (90.0, 30.0), "eurosat": (30.0, 90.0)}
+    for ds, (base, novel) in accs.items():
+        b2n(tmp_path, ds, base, novel)
+    md = tables.build(str(tmp_path))
+    base, novel, hm = row(md, "Table 1", "Average", tables.OURS_DEAR)
+    assert (base, novel) == ("60.00 ± 0.00 (n=1)", "60.00 ± 0.00 (n=1)")
+    assert hm == "60.00 ± 0.00 (n=1)"  # HM(60, 60); the mean of the HMs: (9 * 60 + 45 + 45) / 11 = 57.27
+    assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[2] == "45.00 ± 0.00 (n=1)"
+    # ours − the paper, to the paper's precision: DTD's base is printed as 83.9, the average base as 85.94
+    assert row(md, "Table 1", "DTD", "Δ DeAR: this code − paper") == ["+6.1", "–", "–"]
+    assert row(md, "Table 1", "Average", "Δ DeAR: this code − paper") == ["-25.94", "-18.99", "-22.72"]
+
+
+def test_missing_cells_stay_missing(tmp_path):
+    b2n(tmp_path, "dtd", 80.0, 60.0)
+    put(tmp_path, "fewshot", "dtd", [("dtd", "all", 50.0)], shots=4)
+    md = tables.build(str(tmp_path))
+    assert row(md, "Table 1", "ImageNet", tables.OURS_DEAR) == ["–", "–", "–"]
+    assert row(md, "Table 1", "Average", tables.OURS_DEAR) == ["–", "–", "–"]  # 10 of 11 datasets have no run
+    assert row(md, "Table 1", "DTD", tables.OURS_CLIP) == ["–", "–", "–"]
+    assert row(md, "Table 1", "DTD", tables.PAPER_DEAR) == ["83.9 [p]", "–", "–"]
+    assert row(md, "Table 4", "DeAR 8-shot (this code)") == ["–", "–", "–", "–", "–", "–", "–", "–", "–", "–", "–", "–"]
+    assert row(md, "Table 4", "DeAR 4-shot (this code)")[8] == "50.00 ± 0.00 (n=1)"  # DTD, 9th of the 11
+
+
+def test_backbones_have_their_own_cells_and_only_vit_b16_its_published_numbers(tmp_path):
+    b2n(tmp_path, "eurosat", 80.0, 60.0, seed=1)
+    b2n(tmp_path, "eurosat", 90.0, 70.0, seed=1, backbone="ViT-B/32", variant="backbone-ViT-B-32")
+    b2n(tmp_path, "eurosat", 50.0, 40.0, seed=2, backbone="ViT-B/32", variant="backbone-ViT-B-32")
+    b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot", variant="backbone-ViT-L-14")
+    md = tables.build(str(tmp_path))
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "80.00 ± 0.00 (n=1)"
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR, where="ViT-B/32")[0] == "70.00 ± 20.00 (n=2)"
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_CLIP, where="ViT-L/14")[0] == "55.00 ± 0.00 (n=1)"
+    assert row(md, "Table 1", "EuroSAT", tables.CLIP_PUB)[0] == "56.48 [r]"
+    for other in ("ViT-B/32", "ViT-L/14"):  # no published rows, no Δ rows
+        assert not [w for w in ("(published)", "(paper)", "Δ") if w in section(md, "Table 1", other)]
+
+
+def test_ablations_average_their_own_datasets(tmp_path):
+    for ds, base, novel in (("imagenet", 70.0, 60.0), ("dtd", 80.0, 50.0), ("eurosat", 90.0, 70.0)):
+        b2n(tmp_path, ds, base, novel)
+    for ds, base, novel in (("dtd", 84.0, 40.0), ("eurosat", 90.0, 60.0)):
+        b2n(tmp_path, ds, base, novel, variant="mask-none", mask="none")
+    md = tables.build(str(tmp_path))
+    assert "## Table 5. Ablations (base-to-novel, averaged over DTD, EuroSAT) [ViT-B/16]" in md
+    full, ablated = tables.hm(85.0, 60.0), tables.hm(87.0, 50.0)  # over DTD and EuroSAT, not ImageNet
+    assert row(md, "Table 5", "DeAR (full, defaults)")[:4] == ["85.00 ± 0.00 (n=1)", "60.00 ± 0.00 (n=1)",
+                                                               f"{full:.2f} ± 0.00 (n=1)", "–"]  # fmt: skip
+    hms = [f"{h:.2f} ± 0.00 (n=1)" for h in (ablated, tables.hm(84, 40), tables.hm(90, 60))]
+    assert row(md, "Table 5", "mask = none")[2:] == [hms[0], f"{ablated - full:+.2f}", *hms[1:]]
+
+
+def test_env_differences_in_a_cell_are_warned_and_noted(tmp_path, capsys):
+    b2n(tmp_path, "eurosat", 80.0, 60.0, seed=1)
+    b2n(tmp_path, "eurosat", 82.0, 62.0, seed=2, env=dict(torch="2.5.0", git_dirty=True))
+    b2n(tmp_path, "dtd", 80.0, 60.0, seed=1, method="zeroshot")
+    b2n(tmp_path, "dtd", 80.0, 60.0, seed=2, method="zeroshot", env=dict(device="NVIDIA H100"))  # the same env
+    md = tables.build(str(tmp_path))
     err = capsys.readouterr().err
-    assert sorted(p for p, _ in problems) == sorted([first, copy])
-    assert (
-        f"tables.py: not shown: {first} fills the same table cell(s) as {copy}; those cells "
-        f"use neither"
-    ) in err
-    assert f"tables.py: not shown: {copy} fills the same table cell(s) as {first}" in err
-    rows = rows_by_label(tables.table_b2n(runs, "ViT-B/16"))
-    assert rows[("EuroSAT", tables.OURS_DEAR)] == [None, None, None]
-    assert rows[("DTD", tables.OURS_DEAR)][0].mean == 70.0
+    assert "EuroSAT / DeAR (this code) / Base (git_dirty, torch) differ in env" in err
+    assert "EuroSAT / DeAR (this code) / HM (git_dirty, torch)" in err
+    assert "DTD / CLIP" not in err and "Average / CLIP" not in err
+    note = [line for line in md.splitlines() if line.startswith("- The runs of these cells differ in env")]
+    assert len(note) == 1 and "EuroSAT / DeAR (this code) / Novel (git_dirty, torch)" in note[0]
+
+
+# Restated from the old tables.py (its PUBLISHED, _B2N_REFERENCE, _B2N_SOURCE and DG rows, SOURCES' letters):
+# table | row | dataset | metric | the number as printed | source letter
+OLD = """
+b2n | DeAR (paper) | average | base | 85.94 | p
+b2n | DeAR (paper) | average | novel | 78.99 | d
+b2n | DeAR (paper) | average | hm | 82.72 | s
+b2n | DeAR (paper) | dtd | base | 83.9 | p
+dg | DeAR (paper) | imagenet_a | acc | 51.80 | s
+xd | DeAR (paper) | average | acc | 67.60 | s
+xd | MMRL (published) | average | acc | 67.25 | d
+b2n | CLIP (published) | dtd | novel | 59.90 | r
+b2n | CLIP (published) | average | hm | 71.70 | m
+b2n | MMRL (published) | dtd | hm | 73.8 | r
+b2n | MMRL (published) | eurosat | novel | 80.17 | i
+b2n | MMRL (published) | average | base | 85.68 | c
+dg | CLIP (published) | imagenet_a | acc | 47.77 | l
+dg | MMRL (published) | imagenet_r | acc | 77.53 | c
+"""
+
+
+@pytest.mark.parametrize("line", OLD.strip().splitlines())
+def test_published_csv_keeps_each_old_number_and_source(line):
+    table, label, dataset, metric, text, letter = line.split(" | ")
+    ref = tables.PUBLISHED[(table, label, dataset, metric)]
+    assert (ref.text, ref.letter) == (text, letter)
+
+
+def test_every_published_row_parses():
+    with open(os.path.join(os.path.dirname(tables.__file__), "assets", "published.csv"), encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(tables.PUBLISHED) == 93  # 91 of the old tables.py + its 2 derived DG averages
+    for r in rows:
+        assert r["source"] in tables.SOURCES and r["table"] in ("b2n", "dg", "xd"), r
+        assert r["value"] == f"{float(r['value']):.{len(r['value'].partition('.')[2])}f}", r  # a number, as printed
+        assert r["source"] != "d" or r["remark"], r  # a derived number says how
+    assert tables.PUBLISHED[("dg", "CLIP (published)", "average", "acc")].text == "57.18"  # (60.83+46.15+47.77+73.96)/4
+
+
+def test_toy_tables_from_toyworld_runs(tmp_path, capsys):
+    out, toy = str(tmp_path), dict(backbone="toy")
+    for seed in (1, 2):  # b2n and ablations on the toy schedule (--epochs 10), transfer and few-shot on the default
+        b2n(out, "toyworld", 80.0 + seed, 60.0, seed=seed, variant="epochs-10", epochs=10, **toy)
+        b2n(out, "toyworld", 70.0, 50.0, seed=seed, variant="J-2_epochs-10", epochs=10, J=2, **toy)
+        b2n(out, "toyworld", 75.0, 40.0, seed=seed, variant="roles_control-oracle_epochs-10", epochs=10, **toy)
+        put(out, "xd", "toyworld", [("toyworld", "all", 85.0), ("folder:/data/toyworld-transfer/noisy", "all", 60.0)],
+            seed=seed, **toy)  # fmt: skip
+        put(out, "fewshot", "toyworld", [("toyworld", "all", 65.0)], shots=2, seed=seed, **toy)
+    put(out, "xd", "toyworld", [("toyworld", "all", 5.0)], eval_only=True, **toy)  # a re-evaluation: not a run
+    b2n(out, "toyworld", 78.0, 55.0, method="zeroshot", **toy)
+    os.makedirs(tmp_path / "roles" / "J3")
+    (tmp_path / "roles" / "J3" / "roles.md").write_text("| L3 H0 | color |")
     assert tables.main(["--out", out]) == 0
     md = open(tmp_path / "tables" / "tables.md").read()
-    assert md_row(md, tables.OURS_DEAR, "EuroSAT")[:3] == ["–", "–", "–"]
-    assert "## Results not shown" in md
-    assert f"- {first} fills the same table cell(s) as {copy}" in md
-    assert "2 runs under" not in md and "1 runs under" in md
-    assert "(2 other results.json not shown" in md
+    assert capsys.readouterr().out.strip() == md.strip()
+    toy10 = "toy, schedule epochs-10"  # b2n and ablations on the toy's schedule, under their own title
+    assert row(md, "Table 1", "ToyWorld", tables.OURS_DEAR, where=toy10)[0] == "81.50 ± 0.50 (n=2)"
+    assert row(md, "Table 1", "ToyWorld", tables.OURS_CLIP, where=toy10)[0] == "78.00 ± 0.00 (n=1)"
+    assert "## Table 5. Ablations (base-to-novel, averaged over ToyWorld) [toy, schedule epochs-10]" in md
+    assert row(md, "Table 5", "J = 2", where=toy10)[0] == "70.00 ± 0.00 (n=2)"
+    assert row(md, "Table 5", "roles_control = oracle", where=toy10)[1] == "40.00 ± 0.00 (n=2)"
+    assert "| Method | ToyWorld (source) | folder noisy | Average |" in section(md, "Table 3", "toy")
+    assert row(md, "Table 3", tables.OURS_DEAR, where="toy") == ["85.00 ± 0.00 (n=2)"] + ["60.00 ± 0.00 (n=2)"] * 2
+    assert row(md, "Table 4", "DeAR 2-shot (this code)", where="toy") == ["65.00 ± 0.00 (n=2)"] * 2
+    assert "Table 2" not in md and "(published) |" not in md and "| L3 H0 | color |" in md
+    lines = open(tmp_path / "tables" / "table1_b2n_epochs-10.csv").read().splitlines()
+    assert lines[0] == "backbone,row,group,column,mean,std,n_seeds,source"
+    assert "toy,DeAR (this code),ToyWorld,Base,81.5000,0.5000,2," in lines
+    assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]
 
 
-def test_a_copy_under_another_seed_or_shots_is_no_duplicate(tmp_path, capsys):
-    """Only two results for one slot clash: other seeds and other shots are other slots; zero-shot
-    runs are one cell whatever their shots (so two of them clash)."""
-    out = str(tmp_path)
-    for k, seed in ((1, 1), (1, 2), (4, 1)):
-        run(out, "fewshot", "dtd", [("dtd", "all", 40.0 + k + seed)], shots=k, seed=seed)
-    z1 = run(out, "fewshot", "dtd", [("dtd", "all", 44.0)], method="zeroshot", shots=16)
-    z2 = run(out, "fewshot", "dtd", [("dtd", "all", 45.0)], method="zeroshot", shots=1)
-    problems = []
-    runs = tables.load_runs(out, problems=problems)
-    assert sorted(p for p, _ in problems) == sorted([z1, z2]) and len(runs) == 3
-    fs = rows_by_label(tables.table_fewshot(runs, "ViT-B/16"))
-    assert fs["DeAR 1-shot (this code)"][B2N.index("dtd")].n == 2
-    assert fs[tables.OURS_CLIP][B2N.index("dtd")] is None
-    capsys.readouterr()
-
-
-def test_an_eval_only_rerun_of_the_same_model_is_no_conflict(tmp_path, capsys):
-    """`--eval-only --load RUN` writes RUN/eval/<protocol>-<dataset>/results.json; it evaluates the
-    same model, so where it repeats a cell of RUN (the source), RUN's own value is used, and its new
-    targets are added."""
-    out = str(tmp_path)
-    source = run(out, "xd", "imagenet", [("imagenet", "all", 70.0), ("dtd", "all", 45.0)])
-    rdir = os.path.dirname(source)
-    again = write_results(
-        os.path.join(rdir, "eval", "xd-imagenet"),
-        {
-            "method": "dear",
-            "protocol": "xd",
-            "dataset": "imagenet",
-            "backbone": "ViT-B/16",
-            "shots": 16,
-            "seed": 1,
-            "variant": "default",
-            "config": {"eval_only": True, "load": rdir},
-            "evals": [
-                {"dataset": "imagenet", "split": "all", "accuracy": 70.5},
-                {"dataset": "caltech101", "split": "all", "accuracy": 90.0},
-            ],
-        },
-    )
-    problems = []
-    runs = tables.load_runs(out, problems=problems)
-    assert problems == [] and "not shown" not in capsys.readouterr().err
-    xd = rows_by_label(tables.table_xd(runs, "ViT-B/16"))[tables.OURS_DEAR]
-    assert xd[0].mean == 70.0  # the training run's source
-    assert xd[1 + tables.XD_TARGETS.index("caltech101")].mean == 90.0  # the eval-only run's target
-    assert xd[1 + tables.XD_TARGETS.index("dtd")].mean == 45.0
-    # a copy of the eval-only result elsewhere is a duplicate like any other: of the training run
-    # on the source, of the eval-only run on its new target
-    copy = os.path.join(out, "copy", "results.json")
-    shutil.copytree(os.path.dirname(again), os.path.dirname(copy))
-    problems = []
-    tables.load_runs(out, problems=problems)
-    fix = "; those cells use neither: move or delete the copy you do not want, then rerun tables.py"
-    same = "fills the same table cell(s) as"
-    assert sorted(problems) == sorted(
-        [
-            (source, f"{same} {copy}{fix}"),
-            (again, f"{same} {copy}{fix}"),
-            (copy, f"{same} {again}, {source}{fix}"),
-        ]
-    )
-    capsys.readouterr()
-
-
-# ---------------------------------------------------------------------------------- broken files
-
-
-BROKEN = {
-    "list": ([], "holds [], not a JSON object of results"),
-    "null": (None, "holds null, not a JSON object of results"),
-    "accuracy null": ("acc-null", "evals[0] (eurosat base) has accuracy null, not a number"),
-    "accuracy missing": ("acc-missing", "evals[1] (eurosat novel) has accuracy null, not a number"),
-    "accuracy text": ("acc-text", "evals[0] (eurosat base) has accuracy \"90\", not a number"),
-    "no backbone": ("no-backbone", "has no backbone, so it belongs to no table"),
-    "no evals": ("no-evals", "has no evals (no accuracy at all)"),
-}
-
-
-def broken_results(kind):
-    res = {
-        "method": "dear",
-        "protocol": "b2n",
-        "dataset": "eurosat",
-        "backbone": "ViT-B/16",
-        "shots": 16,
-        "seed": 1,
-        "variant": "default",
-        "evals": [
-            {"dataset": "eurosat", "split": "base", "accuracy": 90.0},
-            {"dataset": "eurosat", "split": "novel", "accuracy": 70.0},
-        ],
-    }
-    value = BROKEN[kind][0]
-    if not isinstance(value, str):
-        return value
-    if value == "acc-null":
-        res["evals"][0]["accuracy"] = None
-    elif value == "acc-missing":
-        del res["evals"][1]["accuracy"]
-    elif value == "acc-text":
-        res["evals"][0]["accuracy"] = "90"
-    elif value == "no-backbone":
-        del res["backbone"]
-    else:
-        res["evals"] = []
-    return res
-
-
-@pytest.mark.parametrize("kind", sorted(BROKEN))
-def test_a_results_json_that_is_no_result_is_named_not_a_traceback(tmp_path, capsys, kind):
-    """[], null, an accuracy null, missing or text, no backbone (counted, but shown in no table), no
-    evals: skipped with one line naming the file and why, like a duplicate; the other runs' tables
-    are written."""
-    out = str(tmp_path)
-    b2n(out, "dtd", 70.0, 50.0)
-    folder = os.path.join(out, "b2n", "eurosat", "dear-default-shots16-seed1")
-    bad = write_results(folder, broken_results(kind))
-    assert tables.main(["--out", out]) == 0
-    err = capsys.readouterr().err
-    assert f"tables.py: not shown: {bad} {BROKEN[kind][1]}\n" in err and "Traceback" not in err
-    md = open(tmp_path / "tables" / "tables.md").read()
-    assert f"- {bad} {BROKEN[kind][1]}" in md and "1 runs under" in md
-    assert md_row(md, tables.OURS_DEAR, "DTD")[0].startswith("70.00")
-
-
-def test_an_unreadable_results_json_is_named(tmp_path, capsys):
-    out = str(tmp_path)
-    bad = os.path.join(out, "b2n", "eurosat", "dear-default-shots16-seed1", "results.json")
-    os.makedirs(os.path.dirname(bad))
-    with open(bad, "w") as f:
-        f.write('{"method": "dear", "evals": [')  # cut off
-    assert tables.main(["--out", out]) == 0
-    err = capsys.readouterr().err
-    assert err.startswith(f"tables.py: not shown: {bad} cannot be read (")
-    assert "Traceback" not in err
-    assert f"- {bad} cannot be read (" in open(tmp_path / "tables" / "tables.md").read()
-
-
-def test_runs_that_no_table_has_a_cell_for_are_named(tmp_path, capsys):
-    """An xd ablation, base-to-novel at 4 shots (the tables are of 16), an unknown protocol:
-    named."""
-    out = str(tmp_path)
-    b2n(out, "dtd", 70.0, 50.0)
-    odd = [
-        run(out, "xd", "imagenet", [("imagenet", "all", 70.0)], variant="mask-none"),
-        b2n(out, "dtd", 60.0, 40.0, shots=4),
-        run(out, "other", "dtd", [("dtd", "all", 50.0)]),
-    ]
-    tables.build(out)
-    err, md = capsys.readouterr().err, open(tmp_path / "tables" / "tables.md").read()
-    for path in odd:
-        assert f"not shown: {path} is in no table: tables.py has no cell for protocol" in err
-        assert f"- {path} is in no table: tables.py has no cell for protocol" in md
-    assert md.count("is in no table") == 3
-
-
-# ------------------------------------------------------------------------------------- schedules
-
-
-def test_a_run_of_another_schedule_never_fills_a_default_cell(tmp_path, capsys):
-    """Runs of several schedules under one root: each schedule gets its own tables, and a cell of
-    one never holds a run of another (the default schedule used to win a cell, and a lone epochs-1
-    run filled it)."""
-    out = str(tmp_path)
-    b2n(out, "eurosat", 90.0, 70.0)  # the default schedule
-    b2n(out, "eurosat", 50.0, 40.0, variant="epochs-1")
-    b2n(out, "dtd", 60.0, 30.0, variant="epochs-1")  # only at epochs-1
-    run(out, "b2n", "dtd", [("dtd", "base", 55.0), ("dtd", "novel", 45.0)], method="zeroshot")
-    md = tables.build(out)
-    default, rest = md.split("## Schedule: default", 1)[1].split("## Schedule: epochs-1", 1)
-    assert md_row(default, tables.OURS_DEAR, "EuroSAT")[0].startswith("90.00")
-    assert md_row(default, tables.OURS_DEAR, "DTD") == ["–", "–", "–"]
-    assert md_row(rest, tables.OURS_DEAR, "EuroSAT")[0].startswith("50.00")
-    assert md_row(rest, tables.OURS_DEAR, "DTD")[0].startswith("60.00")
-    assert md_row(default, tables.OURS_CLIP, "DTD")[0].startswith("55.00")  # zero-shot: in each
-    assert md_row(rest, tables.OURS_CLIP, "DTD")[0].startswith("55.00")
-    assert "[ViT-B/16, schedule epochs-1]" in rest
-    assert "schedule" not in default.split("## Table 1.")[1][:80]
-    assert os.path.exists(tmp_path / "tables" / "table1_b2n.csv")
-    csv = open(tmp_path / "tables" / "table1_b2n_epochs-1.csv").read()
-    assert "ViT-B/16,DeAR (this code),EuroSAT,Base,50.0000,0.0000,1,," in csv
-    assert "90.0000" not in csv
-    assert "not shown" not in capsys.readouterr().err
-
-
-def test_ablations_compare_against_the_full_model_of_their_own_schedule(tmp_path, capsys):
-    """The smoke test's 1-epoch ablations beside the quick start's 20-epoch toy model (one --out):
-    ΔHM is taken against the 1-epoch full model, not the 20-epoch one (which gave "no role mask" ΔHM
-    -16)."""
-    out = str(tmp_path)
-    b2n(out, "toyworld", 87.0, 84.0, backbone="toy")  # quick start, 20 epochs
-    b2n(out, "toyworld", 60.0, 55.0, backbone="toy", variant="epochs-1")  # smoke: full model
-    b2n(out, "toyworld", 62.0, 58.0, backbone="toy", variant="mask-none_epochs-1")
-    md = tables.build(out)
-    smoke = md.split("## Schedule: epochs-1", 1)[1]
-    line = next(ln for ln in smoke.splitlines() if ln.startswith("| no role mask |"))
-    assert f"| {tables.hm(62, 58) - tables.hm(60, 55):+.2f} |" in line
-    assert "Table 5." not in md.split("## Schedule: epochs-1", 1)[0]  # no default-schedule ablation
-    capsys.readouterr()
-
-
-def test_variant_parts_of_every_flag_dear_names():
-    """dear.py's variant names hold backbone, precision, crop_scale, target_beta, ...: each parses,
-    a schedule part (also lr, weight decay, warm-up) is the schedule, and a backbone part names no
-    ablation (the backbone has its own tables)."""
-    assert tables.variant_parts("precision-bf16_epochs-1") == ["precision-bf16", "epochs-1"]
-    assert tables.method_key("precision-bf16_epochs-1") == "precision-bf16"
-    assert tables.schedule_of("precision-bf16_epochs-1") == "epochs-1"
-    variant = "crop_scale-0.8_weight_decay-0.01_lr-0.002"
-    assert tables.schedule_of(variant) == "weight_decay-0.01_lr-0.002"
-    assert tables.method_key(variant) == "crop_scale-0.8"
-    assert tables.method_key("backbone-ViT-B-32") == "" and tables.schedule_of("default") == ""
-    assert tables.method_key("backbone-ViT-B-32_mask-none") == "mask-none"
-
-
-def test_the_full_method_of_another_backbone_is_its_table_row(tmp_path, capsys):
-    out = str(tmp_path)
-    b2n(out, "eurosat", 88.0, 66.0, backbone="ViT-B/32", variant="backbone-ViT-B-32")
-    rows = rows_by_label(tables.table_b2n(tables.load_runs(out), "ViT-B/32"))
-    assert rows[("EuroSAT", tables.OURS_DEAR)][0].mean == 88.0
-    assert tables.table_ablations(tables.load_runs(out), "ViT-B/32") is None  # not an ablation
-    capsys.readouterr()
-
-
-def test_tables_parse_every_field_runs_puts_in_a_folder_name():
-    """A field runs.py names a variant by but tables.py cannot parse would make the run a variant of
-    its own name (planted: eval_precision missing from tables.VARIANT_FIELDS fails here)."""
-    import runs
-
-    assert set(runs.VARIANT_FIELDS) <= set(tables.VARIANT_FIELDS)
-    assert set(tables.SCHEDULE_FIELDS) <= set(runs.VARIANT_FIELDS)
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_malformed_or_copied_results_json_raises_with_its_path(tmp_path, broken):
+    b2n(tmp_path, "dtd", 80.0, 60.0)
+    bad = b2n(tmp_path, "dtd", 81.0, 60.0)  # a copy of the run (one seed twice in a cell), or a malformed file
+    if broken:
+        open(bad, "w").write(json.dumps({"variant": "default", "evals": []}))
+    with pytest.raises(KeyError if broken else ValueError) as e:
+        tables.build(str(tmp_path))
+    assert bad in str(e.value) + "".join(getattr(e.value, "__notes__", []))
