@@ -184,7 +184,7 @@ def without(model, names, shortcut):
         plain = whole_prompts(model, names, one_group if shortcut == "all three" else length_buckets)
         stack.enter_context(mock.patch.object(model, "encode_classes", plain))
     if shortcut == "length groups":
-        with mock.patch.object(dear, "length_buckets", one_group):
+        with mock.patch.object(clip.model, "length_buckets", one_group):
             model.set_classes(names, TEMPLATE)
         stack.callback(model.set_classes, names, TEMPLATE)
     return stack

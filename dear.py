@@ -2,9 +2,8 @@
 
 Top to bottom: 1. attribute tokens, 2. the role-based mask, 3. the DeAR module (Figure 2), 4. logits, fusion, loss,
 5. the recipe (Config, MMRL/MMRL++ tables, flags), 6. training and evaluation, 7. the run, 8. predict and explain.
-The paper counts blocks from 1 (J = 9: tokens enter block 9 of 12), as do the flags and roles files; the code
-counts from 0 and converts once, in DeAR.__init__ (self.first = J - 1).
-"""
+Blocks count from 1 in the paper (J = 9: tokens enter block 9 of 12), the flags and roles files; from 0 in the code,
+converted once in DeAR.__init__ (self.first = J - 1)."""
 
 import argparse
 import dataclasses
@@ -18,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep: fast on shared CPU cores
 
@@ -32,14 +30,12 @@ import clip  # noqa: E402
 import data  # noqa: E402
 import entropy  # noqa: E402
 import toyworld  # noqa: E402
-from clip.model import length_buckets  # noqa: E402
 from data import UserError  # noqa: E402
 
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 K = len(ATTRIBUTES)  # attribute tokens, one per attribute, in this order
 RES_RANK, PROJ_RANK = 4, 64  # MMRL++'s RES_LORA_DIM and PROJ_LORA_DIM (configs/trainers/MMRLpp/*.yaml)
 
-# ------------------------------------------------------------------------------------------------------------------
 # 1. Attribute tokens: one shared matrix R, mapped to every block J..L of both towers
 
 
@@ -78,18 +74,15 @@ def mix(x, fresh, beta):
     return torch.cat([x[:, :1], tokens, x[:, 1 + K :]], dim=1)
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 2. The role-based attention mask of one vision block
 
 
 def role_mask(head_roles, num_patches, variant="role"):
-    """The additive mask [H, L, L] of one block, L = 1 + K + patches, order [CLS, attr_1..attr_K, patches];
-    row = query, column = key; 0 = allowed, -inf = blocked.
-    - generalization head (and an "other specialist"): originals (CLS, patches) and attribute tokens never see
-      each other; each attribute token sees only itself. These heads compute exactly what frozen CLIP computes.
+    """The additive mask [H, L, L] of one block, order [CLS, attr_1..attr_K, patches]; row = query, column = key.
+    - generalization head (and an "other specialist"): originals (CLS, patches) and attribute tokens never see each
+      other; each attribute token sees only itself. These heads compute exactly what frozen CLIP computes.
     - attribute head of attribute a: originals <-> attr_a both ways; the other tokens see only themselves.
-    - mixed head: no restriction.
-    variant "generalization-only": attribute heads act as mixed; "none": all zeros."""
+    - mixed head: no restriction. Variants: "generalization-only" (attribute heads act as mixed), "none"."""
     H, L = len(head_roles), 1 + K + num_patches
     allowed = torch.ones(H, L, L, dtype=torch.bool)
     attr = torch.arange(1, 1 + K)
@@ -108,7 +101,6 @@ def role_mask(head_roles, num_patches, variant="role"):
     return torch.zeros(H, L, L).masked_fill(~allowed, float("-inf"))
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 3. The DeAR module
 
 
@@ -128,8 +120,7 @@ class DeAR(nn.Module):
         if not (1 <= J <= L and self.first_text >= 0):
             raise UserError(f"--J {J}: the backbone has {L} vision and {self.Lt} text blocks")
         self.beta, self.use_tokens, self.kind = beta, attr_tokens, tokens
-        # R [K, rep_dim] (MMRL's init N(0, 0.02)) and its aligners: both towers' tokens are projections of one R
-        self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)
+        self.R = nn.Parameter(torch.randn(K, rep_dim) * 0.02)  # MMRL's init; both towers' tokens are projections of R
         self.F_v = Aligner(n, rep_dim, visual.transformer.width, tokens)
         self.F_t = Aligner(n, rep_dim, clip_model.transformer.width, tokens)
         D, E = visual.proj.shape
@@ -138,9 +129,8 @@ class DeAR(nn.Module):
             self.P_B = nn.Parameter(torch.zeros(PROJ_RANK, E))
         else:  # MMRL: a full trainable P_attr, here starting as a copy of proj
             self.P_full = nn.Parameter(visual.proj.detach().clone())
-        # fusion weights, alpha = softmax(w): alpha_cls for the class logits, the rest split evenly
-        self.w = nn.Parameter(torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K).log())
-        self.roles = roles
+        alpha = torch.tensor([alpha_cls] + [(1 - alpha_cls) / K] * K)  # alpha_cls for the class logits, the rest evenly
+        self.w, self.roles = nn.Parameter(alpha.log()), roles  # fusion weights: alpha = softmax(w)
         for i, b in enumerate(range(self.first, L)):  # buffers: .to(device) moves them; not saved
             m = role_mask(roles[b + 1], visual.num_patches, mask) if attr_tokens and mask != "none" else None
             self.register_buffer(f"mask_{i}", m, persistent=False)
@@ -164,9 +154,6 @@ class DeAR(nn.Module):
 
     def alpha(self):
         return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...
-
-    def fusion_weights(self):
-        return dict(zip(("cls",) + ATTRIBUTES, self.alpha().tolist()))
 
     def forward(self, images, t=None, with_frozen=False):
         """Figure 2, a step a line. t [C, E]: class features if computed already; with_frozen: also f^0 (the loss)."""
@@ -195,13 +182,15 @@ class DeAR(nn.Module):
         cls = self.clip.visual.run_blocks(x, self.first, self.L, rows=slice(0, 1))[:, 0]  # [B, D]
         return F.normalize(self.clip.visual.head(cls), dim=-1)
 
-    def token_blocks(self, x, stop=None):
-        """Blocks J..stop-1 (default ..L) with the tokens, inserted at J, mixed from J+1, under the role masks; in
-        fp32 from J as MMRL (autocast still runs the matmuls in half). [B, 1+P, D] -> [B, 1+K, D] after block L."""
-        x, stop = x.float(), stop or self.L
-        for i, b in enumerate(range(self.first, stop)):
+    def token_blocks(self, x, last_input=False):
+        """Blocks J..L with the tokens, inserted at J, mixed from J+1, under the role masks; in fp32 from J, as MMRL
+        (autocast still runs the matmuls in half). [B, 1+P, D] -> [B, 1+K, D] (last_input: block L's input)."""
+        x = x.float()
+        for i, b in enumerate(range(self.first, self.L)):
             fresh = self.F_v(self.R, i).float()  # [K, D]
             x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [B, 1+K+P, D]
+            if last_input and b == self.L - 1:
+                return x
             rows = slice(0, 1 + K) if b == self.L - 1 else None
             x = self.clip.visual.run_blocks(x, b, b + 1, attn_mask=getattr(self, f"mask_{i}"), rows=rows)
         return x
@@ -224,7 +213,7 @@ class DeAR(nn.Module):
         same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T]: 1 while all prompts agree
         S = min(int(same.sum()), int(eot.min()))
         groups, t0, order = [], [], []
-        for n, idx, rows, pick in length_buckets(eot):  # a group's EOTs sit at rows [r] (<= n)
+        for n, idx, rows, pick in clip.model.length_buckets(eot):  # a group's EOTs sit at rows [r] (<= n)
             x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, self.first_text)
             t0.append(m.text_head(m.run_text_blocks(x, self.first_text, self.Lt, rows=rows), pick))  # [c, E]
             groups.append((x[:, S:], rows - S, pick))  # [c, n + 1 - S, W]
@@ -251,7 +240,6 @@ class DeAR(nn.Module):
         return F.normalize(t[self.text_order], dim=-1)
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 4. Logits, fusion and loss in fp32 outside autocast: logits are ~100 cos, where bf16 steps of 0.125-0.25 would tie
 
 
@@ -269,8 +257,7 @@ def fuse(logits, alpha):
 
 
 def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
-    """CE(fused, y) + lambda_reg [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion (-log alpha_cls).
-    Returns the total and its parts (0-dim device tensors: reading them waits for the device)."""
+    """CE(fused, y) + lambda_reg [(1 - cos(f_cls, f^0)) + (1 - cos(t, t^0))] + lambda_fusion (-log alpha_cls)."""
     with torch.autocast(labels.device.type, enabled=False):
         ce = F.cross_entropy(out["fused"].float(), labels)
         reg_img = 1 - F.cosine_similarity(out["f_cls"].float(), out["f0"].float(), dim=-1).mean()
@@ -280,7 +267,6 @@ def dear_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
     return total, {"ce": ce.detach(), "reg_img": reg_img.detach(), "reg_txt": reg_txt.detach(), "fusion": fusion}
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 5. The recipe: a field left None takes its default from these tables (resolve), yunncheng/MMRL at 27d8821
 
 # (beta, lambda_reg) per dataset, base-to-novel and few-shot: MMRL++'s table (trainers/config.py); else (0.9, 1.0)
@@ -293,9 +279,8 @@ XD_DEFAULTS = (0.9, 0.1)  # the ImageNet source of cross-dataset / domain genera
 XD_TARGET_BETA = {"imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
                   "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6, "caltech101": 0.6,
                   "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}  # fmt: skip
-# (epochs, batch size, warm-up epochs, lr), one published config per row: b2n MMRL's vit_b16 (ImageNet:
-# vit_b16_imagenet); fewshot MMRL++'s vit_b16_few_shot, tuned with the table above (ImageNet: vit_b16_imagenet); xd
-# MMRL's vit_b16_cross_datasets. The toy world's tiny CLIP needs 20 b2n epochs to fit.
+# (epochs, batch, warm-up epochs, lr), a published config per row: b2n MMRL's vit_b16 (ImageNet: vit_b16_imagenet);
+# fewshot MMRL++'s vit_b16_few_shot, tuned with the table above; xd MMRL's vit_b16_cross_datasets; toy: 20 epochs fit.
 SCHEDULES = {"b2n": (10, 4, 1, 1e-3), ("b2n", "imagenet"): (5, 32, 1, 1e-3), ("b2n", "toyworld"): (20, 4, 1, 1e-3),
              "fewshot": (100, 32, 1, 2e-3), ("fewshot", "imagenet"): (5, 32, 1, 1e-3),
              ("fewshot", "toyworld"): (50, 32, 1, 1e-3), "xd": (1, 32, 0, 1e-3)}  # fmt: skip
@@ -323,10 +308,10 @@ NONNEG, RATE = number(float, lambda v: v >= 0, "a number >= 0"), number(float, l
 
 
 def opt(default, help, type=str, choices=None, **kw):
-    return field(default=default, metadata=dict(help=help, type=type, choices=choices, **kw))
+    return dataclasses.field(default=default, metadata=dict(help=help, type=type, choices=choices, **kw))
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     dataset: str = opt("eurosat", "a data.py name (toyworld: offline), or folder:PATH")
     root: str = opt(os.environ.get("DATA", "data"), "folder of the datasets in CoOp's layout ($DATA)")
@@ -377,9 +362,8 @@ class Config:
 GROUPS = {"J": "the method", "epochs": "optimisation", "eval_only": "runs"}
 NAMES = [f.name for f in dataclasses.fields(Config)]
 TUNED = ["backbone"] + NAMES[NAMES.index("J") : NAMES.index("eval_only")]  # the flags that name a variant
-# Fields that change no result, or only through the files they name (compared by content)
+# the fields that change no result, or only through files compared by content; and what --eval-only takes from a run
 BOOKKEEPING = ("root", "out", "workers", "eval_batch_size", "device", "load", "resume", "force", "roles_only")
-# What --eval-only takes from the evaluated run
 CARRIED = ("backbone", "J", "beta", "rep_dim", "tokens", "mask", "attr_tokens", "alpha_cls", "roles_control", "seed",
            "method", "novel_logits")  # fmt: skip
 
@@ -401,10 +385,6 @@ def parse_args(argv=None) -> Config:
     return Config(**vars(p.parse_args(argv)))
 
 
-def refuse(message):
-    raise UserError(f"{message} (see --help)")  # argparse's errors as one line, through main's handler
-
-
 EXAMPLES = """examples:
   python dear.py --dataset toyworld                  # offline, a tiny CLIP, minutes on a CPU
   python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16
@@ -412,9 +392,12 @@ EXAMPLES = """examples:
 environment: DATA (default --root), CLIP_CACHE (checkpoints, the toy CLIP, head roles; default ~/.cache/clip)"""
 
 
+def refuse(message):
+    raise UserError(f"{message} (see --help)")  # argparse's errors as one line, through main's handler
+
+
 def resolve(cfg: Config) -> Config:
-    """The flag checks (for a Config built in code too), then every None filled from the tables above; J needs the
-    backbone's depth (default_J)."""
+    """The flags checked (a Config built in code too), every None filled from the tables (J later: default_J)."""
     for f in dataclasses.fields(Config):
         value, m, flag = getattr(cfg, f.name), f.metadata, "--" + f.name.replace("_", "-")
         try:
@@ -450,23 +433,20 @@ def eval_beta(c: Config, dataset):
     return XD_TARGET_BETA.get(dataset, c.beta)
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 6. Training and evaluation, MMRL's protocol
 
 AMP = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def lr_at(epoch, c: Config):
-    """Epoch e (from 0): warmup_lr for e < W, then lr (1 + cos(pi (e - W) / E)) / 2, as Dassl's constant warm-up
-    and cosine schedulers stepped per epoch."""
+    """Epoch e from 0: warmup_lr for e < W, then lr (1 + cos(pi (e - W) / E)) / 2, as Dassl, stepped per epoch."""
     if epoch < c.warmup_epochs:
         return c.warmup_lr
     return c.lr * (1 + math.cos(math.pi * (epoch - c.warmup_epochs) / c.epochs)) / 2
 
 
 def pick_device(c: Config):
-    """The device, and the precisions used on it: amp (MMRL's PREC "amp") is fp16 with a GradScaler on CUDA, fp32
-    on a CPU."""
+    """The device; amp (MMRL's PREC "amp") becomes fp16 with a GradScaler on CUDA, fp32 on a CPU."""
     name = ("cuda" if torch.cuda.is_available() else "cpu") if c.device == "auto" else c.device
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {name}: CUDA is not available here")
@@ -477,8 +457,7 @@ def pick_device(c: Config):
 
 
 class SeededImages(data.ImageList):
-    """Each image's augmentation drawn from a seed of its own, handed over with its index by the loader: the draws
-    do not depend on the number of data-loading workers."""
+    """Each image's augmentation from a seed of its own (the loader hands it over): none depends on --workers."""
 
     def __getitem__(self, item):
         i, seed = item
@@ -487,8 +466,7 @@ class SeededImages(data.ImageList):
 
 
 def train(model, ds, c: Config, device, ckpt, log):
-    """Train on ds.train with a checkpoint at every epoch end, which --resume continues from, to exactly the weights
-    of an uninterrupted run. Returns what results.json records of the training."""
+    """Train on ds.train, a checkpoint at each epoch's end: --resume ends with an uninterrupted run's weights."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         log("no trainable parameters (no attribute tokens): the model is frozen CLIP")
@@ -496,9 +474,8 @@ def train(model, ds, c: Config, device, ckpt, log):
     model.set_classes(ds.classnames, ds.template)
     amp = AMP[c.precision]
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay, fused=device.type == "cuda")
-    # fp16: the GradScaler skips a step whose gradients overflowed (inf/nan) and lowers the scale, as MMRL's amp
-    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
-    start = 0
+    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)  # skips overflowing fp16 steps (MMRL)
+    start = 0  # or the epoch of the last checkpoint (--resume)
     if os.path.exists(ckpt):
         state = torch.load(ckpt, map_location=device, weights_only=True)
         if state["precision"] != c.precision:
@@ -550,8 +527,7 @@ def train(model, ds, c: Config, device, ckpt, log):
 
 @torch.no_grad()
 def evaluate(model, items, classnames, template, c: Config, device, rule="fused", log=print, name=""):
-    """Top-1 accuracy (%) of the fused (or class-only) logits, overall and per class; fp32 unless --eval-precision
-    says otherwise (MMRL's test() has no autocast)."""
+    """Top-1 accuracy (%) of the fused (or class) logits, overall and per class; fp32 as MMRL's test() by default."""
     model.eval()
     model.set_classes(classnames, template)
     amp = AMP[c.eval_precision]
@@ -576,7 +552,6 @@ def evaluate(model, items, classnames, template, c: Config, device, rule="fused"
     return dict(accuracy=accuracy, n=sum(count), logits=rule, precision=c.eval_precision, per_class=per_class)
 
 
-# ------------------------------------------------------------------------------------------------------------------
 # 7. The run. Its folder is its identity: a finished run is reused, and an interrupted one resumed, only when its
 # recorded config (the resolved flags; by content the dataset folder, checkpoint and roles) equals the call's.
 
@@ -592,24 +567,19 @@ def save(obj, path):
     os.replace(tmp, path)
 
 
-def variant(c: Config):
-    """The flags that differ from this dataset and protocol's defaults: `default`, or e.g. `mask-none_J-7`."""
+def run_dir(c: Config):
+    """(OUT/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>/, variant): the variant names the flags that
+    differ from the dataset's defaults (`default`, `mask-none_J-7`); folder:PATH, its folder and resolved path."""
     base = resolve(Config(dataset=c.dataset, protocol=c.protocol, root=c.root))
     names = ("backbone", "precision", "eval_precision") if c.method == "zeroshot" else TUNED  # zero-shot: what it uses
     parts = [f"{k}-{getattr(c, k)}" for k in names if k not in BOOKKEEPING and getattr(c, k) != getattr(base, k)]
     parts = [p if len(p) < 40 else p[:20] + hashlib.sha256(p.encode()).hexdigest()[:8] for p in parts]
-    return "_".join(parts).replace("/", "-") or "default"
-
-
-def run_dir(c: Config):
-    """OUT/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>/ (--eval-only: RUN/eval/<protocol>-<dataset>/);
-    a folder:PATH dataset is named after its folder and its resolved path's hash."""
-    tag, path = c.dataset, os.path.realpath(c.dataset[7:])
+    variant, tag, path = "_".join(parts).replace("/", "-") or "default", c.dataset, os.path.realpath(c.dataset[7:])
     if c.dataset.startswith("folder:"):
         tag = f"folder-{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
     if c.eval_only:
-        return os.path.join(c.load, "eval", f"{c.protocol}-{tag}")
-    return os.path.join(c.out, c.protocol, tag, f"{c.method}-{variant(c)}-shots{c.shots}-seed{c.seed}")
+        return os.path.join(c.load, "eval", f"{c.protocol}-{tag}"), variant
+    return os.path.join(c.out, c.protocol, tag, f"{c.method}-{variant}-shots{c.shots}-seed{c.seed}"), variant
 
 
 def environment():
@@ -623,16 +593,6 @@ def environment():
     return dict(python=platform.python_version(), torch=torch.__version__, torchvision=torchvision.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), device=device,
                 git_commit=git("rev-parse", "HEAD") or None, git_dirty=bool(git("status", "--porcelain")))  # fmt: skip
-
-
-def lock(rdir):
-    """An exclusive flock on rdir/.lock held by this process; O_NOFOLLOW: never through a link."""
-    fd = os.open(os.path.join(rdir, ".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UserError(f"{rdir} is being written by another process") from None
-    return fd
 
 
 def build(c: Config, device, log, roles_path=None):
@@ -663,18 +623,6 @@ def build(c: Config, device, log, roles_path=None):
     return model.to(device), roles_path if roles is not None else None
 
 
-def datasets(c: Config):
-    """(training set, [(test set, split, logits rule)]), every split read before any long work."""
-    if c.dataset == "toyworld":
-        toyworld.ensure_dataset(c.root)
-    if c.protocol == "b2n":
-        base, novel = (data.build_dataset(c.dataset, c.root, c.shots, c.seed, s) for s in ("base", "novel"))
-        return base, [(base, "base", "fused"), (novel, "novel", c.novel_logits)]
-    source = data.build_dataset(c.dataset, c.root, c.shots, c.seed)
-    targets = [(data.build_dataset(t, c.root), "all", c.novel_logits) for t in c.targets]
-    return source, [(source, "all", "fused")] + targets
-
-
 def run(cfg: Config, log_to_stdout=True):
     """One run: train (unless zero-shot or --eval-only), evaluate, write results.json; returns the results."""
     if cfg.eval_only:
@@ -683,11 +631,25 @@ def run(cfg: Config, log_to_stdout=True):
         with open(os.path.join(cfg.load, "config.json")) as f:
             cfg = dataclasses.replace(cfg, **{k: v for k, v in json.load(f)["config"].items() if k in CARRIED})
     c = resolve(cfg)
-    name, rdir = variant(c), run_dir(c)  # named by the flags as given (amp, not what amp resolves to)
+    rdir, name = run_dir(c)  # named by the flags as given (amp, not what amp resolves to)
     device = pick_device(c)
-    train_ds, evals = datasets(c)  # a missing dataset stops the run before anything is written
+    if c.dataset == "toyworld":
+        toyworld.ensure_dataset(c.root)
+    if c.protocol == "b2n":  # every split is read before anything is written, so a missing dataset stops it here
+        train_ds, novel = (data.build_dataset(c.dataset, c.root, c.shots, c.seed, s) for s in ("base", "novel"))
+        evals = [(train_ds, "base", "fused"), (novel, "novel", c.novel_logits)]
+    else:
+        train_ds = data.build_dataset(c.dataset, c.root, c.shots, c.seed)
+        evals = [(train_ds, "all", "fused")] + [
+            (data.build_dataset(t, c.root), "all", c.novel_logits) for t in c.targets
+        ]
     os.makedirs(rdir, exist_ok=True)
-    fd, p = lock(rdir), lambda f: os.path.join(rdir, f)  # noqa: E731
+    p = lambda f: os.path.join(rdir, f)  # noqa: E731
+    fd = os.open(p(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # one process a folder; never a link
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{rdir} is being written by another process") from None
     for f in ("results.json", "checkpoint.pt", "model.pt", "roles.json", "config.json") if c.force else ():
         if os.path.exists(p(f)):  # results first: once they are gone the folder holds no finished run
             os.remove(p(f))
@@ -700,9 +662,8 @@ def run(cfg: Config, log_to_stdout=True):
     try:
         env = environment()
         log(f"{c.method} {c.protocol} {c.dataset} -> {rdir} | " + " ".join(f"{k} {v}" for k, v in env.items()))
-        # a resumed or evaluated run keeps its own copy of the roles, whatever the cache holds now
         resuming, finished = c.resume and os.path.exists(p("checkpoint.pt")), os.path.exists(p("results.json"))
-        own = os.path.join(c.load, "roles.json") if c.eval_only else p("roles.json")
+        own = os.path.join(c.load, "roles.json") if c.eval_only else p("roles.json")  # resumed, evaluated: its own
         model, roles = build(c, device, log, own if (c.eval_only or resuming) and os.path.exists(own) else None)
         config = {k: v for k, v in dataclasses.asdict(c).items() if k not in BOOKKEEPING}
         roles_sha = roles and hashlib.sha256(open(roles, "rb").read()).hexdigest()
@@ -757,7 +718,7 @@ def run(cfg: Config, log_to_stdout=True):
             results["hm"] = 2 * b * n / (b + n) if b + n > 0 else 0.0
             log(f"HM {results['hm']:.2f}")
         if model.use_tokens:
-            results["fusion_weights"] = model.fusion_weights()
+            results["fusion_weights"] = dict(zip(("cls",) + ATTRIBUTES, model.alpha().tolist()))
         results["timing"] = {"train_s": t1 - t0, "eval_s": time.time() - t1}
         save(results, p("results.json"))
         if os.path.exists(p("checkpoint.pt")):
@@ -769,25 +730,7 @@ def run(cfg: Config, log_to_stdout=True):
         os.close(fd)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# 8. Predict and explain: a trained run on your own images
-
-
-@torch.no_grad()
-def attention_maps(model, images):
-    """[B, 1+K, P]: what CLS (all heads) and each attribute token (its expert heads in the last block, or the mixed
-    heads where it has none) attend to among the patches in the last block; and the heads of each map."""
-    x = model.token_blocks(model.frozen_prefix(images), stop=model.L - 1)  # the input of the last block [B, T, D]
-    if model.first == model.L - 1:  # J = L: the tokens enter the last block itself
-        x = insert(x.float(), model.F_v(model.R, 0).float())
-    block, mask = model.clip.visual.transformer.resblocks[-1], getattr(model, f"mask_{model.L - 1 - model.first}")
-    w = block.attn(block.ln_1(x), attn_mask=mask, need_weights=True)[1][:, :, : 1 + K, 1 + K :]  # [B, H, 1+K, P]
-    last = model.roles[model.L] if model.roles else [{"role": "mixed"}] * w.shape[1]
-    heads = [list(range(w.shape[1]))]  # CLS: every head
-    for a in ATTRIBUTES:
-        experts = [h for h, r in enumerate(last) if r["role"] == "attribute" and r["attribute"] == a]
-        heads.append(experts or [h for h, r in enumerate(last) if r["role"] == "mixed"])
-    return torch.stack([w[:, hs, k].mean(1) for k, hs in enumerate(heads)], 1), heads
+# 8. Predict and explain (entropy.attention_maps: what each token's expert heads look at) on your own images
 
 
 def predict(argv):
@@ -810,7 +753,7 @@ def predict(argv):
     model.eval().set_classes(names, a.template or saved["template"])
     images = [Image.open(f).convert("RGB") for f in a.images]
     x = torch.stack([data.test_transform(model.clip.visual.input_resolution)(im) for im in images]).to(device)
-    out, alpha = model(x), model.fusion_weights() if model.use_tokens else {"cls": 1.0}
+    out, alpha = model(x), dict(zip(("cls",) + ATTRIBUTES, model.alpha().tolist() if model.use_tokens else [1.0]))
     report, top = [], out["fused"].softmax(-1).topk(min(5, len(names)))  # [B, 5]
     for i, f in enumerate(a.images):
         evidence = {k: {"alpha": alpha[k], "top": names[out["logits"][i, j].argmax()]} for j, k in enumerate(alpha)}
@@ -822,8 +765,9 @@ def predict(argv):
                 "  by logit set: " + ", ".join(f"{k} (alpha {v['alpha']:.2f}) {v['top']}" for k, v in evidence.items())
             )
     if a.explain and model.use_tokens:
-        labels = ["CLS"] + [f"{k} alpha {alpha[k]:.2f}" for k in ATTRIBUTES]
-        entropy.draw_maps(images, attention_maps(model, x)[0].cpu(), labels, a.explain)
+        maps, heads = entropy.attention_maps(model, x)  # a token without a head in block L: an empty map, "-"
+        labels = ["CLS"] + [f"{k} alpha {alpha[k]:.2f}{'' if h else ' -'}" for k, h in zip(ATTRIBUTES, heads[1:])]
+        entropy.draw_maps(images, maps.cpu(), labels, a.explain)
     if a.json:
         print(json.dumps(report, indent=1))
     return report

@@ -435,6 +435,23 @@ def write_report(doc, out_dir):
     img.save(os.path.join(out_dir, "roles.png"))
 
 
+@torch.no_grad()
+def attention_maps(model, images):
+    """[B, 1+K, P]: what CLS (every head) and each attribute token of a DeAR model (its expert heads in the last
+    block; the mixed heads where it has none) attend to among the patches in the last block; and those heads."""
+    x = model.token_blocks(model.frozen_prefix(images), last_input=True)  # the last block's input [B, T, D]
+    block, mask = model.clip.visual.transformer.resblocks[-1], getattr(model, f"mask_{model.L - 1 - model.first}")
+    K = len(ATTRIBUTES)
+    w = block.attn(block.ln_1(x), attn_mask=mask, need_weights=True)[1][:, :, : 1 + K, 1 + K :]  # [B, H, 1+K, P]
+    last = model.roles[model.L] if model.roles else [{"role": "mixed"}] * w.shape[1]
+    heads = [list(range(w.shape[1]))]  # CLS: every head
+    for a in ATTRIBUTES:
+        experts = [h for h, r in enumerate(last) if r["role"] == "attribute" and r["attribute"] == a]
+        heads.append(experts or [h for h, r in enumerate(last) if r["role"] == "mixed"])
+    maps = [w[:, hs, k].mean(1) if hs else torch.zeros_like(w[:, 0, k]) for k, hs in enumerate(heads)]  # none: 0
+    return torch.stack(maps, 1), heads
+
+
 def draw_maps(images, maps, labels, path, size=160):
     """What heads look at (dear.py predict --explain): a row per image, the image and each map [P] over it as a red
     heat map, labelled."""

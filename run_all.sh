@@ -46,7 +46,7 @@ if [[ -n $PRESET ]]; then # the toy world: 24 classes, a 4-block CLIP pretrained
     BACKBONE=(--backbone toy --workers 0 --device cpu)
 fi
 if [[ $PRESET == smoke ]]; then # one seed, one epoch, the fewest jobs that fill every table
-    SEEDS=1 SHOTS=(1 2) ABL_J=() && BACKBONE+=(--epochs 1)
+    SEEDS=1 SHOTS=(1) ABL_J=() && BACKBONE+=(--epochs 1)
 elif [[ $PRESET == toy ]]; then # b2n and ablations 10 of the toy's 20 epochs; the oracle roles control too
     SEEDS=${SEEDS:-1 2 3 4 5} MORE=("--roles-control oracle") SHORT=(--epochs 10)
 fi
@@ -55,7 +55,7 @@ read -ra SEED <<< "${SEEDS:-1 2 3}"
 ABLATIONS=("--mask generalization-only" "--mask none" "--no-attr-tokens" "--lambda-fusion 0" "--beta 0.5"
     "--beta 0.7" "--beta 0.9" "--novel-logits cls" "--roles-control random" "--tokens mmrl" "${MORE[@]}")
 for j in "${ABL_J[@]}"; do ABLATIONS+=("--J $j"); done
-[[ $PRESET != smoke ]] || ABLATIONS=("--mask none" "--no-attr-tokens")
+[[ $PRESET != smoke ]] || ABLATIONS=("--mask none")
 ROLES_J=("$J") && want ablations && ROLES_J+=("${ABL_J[@]}")
 
 if [[ $MODE == run ]]; then

@@ -7,8 +7,11 @@ naming the files and versions that decide its weights (DEAR_TEST_CACHE= turns th
 
 import hashlib
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the tests' models are tiny: a second thread adds CPU time only
 
@@ -56,8 +59,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
-    if any("toy_cache" in getattr(item, "fixturenames", ()) for item in items):
+    wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
+    BACKGROUND.update((k, None) for k in ("smoke", "quick_start") if k in wanted)
+    if wanted & {"toy_cache", "smoke", "quick_start"}:
         start_pretraining()
+        start_background()
 
 
 def toy_dir():
@@ -70,23 +76,49 @@ def toy_dir():
     return os.path.join(keep or os.path.join(ROOT, ".pytest_toy"), h.hexdigest()[:16])
 
 
-PRETRAIN = {}
+PRETRAIN, BACKGROUND = {}, {}
 # Every test process reads CLIP checkpoints and head roles from here (the toy CLIP once pretrained, the roles that
 # tests compute for their own tiny checkpoints, keyed by those checkpoints' SHA256)
 os.environ["CLIP_CACHE"] = toy_dir()
 os.makedirs(os.environ["CLIP_CACHE"], exist_ok=True)
+WORK = tempfile.mkdtemp(prefix="dear-tests-")
+# The two slowest checks run as commands of their own beside the other tests, as soon as the toy CLIP is there:
+# `run_all.sh --smoke`, and the README's quick start (DeAR on the toy world, then its zero-shot row).
+COMMANDS = {"smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
+            "quick_start": ["bash", "-c", f'"{sys.executable}" {ROOT}/dear.py --dataset toyworld --root data --out runs'
+                            f' && "{sys.executable}" {ROOT}/dear.py --dataset toyworld --root data --out runs'
+                            " --method zeroshot"]}  # fmt: skip
 
 
 def start_pretraining():
     folder = toy_dir()
-    done = os.path.join(folder, "done")
-    if os.path.exists(done) or PRETRAIN:
+    if os.path.exists(os.path.join(folder, "done")) or PRETRAIN:
         return
-    os.makedirs(folder, exist_ok=True)
     log = open(os.path.join(folder, "pretrain.log"), "w")
     cmd = [sys.executable, os.path.join(ROOT, "toyworld.py"), "pretrain", "--out", folder]
     PRETRAIN["proc"] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    PRETRAIN["folder"] = folder
+
+
+def start_background():
+    """Start the background commands once the pretraining (if any) has ended."""
+    proc = PRETRAIN.get("proc")
+    if proc is not None and proc.poll() is None:
+        return
+    if proc is not None and proc.returncode == 0:
+        open(os.path.join(toy_dir(), "done"), "w").close()
+    for name, running in BACKGROUND.items():
+        if running is None:
+            os.makedirs(os.path.join(WORK, name))
+            log = open(os.path.join(WORK, name + ".log"), "w")
+            env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+            env.pop("GPUS", None)
+            BACKGROUND[name] = subprocess.Popen(COMMANDS[name], cwd=os.path.join(WORK, name), env=env, stdout=log,
+                                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if None in BACKGROUND.values():  # not started yet: is the pretraining over?
+        start_background()
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +135,30 @@ def toy_cache():
     return folder
 
 
+def finished(name):
+    """Wait for a background command (starting it first if the pretraining is still going on)."""
+    if BACKGROUND.get(name) is None:
+        if PRETRAIN.get("proc") is not None and PRETRAIN["proc"].wait() != 0:
+            pytest.fail(open(os.path.join(toy_dir(), "pretrain.log")).read()[-2000:])
+        start_background()
+    BACKGROUND[name].wait()
+    return pathlib.Path(WORK) / name, BACKGROUND[name]
+
+
+@pytest.fixture(scope="session")
+def smoke():
+    folder, proc = finished("smoke")
+    return folder / "runs-smoke", proc
+
+
+@pytest.fixture(scope="session")
+def quick_start():
+    folder, proc = finished("quick_start")
+    return folder / "runs", proc
+
+
 def pytest_sessionfinish(session):
-    proc = PRETRAIN.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
+    for proc in [PRETRAIN.get("proc")] + list(BACKGROUND.values()):
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+    shutil.rmtree(WORK, ignore_errors=True)
