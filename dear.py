@@ -782,8 +782,8 @@ def main(argv=None):
         if cfg.roles_only:  # the roles a run would use, copied to OUT/roles/J<J>/ (where tables.py reads them)
             c = resolve(dataclasses.replace(cfg, method="dear", attr_tokens=True, mask="role"))
             source, dest = os.path.dirname(build(c, pick_device(c), print)[1]), os.path.join(c.out, "roles", f"J{c.J}")
-            os.makedirs(dest, exist_ok=True)
-            return [shutil.copy(os.path.join(source, f), dest) for f in ("roles.json", "roles.md", "roles.png")]
+            shutil.copytree(source, dest, dirs_exist_ok=True)  # the cache's roles.json, roles.md and roles.png
+            return print(f"roles copied to {dest}")
         results = run(cfg)
     except (UserError, OSError) as e:  # a problem the user can fix, or the system reports: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
