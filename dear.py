@@ -45,7 +45,7 @@ class Aligner(nn.Module):
     A_i B_i (A kaiming-uniform, B zeros) and a bias of its own (the shared Linear's at first), so every block starts
     with the same tokens. mmrl, as MMRL (trainers/mmrl.py): a full Linear per block, all copies of one."""
 
-    def __init__(self, n_blocks, rep_dim, width, kind="mmrlpp"):
+    def __init__(self, n_blocks, rep_dim, width, kind):
         super().__init__()
         base = nn.Linear(rep_dim, width)  # nn.Linear's default initialisation, as both
         if kind == "mmrlpp":

@@ -209,10 +209,27 @@ def test_loss_terms_on_features_at_known_angles_and_their_gradients():
     ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))) / 2  # two-class CE of margins 2 and 1
     assert parts["ce"].item() == pytest.approx(ce, rel=1e-6)
     assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((0.75, 0.1), rel=1e-6)
+    assert parts["fusion"].item() == pytest.approx(math.log(2), rel=1e-6)
     assert total.item() == pytest.approx(ce + 3.0 * (0.75 + 0.1) + 0.5 * math.log(2), rel=1e-6)
     total.backward()
     want = 0.5 * (torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]) - torch.eye(6)[0])
     assert torch.allclose(w.grad, want, atol=1e-6)
+
+
+def test_the_regularisers_are_cosines_per_row():
+    """Three rows of unequal norms: the mean over rows of 1 - cos(row, its frozen row), not over the batch."""
+    out = {"f_cls": torch.tensor([[2.0, 0, 0], [0, 3, 3], [1, 1, 0]]), "t": torch.tensor([[1.0, 0, 0], [0, 2, 0]]),
+           "f0": torch.tensor([[1.0, 1, 0], [0, 0, 0.5], [0, 1, 0]]), "fused": torch.ones(3, 2)}  # fmt: skip
+    t0, s2 = torch.tensor([[3.0, 4, 0], [0, 1, 1]]), math.sqrt(0.5)
+    _, parts = dear.dear_loss(out, torch.tensor([0, 1, 1]), t0, torch.full((6,), 1 / 6), 0.3, 2.0)
+    assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((1 - s2, (0.4 + 1 - s2) / 2), rel=1e-6)
+
+
+def test_residual_factors_are_kaiming_uniform_as_mmrlpp():
+    """A (rank 4) and P_A (rank 64) as nn.init.kaiming_uniform_(a=sqrt(5)): uniform within 1/sqrt(fan_in)."""
+    model = DeAR(tiny_clip(text_layers=4), None, J=1, mask="none")
+    for A, bound in ((model.F_v.A, 1 / 2), (model.F_t.A, 1 / 2), (model.P_A, 1 / 8)):
+        assert 0.95 * bound < A.abs().max() <= bound
 
 
 def test_every_trainable_part_gets_a_gradient_and_the_frozen_clip_none():
