@@ -85,9 +85,9 @@ WORK = tempfile.mkdtemp(prefix="dear-tests-")
 # The two slowest checks run as commands of their own beside the other tests, as soon as the toy CLIP is there:
 # `run_all.sh --smoke`, and the README's quick start (DeAR on the toy world, then its zero-shot row).
 COMMANDS = {"smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
-            "quick_start": ["bash", "-c", f'"{sys.executable}" {ROOT}/dear.py --dataset toyworld --root data --out runs'
-                            f' && "{sys.executable}" {ROOT}/dear.py --dataset toyworld --root data --out runs'
-                            " --method zeroshot"]}  # fmt: skip
+            "quick_start": [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = "
+                            "['--dataset', 'toyworld', '--root', 'data', '--out', 'runs']; "
+                            "dear.main(a); dear.main(a + ['--method', 'zeroshot'])"]}  # fmt: skip
 
 
 def start_pretraining():
