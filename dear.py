@@ -528,8 +528,7 @@ def train(model, ds, c: Config, device, ckpt, log):
 @torch.no_grad()
 def evaluate(model, items, classnames, template, c: Config, device, rule="fused", log=print, name=""):
     """Top-1 accuracy (%) of the fused (or class) logits, overall and per class; fp32 as MMRL's test() by default."""
-    model.eval()
-    model.set_classes(classnames, template)
+    model.eval().set_classes(classnames, template)
     amp = AMP[c.eval_precision]
     images = data.ImageList(items, data.test_transform(model.clip.visual.input_resolution))
     loader = torch.utils.data.DataLoader(images, batch_size=c.eval_batch_size, num_workers=c.workers,
@@ -568,18 +567,19 @@ def save(obj, path):
 
 
 def run_dir(c: Config):
-    """(OUT/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>/, variant): the variant names the flags that
-    differ from the dataset's defaults (`default`, `mask-none_J-7`); folder:PATH, its folder and resolved path."""
+    """(OUT/<protocol>/<dataset>/<method>-<variant>-shots<K>-seed<S>/, the flags that differ from the dataset's defaults
+    by name: the variant, `default` or e.g. `mask-none_J-7`); a folder:PATH dataset: its folder, its path's hash."""
     base = resolve(Config(dataset=c.dataset, protocol=c.protocol, root=c.root))
     names = ("backbone", "precision", "eval_precision") if c.method == "zeroshot" else TUNED  # zero-shot: what it uses
-    parts = [f"{k}-{getattr(c, k)}" for k in names if k not in BOOKKEEPING and getattr(c, k) != getattr(base, k)]
+    changed = {k: getattr(c, k) for k in names if k not in BOOKKEEPING and getattr(c, k) != getattr(base, k)}
+    parts = [f"{k}-{v}" for k, v in changed.items()]  # a long part is cut and hashed
     parts = [p if len(p) < 40 else p[:20] + hashlib.sha256(p.encode()).hexdigest()[:8] for p in parts]
     variant, tag, path = "_".join(parts).replace("/", "-") or "default", c.dataset, os.path.realpath(c.dataset[7:])
     if c.dataset.startswith("folder:"):
         tag = f"folder-{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
     if c.eval_only:
-        return os.path.join(c.load, "eval", f"{c.protocol}-{tag}"), variant
-    return os.path.join(c.out, c.protocol, tag, f"{c.method}-{variant}-shots{c.shots}-seed{c.seed}"), variant
+        return os.path.join(c.load, "eval", f"{c.protocol}-{tag}"), variant, changed
+    return os.path.join(c.out, c.protocol, tag, f"{c.method}-{variant}-shots{c.shots}-seed{c.seed}"), variant, changed
 
 
 def environment():
@@ -631,7 +631,7 @@ def run(cfg: Config, log_to_stdout=True):
         with open(os.path.join(cfg.load, "config.json")) as f:
             cfg = dataclasses.replace(cfg, **{k: v for k, v in json.load(f)["config"].items() if k in CARRIED})
     c = resolve(cfg)
-    rdir, name = run_dir(c)  # named by the flags as given (amp, not what amp resolves to)
+    rdir, variant, changed = run_dir(c)  # named by the flags as given (amp, not what amp resolves to)
     device = pick_device(c)
     if c.dataset == "toyworld":
         toyworld.ensure_dataset(c.root)
@@ -704,9 +704,9 @@ def run(cfg: Config, log_to_stdout=True):
                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable values")  # fmt: skip
             stats = train(model, train_ds, c, device, p("checkpoint.pt"), log)
             save(model.trainable_state(), p("model.pt"))
-        warnings = list(dict.fromkeys(w for ds in [train_ds] + [e[0] for e in evals] for w in ds.warnings))
-        results = {"config": config, "inputs": inputs, "variant": name, "env": env, "evals": [], "train": stats,
-                   "train_shots": train_ds.shots_per_class, "warnings": warnings}  # fmt: skip
+        results = {"config": config, "inputs": inputs, "variant": variant, "changed": changed, "env": env, "evals": [],
+                   "train": stats, "train_shots": train_ds.shots_per_class,
+                   "warnings": list(dict.fromkeys(w for ds, _, _ in evals for w in ds.warnings))}  # fmt: skip
         t1 = time.time()
         for ds, split, rule in evals:
             model.beta = eval_beta(c, ds.name)  # xd targets: MMRL++'s test-time beta

@@ -11,7 +11,6 @@ the HM of the averaged base and novel (as the paper), not the mean of the HMs. A
 import argparse
 import csv
 import glob
-import hashlib
 import io
 import json
 import math
@@ -118,26 +117,19 @@ def delta(ours, ref):
     return f"{ours.mean - ref.mean:+.{len(ref.text.partition('.')[2]) if isinstance(ref, Ref) else 2}f}"
 
 
-def flag(field, value):
-    """The part of a variant that names one flag, as dear.variant writes it (a long one cut and hashed)."""
-    part = f"{field}-{value}"
-    return (part if len(part) < 40 else part[:20] + hashlib.sha256(part.encode()).hexdigest()[:8]).replace("/", "-")
-
-
 def read_run(path):
-    """One results.json -> the fields the tables need. Of its variant (dear.py's "_"-joined parts, one per flag
-    that differs from the defaults), `schedule` is the parts of schedule flags and `key` the rest but the
-    backbone: the ablation, "" for the full method."""
+    """One results.json -> the fields the tables need. Of the flags that differ from the defaults (`changed`, as
+    dear.py records them), `schedule` names the schedule's and `key` the rest but the backbone: the ablation, "" for
+    the full method."""
     try:
         with open(path) as f:
             res = json.load(f)
-        c, variant = res["config"], f"_{res['variant']}_"
-        schedule = [flag(f, c[f]) for f in SCHEDULE if f"_{flag(f, c[f])}_" in variant]
-        for part in schedule + [flag("backbone", c["backbone"]), "default"]:
-            variant = variant.replace(f"_{part}_", "_")
+        c, changed = res["config"], res["changed"]
+        schedule = "_".join(f"{k}-{v}" for k, v in changed.items() if k in SCHEDULE)
+        key = "_".join(f"{k}-{v}" for k, v in changed.items() if k not in SCHEDULE and k != "backbone")
         run = {f: c[f] for f in ("backbone", "protocol", "method", "dataset", "shots", "seed")}
         return dict(run, path=path, evals=res["evals"], env=res.get("env") or {}, eval_only=c.get("eval_only"),
-                    schedule="_".join(schedule), key=variant.strip("_"))  # fmt: skip
+                    schedule=schedule, key=key)  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         e.add_note(f"in {path}")
         raise

@@ -91,7 +91,8 @@ def test_settings_reach_the_built_model_and_eval_only_takes_the_runs_own(world, 
     results, rdir = run(world, tmp_path, "--tokens mmrl --alpha-cls 0.4 --beta 0.35 --seed 7 --epochs 1")
     m = built[-1]
     assert (m.kind, m.beta, m.J, m.use_tokens) == ("mmrl", 0.35, 3, True)
-    assert "tokens-mmrl" in rdir and "beta-0.35" in rdir
+    assert "tokens-mmrl" in rdir and "beta-0.35" in rdir and "seed" not in results["changed"]
+    assert {"tokens": "mmrl", "alpha_cls": 0.4, "beta": 0.35, "epochs": 1}.items() <= results["changed"].items()
     trained = torch.load(os.path.join(rdir, "model.pt"))
     assert results["fusion_weights"]["cls"] == pytest.approx(trained["w"].softmax(0)[0].item())
     ev = dear.main(argv(world, tmp_path, f"--eval-only --load {rdir} --protocol fewshot"))

@@ -15,13 +15,15 @@ ENV = dict(python="3.11.9", torch="2.4.1", torchvision="0.19.1", cuda="12.1", cu
 FOLDER = itertools.count()
 
 
-def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, variant="default", backbone="ViT-B/16",
+def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, changed=None, backbone="ViT-B/16",
         env=None, **config):  # fmt: skip
     """One results.json; `evals`: (dataset, split, accuracy) each. Its folder is named by a counter only."""
     cfg = dict(protocol=protocol, dataset=dataset, method=method, shots=shots, seed=seed, backbone=backbone,
                eval_only=False, epochs=5, batch_size=4, lr=0.001, warmup_epochs=1, warmup_lr=1e-05,
                weight_decay=0.0005, J=9, beta=0.9, mask="role")  # fmt: skip
-    res = {"config": dict(cfg, **config), "variant": variant, "env": dict(ENV, **(env or {})),
+    changed = changed or {}  # the flags that differ from the defaults, as dear.py records them
+    variant = "_".join(f"{k}-{v}" for k, v in changed.items()).replace("/", "-") or "default"
+    res = {"config": dict(cfg, **config), "variant": variant, "changed": changed, "env": dict(ENV, **(env or {})),
            "inputs": {"dataset_folder": dataset, "backbone_sha256": "ab" * 32, "roles_sha256": None},
            "evals": [{"dataset": d, "split": s, "beta": 0.9, "accuracy": a, "n": 100, "logits": "fused",
                       "per_class": []} for d, s, a in evals]}  # fmt: skip
@@ -99,9 +101,9 @@ def test_missing_cells_stay_missing(tmp_path):
 
 def test_backbones_have_their_own_cells_and_only_vit_b16_its_published_numbers(tmp_path):
     b2n(tmp_path, "eurosat", 80.0, 60.0, seed=1)
-    b2n(tmp_path, "eurosat", 90.0, 70.0, seed=1, backbone="ViT-B/32", variant="backbone-ViT-B-32")
-    b2n(tmp_path, "eurosat", 50.0, 40.0, seed=2, backbone="ViT-B/32", variant="backbone-ViT-B-32")
-    b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot", variant="backbone-ViT-L-14")
+    b2n(tmp_path, "eurosat", 90.0, 70.0, seed=1, backbone="ViT-B/32", changed={"backbone": "ViT-B/32"})
+    b2n(tmp_path, "eurosat", 50.0, 40.0, seed=2, backbone="ViT-B/32", changed={"backbone": "ViT-B/32"})
+    b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot", changed={"backbone": "ViT-L/14"})
     md = tables.build(str(tmp_path))
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "80.00 ± 0.00 (n=1)"
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR, where="ViT-B/32")[0] == "70.00 ± 20.00 (n=2)"
@@ -115,7 +117,7 @@ def test_ablations_average_their_own_datasets(tmp_path):
     for ds, base, novel in (("imagenet", 70.0, 60.0), ("dtd", 80.0, 50.0), ("eurosat", 90.0, 70.0)):
         b2n(tmp_path, ds, base, novel)
     for ds, base, novel in (("dtd", 84.0, 40.0), ("eurosat", 90.0, 60.0)):
-        b2n(tmp_path, ds, base, novel, variant="mask-none", mask="none")
+        b2n(tmp_path, ds, base, novel, changed={"mask": "none"}, mask="none")
     md = tables.build(str(tmp_path))
     assert "## Table 5. Ablations (base-to-novel, averaged over DTD, EuroSAT) [ViT-B/16]" in md
     full, ablated = tables.hm(85.0, 60.0), tables.hm(87.0, 50.0)  # over DTD and EuroSAT, not ImageNet
@@ -180,9 +182,9 @@ def test_every_published_row_parses():
 def test_toy_tables_from_toyworld_runs(tmp_path, capsys):
     out, toy = str(tmp_path), dict(backbone="toy")
     for seed in (1, 2):  # b2n and ablations on the toy schedule (--epochs 10), transfer and few-shot on the default
-        b2n(out, "toyworld", 80.0 + seed, 60.0, seed=seed, variant="epochs-10", epochs=10, **toy)
-        b2n(out, "toyworld", 70.0, 50.0, seed=seed, variant="J-2_epochs-10", epochs=10, J=2, **toy)
-        b2n(out, "toyworld", 75.0, 40.0, seed=seed, variant="roles_control-oracle_epochs-10", epochs=10, **toy)
+        b2n(out, "toyworld", 80.0 + seed, 60.0, seed=seed, changed={"epochs": 10}, epochs=10, **toy)
+        b2n(out, "toyworld", 70.0, 50.0, seed=seed, changed={"J": 2, "epochs": 10}, epochs=10, J=2, **toy)
+        b2n(out, "toyworld", 75.0, 40.0, seed=seed, changed={"roles_control": "oracle", "epochs": 10}, epochs=10, **toy)
         put(out, "xd", "toyworld", [("toyworld", "all", 85.0), ("folder:/data/toyworld-transfer/noisy", "all", 60.0)],
             seed=seed, **toy)  # fmt: skip
         put(out, "fewshot", "toyworld", [("toyworld", "all", 65.0)], shots=2, seed=seed, **toy)
