@@ -595,8 +595,8 @@ def environment():
                 git_commit=git("rev-parse", "HEAD") or None, git_dirty=bool(git("status", "--porcelain")))  # fmt: skip
 
 
-def build(c: Config, device, log, roles_path=None):
-    """The backbone, the head roles and the DeAR model of a resolved config: (model, roles file or None)."""
+def build(c: Config, device, log, roles_path=None, trained=None):
+    """The backbone, the roles and the DeAR model of a config (trained: a model.pt): (model, roles file or None)."""
     clip_model, _ = toyworld.load_clip(c.backbone, device=device, log=log)
     if c.backbone == "toy" and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the toy CLIP's matrices are too small for a second thread to pay
@@ -612,15 +612,17 @@ def build(c: Config, device, log, roles_path=None):
             imagenet = os.path.isdir(data.dataset_folder("imagenet", c.root))
             probe, split = ("imagenet", "test") if imagenet else (c.dataset, "train")
             log(f"head roles of {c.backbone}, blocks {c.J}..{L}: probe {probe} {split} (computed once, then cached)")
-            roles_path = entropy.run(c.backbone, probe, c.root, layers, split=split, device=str(device), log=log)
+            roles_path = entropy.run(c.backbone, probe, c.root, layers, split=split, log=log, model=clip_model)
         heads = clip_model.visual.transformer.heads
         roles = entropy.load_roles(roles_path, num_layers=L, num_heads=heads, layers=layers, sha256=clip_model.sha256)
         if c.roles_control != "none":
             roles = entropy.control_roles(roles, c.roles_control, c.seed)
     torch.manual_seed(c.seed)  # the tokens' initialisation
     model = DeAR(clip_model, roles, c.J, c.beta, c.rep_dim, c.mask, c.method == "dear" and c.attr_tokens, c.alpha_cls,
-                 c.tokens)  # fmt: skip
-    return model.to(device), roles_path if roles is not None else None
+                 c.tokens).to(device)  # fmt: skip
+    if trained:
+        model.load_trainable(torch.load(trained, map_location=device, weights_only=True), trained)
+    return model, roles_path if roles is not None else None
 
 
 def run(cfg: Config, log_to_stdout=True):
@@ -664,7 +666,8 @@ def run(cfg: Config, log_to_stdout=True):
         log(f"{c.method} {c.protocol} {c.dataset} -> {rdir} | " + " ".join(f"{k} {v}" for k, v in env.items()))
         resuming, finished = c.resume and os.path.exists(p("checkpoint.pt")), os.path.exists(p("results.json"))
         own = os.path.join(c.load, "roles.json") if c.eval_only else p("roles.json")  # resumed, evaluated: its own
-        model, roles = build(c, device, log, own if (c.eval_only or resuming) and os.path.exists(own) else None)
+        own = own if (c.eval_only or resuming) and os.path.exists(own) else None
+        model, roles = build(c, device, log, own, os.path.join(c.load, "model.pt") if c.eval_only else None)
         config = {k: v for k, v in dataclasses.asdict(c).items() if k not in BOOKKEEPING}
         roles_sha = roles and hashlib.sha256(open(roles, "rb").read()).hexdigest()
         inputs = {"dataset_folder": os.path.realpath(data.dataset_folder(c.dataset, c.root)),
@@ -695,10 +698,7 @@ def run(cfg: Config, log_to_stdout=True):
         save({"config": config, "inputs": inputs, "env": env, "classes": classes, "template": train_ds.template},
              p("config.json"))  # fmt: skip
         t0, stats = time.time(), None
-        if c.eval_only:
-            trained = os.path.join(c.load, "model.pt")
-            model.load_trainable(torch.load(trained, map_location=device, weights_only=True), trained)
-        elif c.method == "dear":
+        if c.method == "dear" and not c.eval_only:
             log(f"train: {len(train_ds.train)} images, {len(train_ds.classnames)} classes, {c.epochs} epochs, batch "
                 f"{c.batch_size}, beta {c.beta}, lambda_reg {c.lambda_reg}, J {c.J}, tokens {c.tokens}: "
                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable values")  # fmt: skip
@@ -747,8 +747,7 @@ def predict(argv):
         saved = json.load(f)
     c = resolve(Config(**dict(saved["config"], device=a.device)))
     device = pick_device(c)
-    model = build(c, device, print, os.path.join(a.load, "roles.json"))[0]
-    model.load_trainable(torch.load(os.path.join(a.load, "model.pt"), map_location=device, weights_only=True), a.load)
+    model = build(c, device, print, os.path.join(a.load, "roles.json"), os.path.join(a.load, "model.pt"))[0]
     names = [l.strip() for l in open(a.classes) if l.strip()] if a.classes else saved["classes"]
     model.eval().set_classes(names, a.template or saved["template"])
     images = [Image.open(f).convert("RGB") for f in a.images]

@@ -541,7 +541,9 @@ OPTIONS = dict(
 )
 
 
-def run(backbone, dataset, root, layers=None, split="test", device="cpu", out_dir=None, log=print, **options):
+def run(
+    backbone, dataset, root, layers=None, split="test", device="cpu", out_dir=None, log=print, model=None, **options
+):
     """Concept Entropy of `backbone` (a CLIP name, checkpoint path or "toy") on the `split` images
     of `dataset` -> the path of roles.json (beside it roles.md and roles.png).
 
@@ -549,12 +551,12 @@ def run(backbone, dataset, root, layers=None, split="test", device="cpu", out_di
     TextSpan; toyworld.TEXTS_PER_HEAD with the toy pool), rank, thresholds low/high in bits (None:
     quantiles), max_images (None: every image; else a sample by seed), pool: the built-in text pool
     "default" or "toy" (None: toy for the toy CLIP), texts: the user's pool file, batch_size,
-    workers. out_dir None: clip.cache_dir()/roles/<name>_<hash of every input>. A folder whose
-    roles.json records equal inputs is reused."""
+    workers. model: `backbone` already loaded, if the caller has it. out_dir None:
+    clip.cache_dir()/roles/<name>_<hash of every input>. A folder whose roles.json records equal inputs is reused."""
     if options.keys() - OPTIONS.keys():
         raise TypeError(f"unknown options {sorted(options.keys() - OPTIONS.keys())}")
     o = {**OPTIONS, **options}
-    model, _ = toyworld.load_clip(backbone, device, log=log)
+    model = model if model is not None else toyworld.load_clip(backbone, device, log=log)[0]
     L = model.visual.transformer.layers
     layers = sorted(set(range(max(1, L - 3), L + 1) if layers is None else layers))
     if not layers or not 1 <= layers[0] <= layers[-1] <= L:
