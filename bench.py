@@ -1,35 +1,38 @@
-"""Speed bench: a DeAR training step and a DeAR evaluation next to the frozen CLIP, on random weights.
+"""Speed bench: a DeAR training step and evaluation beside the frozen CLIP, on random weights.
 
-    python bench.py --device cpu     # ViT-B/16's shapes on one CPU thread: writes BENCH.md (about 15 minutes)
+    python bench.py --device cpu     # ViT-B/16's shapes, one CPU thread: BENCH.md (15 minutes)
     python bench.py --device cuda    # on a GPU: fp16 autocast as in training, and the peak memory
     python bench.py --tiny           # the tests' tiny CLIP, seconds: writes BENCH_TINY.md
 
 What it measures, and how (the Markdown file ends with these notes):
 
-- Time: torch.utils.benchmark.Timer.blocked_autorange, the median of the timed calls (its first call warms up); on a
-  CPU one intra-op thread and process CPU time, so that other programs on the machine do not count. A CPU's times
-  say little about a GPU's: run `--device cuda` there (peak memory: torch.cuda.max_memory_allocated over one call).
-- FLOPs: torch.utils.flop_counter.FlopCounterMode, 2 per multiply-add of every matmul and convolution, backward
-  included (attention through the math kernel, whose matmuls it sees). Ratios: b against a, c against zero-shot.
-- a: CLIP.forward of the vendored CLIP (which too computes only the rows read and runs prompts in length groups).
-  b: dear.train's step: the forward with f^0 under autocast, dear_loss in fp32, backward, AdamW (lr 0, so every call
-  sees the same weights; no GradScaler). c: per image, the class features computed once, as dear.evaluate.
-- Shortcuts, each against the plain computation it replaces, written here on the CLIP seams (run_blocks,
-  run_text_blocks). rows read: the last block of both towers computes only the rows read (CLS and the K tokens;
-  EOT), not every row. past: the prompt start shared by all classes (SOT, the template's first words, the K tokens)
-  runs once a block, not once a prompt. length groups: prompts run in groups of similar length
-  (clip.model.length_buckets, which on a GPU mostly picks one group), not all padded to the longest.
-- Memory: estimated, not measured: frozen weights 4 bytes a value (fp32); trainable values 16 (value, gradient,
-  AdamW's two moments); kept for the backward, in the n = L - J + 1 blocks of each tower with tokens: SAVED_BYTES =
-  32 bytes per token, block and unit of width (fp16 autocast) for B (1 + K + P) image tokens and 1000 prompts of
-  their mean length + K (the last block, which keeps less, counted whole), and the fp16 casts of the blocks' frozen
-  weights that autocast makes at every call (the text blocks' twice: prompts, shared start); the role masks, fp32
-  and an fp16 copy, n H (1 + K + P)^2. Not counted: one block's temporaries (a few hundred MiB), the CUDA context.
+- Time: torch.utils.benchmark.Timer.blocked_autorange, the median of the timed calls (its first call
+  warms up); on a CPU one intra-op thread and process CPU time, so that other programs on the
+  machine do not count. A CPU's times say little about a GPU's: run `--device cuda` there (peak
+  memory: torch.cuda.max_memory_allocated over one call).
+- FLOPs: torch.utils.flop_counter.FlopCounterMode, 2 per multiply-add of every matmul and
+  convolution, backward included (attention through the math kernel, whose matmuls it sees). Ratios:
+  b against a, c against zero-shot.
+- a: CLIP.forward of the vendored CLIP (which too computes only the rows read and runs prompts in
+  length groups). b: dear.train's step: the forward with f^0 under autocast, dear_loss in fp32,
+  backward, AdamW (lr 0, so every call sees the same weights; no GradScaler). c: per image, the
+  class features computed once, as dear.evaluate.
+- Shortcuts, each against the plain computation it replaces, written here on the CLIP seams
+  (run_blocks, run_text_blocks). rows read: the last block of both towers computes only the rows
+  read (CLS and the K tokens; EOT), not every row. past: the prompt start shared by all classes
+  (SOT, the template's first words, the K tokens) runs once a block, not once a prompt. length
+  groups: prompts run in groups of similar length (clip.model.length_buckets, which on a GPU mostly
+  picks one group), not all padded to the longest.
+- Memory: estimated, not measured: frozen weights 4 bytes a value (fp32); trainable values 16
+  (value, gradient, AdamW's two moments); kept for the backward, in the n = L - J + 1 blocks of each
+  tower with tokens: SAVED_BYTES = 32 bytes per token, block and unit of width (fp16 autocast) for B
+  (1 + K + P) image tokens and 1000 prompts of their mean length + K (the last block, which keeps
+  less, counted whole), and the fp16 casts of the blocks' frozen weights that autocast makes at
+  every call (the text blocks' twice: prompts, shared start); the role masks, fp32 and an fp16 copy,
+  n H (1 + K + P)^2. Not counted: one block's temporaries (a few hundred MiB), the CUDA context.
 """
 
-import argparse
 import contextlib
-import os
 import sys
 import time
 from unittest import mock
@@ -41,48 +44,54 @@ from torch.utils.benchmark import Timer
 from torch.utils.flop_counter import FlopCounterMode
 
 import clip
+import data
 import dear
 from clip.model import CLIP, length_buckets
-from data import UserError
 from dear import K
 
 
 def vit(resolution, layers, width, patch, text_width):
-    """CLIP's constructor arguments for an OpenAI ViT (text: 12 blocks, heads of width 64, as wide as the features)."""
-    return dict(embed_dim=text_width, image_resolution=resolution, vision_layers=layers, vision_width=width,
-                vision_patch_size=patch, context_length=77, vocab_size=49408, transformer_width=text_width,
-                transformer_heads=text_width // 64, transformer_layers=12)  # fmt: skip
+    """CLIP's constructor arguments for an OpenAI ViT (text: 12 blocks, heads of width 64, as
+    wide as the features)."""
+    return dict(embed_dim=text_width, image_resolution=resolution, vision_layers=layers,
+                vision_width=width, vision_patch_size=patch, context_length=77, vocab_size=49408,
+                transformer_width=text_width, transformer_heads=text_width // 64,
+                transformer_layers=12)
 
 
 BACKBONES = {"ViT-B/32": vit(224, 12, 768, 32, 512), "ViT-B/16": vit(224, 12, 768, 16, 512),
-             "ViT-L/14": vit(224, 24, 1024, 14, 768), "ViT-L/14@336px": vit(336, 24, 1024, 14, 768)}  # fmt: skip
+             "ViT-L/14": vit(224, 24, 1024, 14, 768), "ViT-L/14@336px": vit(336, 24, 1024, 14, 768)}
 # the tests' tiny CLIP (tests/conftest.py)
-TINY = dict(vit(32, 4, 64, 8, 64), embed_dim=32, transformer_layers=2, transformer_heads=4, vision_heads=4)
-SETTINGS = ((10, 4), (1000, 32))  # (classes, batch): base-to-novel's batch of 4; ImageNet's 1000 classes at 32
+TINY = dict(vit(32, 4, 64, 8, 64), embed_dim=32, transformer_layers=2, transformer_heads=4,
+            vision_heads=4)
+# (classes, batch): base-to-novel's batch of 4; ImageNet's 1000 classes at 32
+SETTINGS = ((10, 4), (1000, 32))
 TEMPLATE = "a photo of a {}."
-WORDS = (("red", "green", "blue", "yellow", "black", "white", "brown", "grey", "orange", "purple"),
-         ("round", "long", "flat", "tall", "small", "large", "spotted", "striped", "curly", "pointed"),
-         ("bird", "dog", "car", "flower", "boat", "chair", "lamp", "shoe", "fish", "house"))  # fmt: skip
-# What autograd keeps per token and block of the towers from J, per unit of width, under fp16 autocast: the two
-# LayerNorm inputs in fp32 (8 bytes), q, k, v and the attention output (8), the MLP's hidden layer twice (16); a
-# frozen matmul keeps its weight, not its input. Counted with torch.autograd.graph.saved_tensors_hooks (the tests)
+WORDS = ("red green blue yellow black white brown grey orange purple".split(),
+         "round long flat tall small large spotted striped curly pointed".split(),
+         "bird dog car flower boat chair lamp shoe fish house".split())
+# What autograd keeps per token and block of the towers from J, per unit of width, under fp16
+# autocast: the two LayerNorm inputs in fp32 (8 bytes), q, k, v and the attention output (8), the
+# MLP's hidden layer twice (16); a frozen matmul keeps its weight, not its input. Counted with
+# torch.autograd.graph.saved_tensors_hooks (the tests)
 SAVED_BYTES = 32
 
 
 def classnames(n):
-    """n distinct made-up names of 3 words; every 7th has 4 more, as real class lists have long names too."""
-    names = [f"{WORDS[0][i % 10]} {WORDS[1][i // 10 % 10]} {WORDS[2][i // 100 % 10]}" for i in range(n)]
+    """n distinct made-up names of 3 words; every 7th has 4 more, as real class lists have long
+    names too."""
+    names = [" ".join(WORDS[k][i // 10**k % 10] for k in range(3)) for i in range(n)]
     return [name + " of the northern hills" * (i % 7 == 0) for i, name in enumerate(names)]
 
 
 def made_up_roles(L, H):
     """Every kind of head in every block (what a mask costs does not depend on the roles)."""
     kinds = ("generalization", "attribute", "mixed", "other")
-    return {b: [{"role": kinds[(b + h) % 4], "attribute": dear.ATTRIBUTES[(b + h) % K]} for h in range(H)]
-            for b in range(1, L + 1)}  # fmt: skip
+    head = lambda b, h: {"role": kinds[(b + h) % 4], "attribute": dear.ATTRIBUTES[(b + h) % K]}
+    return {b: [head(b, h) for h in range(H)] for b in range(1, L + 1)}
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Measuring
 
 
@@ -94,11 +103,13 @@ def flops(fn):
 
 
 def measure(fn, device, min_time):
-    """FLOPs, seconds a call (median) and, on CUDA, the peak memory in MiB of fn; and fn's result."""
+    """FLOPs, seconds a call (median) and, on CUDA, the peak memory in MiB of fn; and fn's
+    result."""
     n, out = flops(fn)
-    clock = {"timer": time.process_time} if device.type == "cpu" else {}  # CUDA: Timer synchronises
+    clock = {"timer": time.process_time} if device.type == "cpu" else {}  # CUDA: Timer syncs
     timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), **clock)
-    r = {"flops": n, "s": timer.blocked_autorange(min_run_time=min_time).median, "mib": None, "out": out}
+    seconds = timer.blocked_autorange(min_run_time=min_time).median
+    r = {"flops": n, "s": seconds, "mib": None, "out": out}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         fn()
@@ -106,8 +117,8 @@ def measure(fn, device, min_time):
     return r
 
 
-def autocast(device):
-    return torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda")  # --precision amp
+def autocast(device):  # --precision amp
+    return torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda")
 
 
 def no_grad(fn, device):
@@ -115,8 +126,9 @@ def no_grad(fn, device):
 
 
 def training_step(model, images, labels):
-    """dear.train's step: forward under autocast, the loss in fp32, backward, AdamW (lr 0, so every call sees the same
-    weights; on CUDA without the GradScaler, whose few extra operations hardly cost). Returns the loss."""
+    """dear.train's step: forward under autocast, the loss in fp32, backward, AdamW (lr 0, so
+    every call sees the same weights; on CUDA without the GradScaler, whose few extra operations
+    hardly cost). Returns the loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=5e-4, fused=images.device.type == "cuda")
 
@@ -132,12 +144,13 @@ def training_step(model, images, labels):
     return step
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The exact shortcuts, and the plain computations they replace (the same loss, more FLOPs)
 
 
 def every_row(run):
-    """A run_blocks / run_text_blocks that computes every row of its last block and then keeps the rows asked for."""
+    """A run_blocks / run_text_blocks that computes every row of its last block and then keeps
+    the rows asked for."""
 
     def plain(x, start, end, rows=None, **kw):
         y = run(x, start, end, **kw)
@@ -153,20 +166,24 @@ def one_group(eot):
 
 
 def whole_prompts(model, names, groups):
-    """DeAR.encode_classes without `past`: every prompt runs whole (SOT, the K tokens, its words) in blocks J..L."""
+    """DeAR.encode_classes without `past`: every prompt runs whole (SOT, the K tokens, its words)
+    in blocks J..L."""
     m = model.clip
     tokens = clip.tokenize([TEMPLATE.format(c) for c in names]).to(model.t0.device)
+    parts = []
     with torch.no_grad():  # blocks 1..J-1, once per class list, as set_classes
-        parts = [(m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, model.first_text), idx, rows, pick)
-                 for n, idx, rows, pick in groups(tokens.argmax(-1))]  # fmt: skip
+        for n, idx, rows, pick in groups(tokens.argmax(-1)):
+            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, model.text_blocks.start)
+            parts.append((x, idx, rows, pick))
 
     def encode_classes():
         t, order = [], []
         for x, idx, rows, pick in parts:
-            for i, b in enumerate(range(model.first_text, model.Lt)):
+            for i, b in enumerate(model.text_blocks):
                 fresh = model.F_t(model.R, i).to(x.dtype)  # [K, W]
-                x = dear.insert(x, fresh) if i == 0 else dear.mix(x, fresh, model.beta)  # [c, n + 1 + K, W]
-                x = m.run_text_blocks(x, b, b + 1, rows=rows + K if b == model.Lt - 1 else None)
+                x = dear.insert(x, fresh) if i == 0 else dear.mix(x, fresh, model.beta)
+                last = b == model.text_blocks[-1]
+                x = m.run_text_blocks(x, b, b + 1, rows=rows + K if last else None)  # [c, ., W]
             t.append(m.text_head(x, pick))
             order.append(idx)
         return F.normalize(torch.cat(t)[torch.cat(order).argsort()], dim=-1)  # [C, E]
@@ -175,13 +192,16 @@ def whole_prompts(model, names, groups):
 
 
 def without(model, names, shortcut):
-    """A context in which the model computes the same without one shortcut (or all three), the plain way."""
+    """A context in which the model computes the same without one shortcut (or all three), the
+    plain way."""
     m, stack = model.clip, contextlib.ExitStack()
     if shortcut in ("rows read", "all three"):
-        stack.enter_context(mock.patch.object(m.visual, "run_blocks", every_row(m.visual.run_blocks)))
+        visual = every_row(m.visual.run_blocks)
+        stack.enter_context(mock.patch.object(m.visual, "run_blocks", visual))
         stack.enter_context(mock.patch.object(m, "run_text_blocks", every_row(m.run_text_blocks)))
     if shortcut in ("past", "all three"):
-        plain = whole_prompts(model, names, one_group if shortcut == "all three" else length_buckets)
+        groups = one_group if shortcut == "all three" else length_buckets
+        plain = whole_prompts(model, names, groups)
         stack.enter_context(mock.patch.object(model, "encode_classes", plain))
     if shortcut == "length groups":
         with mock.patch.object(clip.model, "length_buckets", one_group):
@@ -190,7 +210,7 @@ def without(model, names, shortcut):
     return stack
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The bench
 
 
@@ -207,14 +227,15 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
         model.set_classes(names, TEMPLATE)
         step = measure(training_step(model, images, labels), device, min_time)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        rows.append((f"b. DeAR training step, --tokens {kind}, vs a.", where, step, base, trainable))
+        what = f"b. DeAR training step, --tokens {kind}, vs a."
+        rows.append((what, where, step, base, trainable))
     t = no_grad(model.encode_classes, device)()  # once per evaluation, as dear.evaluate
     ours = measure(no_grad(lambda: model(images, t=t)["fused"], device), device, min_time)
-    zero_shot = measure(no_grad(lambda: clip_model.similarity(clip_model.encode_image(images), model.t0), device),
-                        device, min_time)  # fmt: skip
+    zero_shot = lambda: clip_model.similarity(clip_model.encode_image(images), model.t0)
+    zero_shot = measure(no_grad(zero_shot, device), device, min_time)
     ours, zero_shot = ({**r, "s": r["s"] / B, "flops": r["flops"] / B} for r in (ours, zero_shot))
     rows += [("c. zero-shot CLIP evaluation, per image", where, zero_shot, zero_shot, 0),
-             ("c. DeAR evaluation, per image, vs zero-shot", where, ours, zero_shot, 0)]  # fmt: skip
+             ("c. DeAR evaluation, per image, vs zero-shot", where, ours, zero_shot, 0)]
     shortcuts = []
     for shortcut in ("rows read", "past", "length groups", "all three"):
         print(f"{where}: a step without {shortcut}", flush=True)
@@ -225,18 +246,20 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
 
 
 def memory_estimate(name, sizes, prompt_length, batch=32, classes=1000):
-    """(backbone, J of L, trainable values mmrlpp / mmrl, GiB: frozen weights, AdamW, activations, masks, sum)."""
+    """(backbone, J of L, trainable values mmrlpp / mmrl, GiB: frozen weights, AdamW,
+    activations, masks, sum)."""
     L, D, W = sizes["vision_layers"], sizes["vision_width"], sizes["transformer_width"]
     J, trainable = dear.default_J(L), []
     for kind in ("mmrlpp", "mmrl"):
         with torch.device("meta"):  # shapes only
             model = dear.DeAR(CLIP(**sizes), None, J, mask="none", tokens=kind)
         trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
-    n, P, H = L - J + 1, model.clip.visual.num_patches, model.clip.visual.heads  # n blocks with tokens per tower
-    positions = batch * (1 + K + P) * D + classes * (prompt_length + K) * W  # token positions x width
-    copies = 2 * n * 12 * (D * D + 2 * W * W)  # fp16 casts of the frozen weights (text: prompts and shared start)
+    n = L - J + 1  # blocks with tokens per tower
+    P, H = model.clip.visual.num_patches, model.clip.visual.heads
+    positions = batch * (1 + K + P) * D + classes * (prompt_length + K) * W  # tokens x width
+    copies = 2 * n * 12 * (D * D + 2 * W * W)  # fp16 casts of frozen weights (text: twice)
     parts = [4 * sum(p.numel() for p in model.clip.parameters()), 16 * trainable[0],
-             SAVED_BYTES * n * positions + copies, 6 * n * H * (1 + K + P) ** 2]  # fmt: skip
+             SAVED_BYTES * n * positions + copies, 6 * n * H * (1 + K + P) ** 2]
     return (name, f"{J} of {L}", *trainable, *(x / 2**30 for x in parts), sum(parts) / 2**30)
 
 
@@ -246,60 +269,72 @@ def run(device, tiny=False):
         clip_model = CLIP(**(TINY if tiny else BACKBONES["ViT-B/16"])).eval().requires_grad_(False)
     L, H = clip_model.visual.transformer.layers, clip_model.visual.transformer.heads
     J, roles = dear.default_J(L), made_up_roles(L, H)
-    per = [bench_setting(clip_model, roles, J, C, B, device, 0.05 if tiny else 1.0) for C, B in SETTINGS]
+    per = [bench_setting(clip_model, roles, J, C, B, device, 0.05 if tiny else 1.0)
+           for C, B in SETTINGS]
     costs, shortcuts = ([r for part in per for r in part[i]] for i in (0, 1))
-    length = float(clip.tokenize([TEMPLATE.format(c) for c in classnames(1000)]).argmax(-1).float().mean()) + 1
+    tokens = clip.tokenize([TEMPLATE.format(c) for c in classnames(1000)])
+    length = float(tokens.argmax(-1).float().mean()) + 1
     memory = [memory_estimate(*backbone, length) for backbone in BACKBONES.items()]
     return {"J": J, "costs": costs, "shortcuts": shortcuts, "memory": memory}
 
 
 def table(header, rows):
-    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(r)} |" for r in rows]
+    return [f"| {' | '.join(row)} |" for row in [header, ["---"] * len(header), *rows]]
 
 
 def markdown(res, device, argv, tiny, elapsed):
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} thread"
-    lines = ["# DeAR bench", "", f"`python bench.py {' '.join(argv)}` on {where}, torch {torch.__version__}, "
-             f"{elapsed:.0f} s. Random weights of {'the tiny CLIP' if tiny else 'ViT-B/16'}'s shapes, "
-             f"J = {res['J']}, made-up head roles (every kind in every block).", ""]  # fmt: skip
+    cpu = f"cpu, {torch.get_num_threads()} thread"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    model = "the tiny CLIP" if tiny else "ViT-B/16"
+    lines = ["# DeAR bench", "", f"`python bench.py {' '.join(argv)}` on {where}, torch "
+             f"{torch.__version__}, {elapsed:.0f} s. Random weights of {model}'s shapes, J = "
+             f"{res['J']}, made-up head roles (every kind in every block).", ""]
     g = lambda x: f"{x / 1e9:,.1f}" if x >= 1e9 else f"{x / 1e9:.3g}"
     mib = lambda r: "-" if r["mib"] is None else f"{r['mib']:,.0f} MiB"
-    lines += table(("row", "setting", "time", "GFLOP", "FLOP ratio", "time ratio", "trainable", "peak memory"),
-                   [(what, where, f"{r['s']:.3g} s", g(r["flops"]), f"{r['flops'] / b['flops']:.2f}",
-                     f"{r['s'] / b['s']:.2f}", f"{n:,}" if n else "-", mib(r))
-                    for what, where, r, b, n in res["costs"]])  # fmt: skip
-    lines += ["", "The exact shortcuts: FLOPs of one DeAR training step (--tokens mmrlpp) with and without each.", ""]
-    lines += table(("shortcut", "setting", "GFLOP with", "GFLOP without", "saves", "loss without / with - 1"),
-                   [(s, where, g(a), g(b), f"{1 - a / b:.1%} of a step", f"{d:.0e}")
-                    for s, where, a, b, d in res["shortcuts"]])  # fmt: skip
-    lines += ["", "Training memory per backbone, estimated (batch 32, 1000 classes, J = dear.default_J):", ""]
-    lines += table(("backbone", "J", "trainable mmrlpp", "trainable mmrl", "frozen weights", "AdamW", "for backward",
-                    "masks", "estimate"), [(*r[:2], f"{r[2]:,}", f"{r[3]:,}", *(f"{x:.2f} GiB" for x in r[4:]))
-                                           for r in res["memory"]])  # fmt: skip
+    header = ("row", "setting", "time", "GFLOP", "FLOP ratio", "time ratio", "trainable",
+              "peak memory")
+    lines += table(header, [(what, where, f"{r['s']:.3g} s", g(r["flops"]),
+                             f"{r['flops'] / b['flops']:.2f}", f"{r['s'] / b['s']:.2f}",
+                             f"{n:,}" if n else "-", mib(r))
+                            for what, where, r, b, n in res["costs"]])
+    lines += ["", "The exact shortcuts: FLOPs of one DeAR training step (--tokens mmrlpp) with and "
+              "without each.", ""]
+    header = ("shortcut", "setting", "GFLOP with", "GFLOP without", "saves",
+              "loss without / with - 1")
+    lines += table(header, [(s, where, g(a), g(b), f"{1 - a / b:.1%} of a step", f"{d:.0e}")
+                            for s, where, a, b, d in res["shortcuts"]])
+    lines += ["", "Training memory per backbone, estimated (batch 32, 1000 classes, J = "
+              "dear.default_J):", ""]
+    header = ("backbone", "J", "trainable mmrlpp", "trainable mmrl", "frozen weights", "AdamW",
+              "for backward", "masks", "estimate")
+    lines += table(header, [(*r[:2], f"{r[2]:,}", f"{r[3]:,}", *(f"{x:.2f} GiB" for x in r[4:]))
+                            for r in res["memory"]])
     return "\n".join(lines + ["", __doc__.split("\n\n", 3)[3]])
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="the tests' tiny CLIP: seconds")
-    p.add_argument("--out", help="the Markdown file to write (default: BENCH.md; BENCH_TINY.md with --tiny)")
-    a = p.parse_args(argv)
-    device, out, start = torch.device(a.device), a.out or ("BENCH_TINY.md" if a.tiny else "BENCH.md"), time.time()
+def bench(argv):
+    parser = data.Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny CLIP: seconds")
+    parser.add_argument("--out", help="the Markdown file (default BENCH.md; --tiny BENCH_TINY.md)")
+    a = parser.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise data.UserError("--device cuda: CUDA is not available here")
+    device = torch.device(a.device)
+    out = a.out or ("BENCH_TINY.md" if a.tiny else "BENCH.md")
+    start = time.time()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    try:
-        res = run(device, a.tiny)
-        text = markdown(res, device, argv, a.tiny, time.time() - start)
-        with open(out + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(out + ".tmp", out)
-    except (UserError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    res = run(device, a.tiny)
+    text = markdown(res, device, argv, a.tiny, time.time() - start)
+    data.write_text(out, text)
     print(text)
     return res
+
+
+def main(argv=None):
+    return data.guarded(bench, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,11 @@ mixed heads (DeAR's first step, once per backbone).
 Per head, TextSpan (yossigandelsman/clip_text_span) finds the N descriptions that span the head's
 direct contributions to the image embedding; the entropy of their concepts gives the head's role.
 
-    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA   # ImageNet val, as TextSpan
+    python entropy.py --backbone ViT-B/16 --dataset imagenet --root DATA   # ImageNet val
 
 Blocks count from 1 in flags and files (blocks 9-12 of ViT-B/16, as the paper), heads from 0.
 """
 
-import argparse
 import hashlib
 import json
 import math
@@ -34,66 +33,74 @@ ROLES = ("attribute", "generalization", "mixed", "specialist")
 POOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "concepts.tsv")
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 1. Text pools
 
 
 def read_pool(path):
     """A pool file -> [(description, concept or None)]: a description per line, as
-    `concept<TAB>description` (assets/concepts.tsv) or bare; lines starting with '#' are comments."""
+    `concept<TAB>description` (assets/concepts.tsv) or bare; lines starting with '#' are
+    comments."""
+    lines = data.read_text(path, "write a description a line, as concept<TAB>description or bare")
     pool = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            concept, _, text = line.rstrip("\n").rpartition("\t")
-            if text.strip() and not line.startswith("#"):
-                pool.append((text.strip(), concept or None))
+    for line in lines:
+        concept, _, text = line.rpartition("\t")
+        if not line.startswith("#") and text.strip():
+            pool.append((text.strip(), concept.strip() or None))
     unknown = {c for _, c in pool} - {None, *CONCEPTS}
     if unknown:
-        raise data.UserError(f"{path}: unknown concepts {sorted(unknown)}; use {', '.join(CONCEPTS)}")
+        raise data.UserError(f"{path}: unknown concepts {sorted(unknown)}; use "
+                             f"{', '.join(CONCEPTS)}")
+    if not pool:
+        raise data.UserError(f"{path}: no descriptions; write one a line")
     return pool
 
 
 @torch.no_grad()
 def encode_texts(model, texts, batch_size=256):
     """Raw descriptions (no template, as TextSpan) -> L2-normalised text embeddings [T, E] fp32."""
-    device, out = model.visual.proj.device, []
+    device = model.visual.proj.device
+    out = []
     for i in range(0, len(texts), batch_size):
-        tokens = clip.tokenize(texts[i : i + batch_size], context_length=model.context_length, truncate=True)
-        tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]  # up to the last EOT: causal, the rest never reaches it
+        tokens = clip.tokenize(texts[i : i + batch_size], model.context_length, truncate=True)
+        tokens = tokens[:, : int(tokens.argmax(-1).max()) + 1]  # to the last EOT: causal, enough
         out.append(F.normalize(model.encode_text(tokens.to(device)).float(), dim=-1).cpu())
     return torch.cat(out)
 
 
 def label_by_centroid(embeddings, ref_embeddings, ref_concepts):
-    """The concept of each text [T, E]: the nearest (cosine) concept centroid of the reference texts."""
+    """The concept of each text [T, E]: the nearest (cosine) concept centroid of the reference
+    texts."""
     names = [c for c in CONCEPTS if c in ref_concepts]
     which = torch.tensor([names.index(c) for c in ref_concepts])
-    centroids = torch.zeros(len(names), ref_embeddings.shape[1]).index_add_(0, which, ref_embeddings.float())
-    nearest = (F.normalize(embeddings.float(), dim=-1) @ F.normalize(centroids, dim=-1).T).argmax(-1)  # [T]
-    return [names[i] for i in nearest.tolist()]
+    centroids = torch.zeros(len(names), ref_embeddings.shape[1])
+    centroids.index_add_(0, which, ref_embeddings.float())
+    cos = F.normalize(embeddings.float(), dim=-1) @ F.normalize(centroids, dim=-1).T  # [T, c]
+    return [names[i] for i in cos.argmax(-1).tolist()]
 
 
 def label_pool(model, builtin, user=None):
-    """(descriptions, concepts): the built-in pool, or the user's, whose unlabelled descriptions get
-    the concept of the nearest built-in concept centroid in the model's text space."""
+    """(descriptions, concepts): the built-in pool, or the user's, whose unlabelled descriptions
+    get the concept of the nearest built-in concept centroid in the model's text space."""
     pool = builtin if user is None else user
     todo = [t for t, c in pool if c is None]
     if todo:
         ref_embeddings = encode_texts(model, [t for t, _ in builtin])
-        nearest = iter(label_by_centroid(encode_texts(model, todo), ref_embeddings, [c for _, c in builtin]))
+        ref_concepts = [c for _, c in builtin]
+        nearest = iter(label_by_centroid(encode_texts(model, todo), ref_embeddings, ref_concepts))
         pool = [(t, c or next(nearest)) for t, c in pool]
     return [t for t, _ in pool], [c for _, c in pool]
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 2. Head decomposition, as TextSpan's PRS logger (prs_hook.py)
 
 
 @torch.no_grad()
 def decompose(model, images, layers):
     """The image embedding (unnormalised, as encode_image) as a sum of parts: heads [B, nL, H, E],
-    every head of the 1-based blocks `layers` (sorted), and rest [B, E]: the embedding, the MLPs and
-    the other blocks.
+    every head of the blocks `layers` (from 1, sorted), and rest [B, E]: the embedding, the MLPs
+    and the other blocks.
 
     r, the CLS entry of the residual stream that ln_post normalises, is a sum of 2L + 1
     intermediates (the embedding; each block's attention and MLP outputs). With r's mean and std
@@ -102,46 +109,55 @@ def decompose(model, images, layers):
     An analysed block's attention output splits into its H heads, each with 1/H of that share:
     head h's CLS row (attention x values x its out_proj columns) + out_proj.bias / H."""
     visual = model.visual
-    blocks, H = visual.transformer.resblocks, visual.heads
+    blocks = visual.transformer.resblocks
+    H = visual.heads
     x = visual.embed(images)  # [B, 1+P, D]
     B, _, D = x.shape
-    rest, n_rest, heads = x[:, 0].float(), 1, []
+    rest = x[:, 0].float()
+    n_rest = 1
+    heads = []
     for b, block in enumerate(blocks):
         if b + 1 not in layers:
             new = block(x)
-            rest, n_rest, x = rest + (new[:, 0] - x[:, 0]).float(), n_rest + 2, new
+            rest = rest + (new[:, 0] - x[:, 0]).float()
+            n_rest += 2
+            x = new
             continue
         attn = block.attn
         y = block.ln_1(x)
         out, weights = attn(y, need_weights=True)  # [B, T, D], [B, H, T, T]
-        v = F.linear(y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :]).float().view(B, -1, H, D // H)
-        cls = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)  # [B, H, hs]: each head's CLS row
-        w_o = attn.out_proj.weight.float().view(D, H, D // H)  # head h owns input columns h*hs..(h+1)*hs-1
-        heads.append(torch.einsum("bhd,ehd->bhe", cls, w_o) + attn.out_proj.bias.float() / H)  # [B, H, D]
+        v = F.linear(y, attn.in_proj_weight[2 * D :], attn.in_proj_bias[2 * D :])
+        v = v.float().view(B, -1, H, D // H)  # [B, T, H, hs]
+        cls = torch.einsum("bhm,bmhd->bhd", weights[:, :, 0].float(), v)  # [B, H, hs]: CLS rows
+        w_o = attn.out_proj.weight.float().view(D, H, D // H)  # head h: columns h*hs..(h+1)*hs-1
+        heads.append(torch.einsum("bhd,ehd->bhe", cls, w_o) + attn.out_proj.bias.float() / H)
         x = x + out
         m = block.mlp(block.ln_2(x))
-        rest, n_rest, x = rest + m[:, 0].float(), n_rest + 1, x + m
-    ln, n = visual.ln_post, 2 * len(blocks) + 1
+        rest = rest + m[:, 0].float()
+        n_rest += 1
+        x = x + m
+    ln = visual.ln_post
+    n = 2 * len(blocks) + 1
     r = x[:, 0].float()  # [B, D]
     mean = r.mean(-1, keepdim=True)  # [B, 1]
     std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1]
 
     def through_ln(p, share):  # p [B, ..., D], worth `share` intermediates -> [B, ..., E]
         view = (B,) + (1,) * (p.dim() - 1)
-        p = (p - mean.view(view) * share) * ln.weight.float() / std.view(view) + ln.bias.float() * share
-        return p @ visual.proj.float()
+        p = (p - mean.view(view) * share) * ln.weight.float() / std.view(view)
+        return (p + ln.bias.float() * share) @ visual.proj.float()
 
     return through_ln(torch.stack(heads, 1), 1 / (n * H)), through_ln(rest, n_rest / n)
 
 
 def head_contributions(model, images, layers):
-    """Each head's direct contribution [B, nL, H, E], divided (as TextSpan) by the norm of the image
-    embedding."""
+    """Each head's direct contribution [B, nL, H, E], divided (as TextSpan) by the norm of the
+    image embedding."""
     heads, rest = decompose(model, images, layers)
     return heads / (heads.sum((1, 2)) + rest).norm(dim=-1).view(-1, 1, 1, 1)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 3. TextSpan, from statistics streamed over the probe images
 
 
@@ -151,12 +167,14 @@ class GramStatistics:
     (Chan, Golub and LeVeque's pairwise update: no large mean is subtracted from a large sum).
 
     They give both matrices of `replace_with_iterative_removal`: the uncentred Gram
-    C^T C = S + N m m^T (its eigenvectors are C's right singular vectors) and the covariance S / N."""
+    C^T C = S + N m m^T (its eigenvectors are C's right singular vectors) and the covariance
+    S / N."""
 
     def __init__(self, shape, dim, device=None):
         self.count = 0
         self.mean = torch.zeros(*shape, dim, dtype=torch.float64, device=device)  # [*shape, E]
-        self.scatter = torch.zeros(*shape, dim, dim, dtype=torch.float64, device=device)  # [*shape, E, E]
+        shape = (*shape, dim, dim)  # [*shape, E, E]
+        self.scatter = torch.zeros(shape, dtype=torch.float64, device=device)
 
     def add(self, batch):
         """batch [b, *shape, E]: one contribution per image and head."""
@@ -164,10 +182,12 @@ class GramStatistics:
         x = batch.to(self.mean).reshape(b, -1, E).transpose(0, 1)  # [heads, b, E]
         batch_mean = x.mean(1)  # [heads, E]
         x = x - batch_mean.unsqueeze(1)
-        mean, scatter = self.mean.view(-1, E), self.scatter.view(-1, E, E)  # views, updated in place
-        delta, total = batch_mean - mean, self.count + b
+        mean = self.mean.view(-1, E)  # views, updated in place
+        scatter = self.scatter.view(-1, E, E)
+        delta = batch_mean - mean
+        total = self.count + b
         scatter.baddbmm_(x.transpose(1, 2), x)  # the batch's own scatter
-        scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=self.count * b / total)  # the two means'
+        scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=self.count * b / total)
         mean.add_(delta, alpha=b / total)
         self.count = total
 
@@ -184,18 +204,18 @@ def textspan(contributions, text_embeddings, n=20, rank=80):
 
 
 def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=80):
-    """TextSpan's greedy picks for one head (`replace_with_iterative_removal`): the indices of the n
-    texts [T, E] that best span its contributions C across images, in pick order.
+    """TextSpan's greedy picks for one head (`replace_with_iterative_removal`): the indices of the
+    n texts [T, E] that best span its contributions C across images, in pick order.
 
     1. Project the texts onto the top-`rank` right singular vectors of C as it is, uncentred (the
        SVD comes before the mean is removed): the top eigenvectors of C^T C = scatter + N m m^T.
     2. Centre C: its covariance is K = scatter / N.
-    3. n times: pick the text t with the largest variance of C t across images (t K t), and remove
-       its direction u from C and from every text: C (I - u u^T) has covariance
+    3. n times: pick the text t with the largest variance of C t across images (t K t), and
+       remove its direction u from C and from every text: C (I - u u^T) has covariance
        (I - u u^T) K (I - u u^T)."""
     mean, scatter = mean.double(), scatter.double()
     texts, E = text_embeddings.to(scatter), scatter.shape[-1]
-    _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))  # ascending eigenvalues
+    _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))  # ascending
     basis = vectors[:, -min(rank, count, E) :]  # [E, r]: an SVD of C [N, E] has min(N, E) of them
     texts = texts @ basis @ basis.T  # [T, E]
     K = scatter / count  # [E, E]
@@ -204,7 +224,8 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
         j = int(((texts @ K) * texts).sum(-1).argmax())
         norm = texts[j].norm()
         if norm < 1e-12:
-            raise data.UserError(f"the texts span only {len(picks)} directions of a head, fewer than --n {n}")
+            raise data.UserError(f"the texts span only {len(picks)} directions of a head, fewer "
+                                 f"than --n {n}")
         picks.append(j)
         u = texts[j] / norm  # [E]
         Ku = K @ u
@@ -213,7 +234,7 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
     return picks
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 4. Concept entropy and roles
 
 
@@ -228,14 +249,16 @@ def concept_entropy(P):
 
 
 def default_thresholds(entropies):
-    """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads' entropies."""
+    """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads'
+    entropies."""
     low, high = np.quantile(np.asarray(entropies, dtype=np.float64), [1 / 3, 2 / 3])
     return float(low), float(high)
 
 
 def assign_role(entropy, P, low, high):
-    """H <= low: a specialist, an attribute head if its dominant concept is an attribute (a tie goes
-    to the concept listed first), else an other specialist; H >= high: generalization; else mixed."""
+    """H <= low: a specialist, an attribute head if its dominant concept is an attribute (a tie
+    goes to the concept listed first), else an other specialist; H >= high: generalization; else
+    mixed."""
     if entropy <= low:
         dominant = max(CONCEPTS, key=lambda c: (P.get(c, 0.0), -CONCEPTS.index(c)))
         if dominant in ATTRIBUTES:
@@ -244,7 +267,7 @@ def assign_role(entropy, P, low, high):
     return {"role": "generalization" if entropy >= high else "mixed", "attribute": None}
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 5. Ground truth (the toy world): what each head's contribution encodes, and the controls
 
 
@@ -252,10 +275,11 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
     """Held-out accuracy of a linear probe reading each known factor from each head.
 
     contributions [N, nL, H, E]; factors {name: [N] class ids}. The probe: ridge least squares on
-    one-hot targets, features centred on the training fold, ridge = `ridge` x the mean eigenvalue of
-    the training covariance (a head of pure noise scores at chance, not below), fitted on all folds
-    but one and scored on that one. Returns {"accuracy", "skill": {name: [nL][H]}, "chance": {name}},
-    skill = (accuracy - chance) / (1 - chance), chance = the commonest class's share."""
+    one-hot targets, features centred on the training fold, ridge = `ridge` x the mean eigenvalue
+    of the training covariance (a head of pure noise scores at chance, not below), fitted on all
+    folds but one and scored on that one. Returns {"accuracy", "skill": {name: [nL][H]},
+    "chance": {name}}, skill = (accuracy - chance) / (1 - chance), chance = the commonest class's
+    share."""
     X = contributions.double()
     N, nL, H, E = X.shape
     X = X.reshape(N, nL * H, E).transpose(0, 1)  # [nL*H, N, E]: all heads' probes in one batch
@@ -272,9 +296,8 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
             G = Xtr.transpose(1, 2) @ Xtr  # [nL*H, E, E]
             lam = ridge * G.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)  # [nL*H]
             y_mean = Y[tr].mean(0)  # [C]: the intercept
-            W = torch.linalg.solve(
-                G + lam.view(-1, 1, 1) * torch.eye(E, dtype=G.dtype), Xtr.transpose(1, 2) @ (Y[tr] - y_mean)
-            )
+            W = torch.linalg.solve(G + lam.view(-1, 1, 1) * torch.eye(E, dtype=G.dtype),
+                                   Xtr.transpose(1, 2) @ (Y[tr] - y_mean))
             correct += ((Xte @ W + y_mean).argmax(-1) == y[te]).sum(1).float()  # W [nL*H, E, C]
         acc = (correct / N).view(nL, H).tolist()
         chance = float(torch.bincount(y).max()) / N
@@ -301,69 +324,90 @@ def control_roles(roles, control, seed):
     if control == "none":
         return roles
     if control == "random":
-        perm = lambda block, k: torch.randperm(k, generator=torch.Generator().manual_seed(1000 * seed + block))
-        return {b: [dict(heads[i]) for i in perm(b, len(heads)).tolist()] for b, heads in roles.items()}
+        out = {}
+        for b, heads in roles.items():
+            g = torch.Generator().manual_seed(1000 * seed + b)
+            out[b] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
+        return out
     heads = [(b, h, e) for b, entries in roles.items() for h, e in enumerate(entries)]
     if control != "oracle" or not all(e.get("skill") for _, _, e in heads):
-        raise data.UserError(f"--roles-control {control} needs roles with the toy world's ground-truth skills")
+        raise data.UserError(f"--roles-control {control} needs roles with the toy world's "
+                             "ground-truth skills")
     n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
     n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)
     out = {b: list(entries) for b, entries in roles.items()}
-    for rank, (b, h, e) in enumerate(sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])):
+    ranked = sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])
+    for rank, (b, h, e) in enumerate(ranked):
         if rank < n_attr:
             role = {"role": "attribute", "attribute": best_factor(e["skill"])[0]}
         else:
-            role = {"role": "generalization" if rank >= len(heads) - n_gen else "mixed", "attribute": None}
+            role = {"role": "generalization" if rank >= len(heads) - n_gen else "mixed",
+                    "attribute": None}
         out[b][h] = {**e, **role}
     return out
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 6. The roles file and its report
+
+HEAD = {"layer": int, "head": int, "role": str, "attribute": (str, None), "entropy": float,
+        "P": dict, "texts": [str]}
+ROLES_DOC = {"format": str, "model": str, "checkpoint_sha256": str, "num_layers": int,
+             "num_heads": int, "layers": [int], "texts_per_head": int, "rank": int,
+             "thresholds": {"low": float, "high": float},
+             "probe": {"dataset": str, "split": str, "images": int}, "heads": [HEAD]}
+FIX = "compute the roles anew with entropy.py (cached ones: delete them, dear.py computes them)"
+
+
+def read_roles(path):
+    """A roles.json document, checked: its format and fields, each head of its blocks listed once
+    with a role (and an attribute for an attribute head only)."""
+    doc = data.read_json(path, ROLES_DOC, FIX)
+    if doc["format"] != FORMAT:
+        raise data.UserError(f"{path}: not a {FORMAT} file; {FIX}")
+    seen = set()
+    for e in doc["heads"]:
+        where = f"{path}: block {e['layer']} head {e['head']}"
+        known = e["layer"] in doc["layers"] and e["head"] in range(doc["num_heads"])
+        if not known or (e["layer"], e["head"]) in seen:
+            raise data.UserError(f"{where} is not one of its heads, or is listed twice; {FIX}")
+        attribute = e["attribute"]
+        if e["role"] == "attribute":
+            ok = attribute in ATTRIBUTES
+        else:
+            ok = e["role"] in ROLES and attribute is None
+        if not ok:
+            raise data.UserError(f"{where}: role {e['role']!r} with attribute {attribute!r}; {FIX}")
+        seen.add((e["layer"], e["head"]))
+    if len(seen) != len(doc["layers"]) * doc["num_heads"]:
+        raise data.UserError(f"{path}: lacks some heads; {FIX}")
+    return doc
 
 
 def load_roles(path, num_layers=None, num_heads=None, layers=None, sha256=None):
-    """A roles.json -> {1-based block: [one entry per head, in head order]}, each with "role",
+    """A roles.json -> {block (from 1): [one entry per head, in head order]}, each with "role",
     "attribute" (None but for attribute heads), "entropy", ...; checked against the model's depth
     and heads, the blocks needed and the checkpoint's SHA256, where given."""
-
-    def refuse(why):
-        raise data.UserError(f"roles file {path}: {why}")
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        fmt, L, H, blocks, entries = doc["format"], doc["num_layers"], doc["num_heads"], doc["layers"], doc["heads"]
-    except (ValueError, KeyError, TypeError):
-        fmt = None
-    if fmt != FORMAT:
-        refuse(f"not a {FORMAT} file")
-    if sha256 is not None and doc.get("checkpoint_sha256") != sha256:
-        refuse(f"computed for checkpoint {doc.get('checkpoint_sha256')}, not for this one ({sha256})")
+    doc = read_roles(path)
+    L, H, blocks = doc["num_layers"], doc["num_heads"], doc["layers"]
+    if sha256 is not None and doc["checkpoint_sha256"] != sha256:
+        raise data.UserError(f"{path}: computed for checkpoint {doc['checkpoint_sha256']}, not for "
+                             f"this one ({sha256}); {FIX}")
     if num_layers not in (None, L) or num_heads not in (None, H):
-        refuse(f"for a model of {L} blocks x {H} heads, not {num_layers} x {num_heads}")
+        raise data.UserError(f"{path}: for a model of {L} blocks x {H} heads, not {num_layers} x "
+                             f"{num_heads}; {FIX}")
     if not set(layers or []) <= set(blocks):
-        refuse(f"has blocks {blocks}, not all of {layers}")
+        raise data.UserError(f"{path}: has blocks {blocks}, not all of {layers}; {FIX}")
     roles = {b: [None] * H for b in blocks}
-    for e in entries:
-        block, h, role, attribute = e.get("layer"), e.get("head"), e.get("role"), e.get("attribute")
-        if block not in blocks or h not in range(H) or roles[block][h] is not None:
-            refuse(f"block {block} head {h} is not one of the file's heads, or is listed twice")
-        if not (attribute in ATTRIBUTES if role == "attribute" else role in ROLES and attribute is None):
-            refuse(f"block {block} head {h}: role {role!r} with attribute {attribute!r}")
-        roles[block][h] = e
-    if any(e is None for entries in roles.values() for e in entries):
-        refuse("lacks some heads")
+    for e in doc["heads"]:
+        roles[e["layer"]][e["head"]] = e
     return roles
 
 
-ROLE_COLORS = {
-    "attribute": (230, 145, 56),
-    "generalization": (61, 133, 198),
-    "mixed": (170, 170, 170),
-    "specialist": (142, 103, 184),
-}
+ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
+               "mixed": (170, 170, 170), "specialist": (142, 103, 184)}
 CELL = 56  # pixels per head in roles.png
+TOP = 84  # pixels above its first row: the title's four lines and the heads' numbers
 
 
 def short_role(e):
@@ -372,112 +416,86 @@ def short_role(e):
     return e["role"][0].upper() + (f":{tag}" if tag else "")
 
 
+def ties(doc):
+    """A sentence on the heads whose entropy equals a threshold ("" if none): H <= low and
+    H >= high include them."""
+    t = doc["thresholds"]
+    said = []
+    for name, role in (("low", "specialists"), ("high", "generalization heads")):
+        k = sum(e["entropy"] == t[name] for e in doc["heads"])
+        if k > 1:
+            said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits) and all "
+                        f"become {role}")
+    if not said:
+        return ""
+    counts = ", ".join(f"{sum(e['role'] == r for e in doc['heads'])} {r}" for r in ROLES)
+    return "; ".join(said) + f": of the {len(doc['heads'])} heads, {counts}, not thirds."
+
+
 def write_report(doc, out_dir):
     """roles.md (a blocks x heads table, the ground truth where known, every head's concepts and
-    texts) and roles.png (a map: colour = role, letter = attribute, entropy in bits) of a roles.json
-    document."""
+    texts) and roles.png (a map: colour = role, letter = attribute, concept entropy in bits) of a
+    roles.json document."""
     from PIL import Image, ImageDraw
 
     H, layers, probe, t = doc["num_heads"], doc["layers"], doc["probe"], doc["thresholds"]
     at = {(e["layer"], e["head"]): e for e in doc["heads"]}
-    md = [
-        f"# Head roles of {doc['model']}",
-        "",
-        f"Probe: {probe['dataset']} {probe['split']}, {probe['images']} images. TextSpan: {doc['texts_per_head']} "
-        f"texts per head, rank {doc['rank']}. Thresholds: low {t['low']:.3f}, high {t['high']:.3f} bits. "
-        "A = attribute head, G = generalization, M = mixed, S = other specialist; concept entropy in bits.",
-        "",
-        "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |",
-        "|---" * (H + 1) + "|",
-    ]
-    md += [
-        f"| {b} | " + " | ".join(f"{short_role(at[b, h])} {at[b, h]['entropy']:.2f}" for h in range(H)) + " |"
-        for b in layers
-    ]
+    where = f"probe {probe['dataset']} {probe['split']}, {probe['images']} images"
+    md = [f"# Head roles of {doc['model']}", "",
+          f"Blocks {layers[0]}-{layers[-1]}, {where}. TextSpan: {doc['texts_per_head']} texts "
+          f"per head, rank {doc['rank']}. Thresholds: low {t['low']:.3f}, high {t['high']:.3f} "
+          "bits. A = attribute head, G = generalization, M = mixed, S = other specialist; concept "
+          "entropy in bits. " + ties(doc), "",
+          "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |", "|---" * (H + 1) + "|"]
+    for b in layers:
+        cells = [f"{short_role(at[b, h])} {at[b, h]['entropy']:.2f}" for h in range(H)]
+        md.append(f"| {b} | " + " | ".join(cells) + " |")
     if "decoding" in doc:  # the toy world: held-out accuracy (%) of a probe per known factor
         chance = doc["decoding"]["chance"]
-        md += [
-            "",
-            f"## Ground truth ({doc['decoding']['probe']}; accuracy %)",
-            "",
-            "| block | head | role | " + " | ".join(chance) + " | best (lead in skill) |",
-            "|---" * (len(chance) + 4) + "|",
-        ]
+        md += ["", f"## Ground truth ({doc['decoding']['probe']}; accuracy %)", "",
+               "| block | head | role | " + " | ".join(chance) + " | best (lead in skill) |",
+               "|---" * (len(chance) + 4) + "|"]
         for e in doc["heads"]:
             best, lead = best_factor(e["skill"])
             accuracy = " | ".join(f"{100 * e['decoding'][f]:.0f}" for f in chance)
-            md.append(f"| {e['layer']} | {e['head']} | {short_role(e)} | {accuracy} | {best} (+{lead:.2f}) |")
+            md.append(f"| {e['layer']} | {e['head']} | {short_role(e)} | {accuracy} | {best} "
+                      f"(+{lead:.2f}) |")
     md += ["", "## Heads", ""]
     for e in doc["heads"]:
-        shares = ", ".join(f"{c} {p:.2f}" for c, p in sorted(e["P"].items(), key=lambda kv: -kv[1]) if p > 0)
-        md += [f"**Block {e['layer']}, head {e['head']}**: {short_role(e)}, H = {e['entropy']:.3f} ({shares})", ""]
-        md += ["; ".join(e["texts"]), ""]
+        ranked = sorted(e["P"].items(), key=lambda kv: -kv[1])
+        shares = ", ".join(f"{c} {p:.2f}" for c, p in ranked if p > 0)
+        md += [f"**Block {e['layer']}, head {e['head']}**: {short_role(e)}, H = "
+               f"{e['entropy']:.3f} ({shares})", "", "; ".join(e["texts"]), ""]
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "roles.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(md))
-    img = Image.new("RGB", (max(40 + H * CELL, 4 * 120) + 8, 24 + len(layers) * CELL + 28), "white")
+    data.write_text(os.path.join(out_dir, "roles.md"), "\n".join(md))
+    title = [f"Head roles of {doc['model']}: blocks {layers[0]}-{layers[-1]}, {where}",
+             f"number: the head's concept entropy H in bits; H <= {t['low']:.3f}: specialist, "
+             f"H >= {t['high']:.3f}: generalization, else mixed", ties(doc),
+             "letter: the attribute (C color, S shape, T texture, O object, L location) or, for "
+             "another specialist, its concept"]
+    img = Image.new("RGB", (max(48 + H * CELL, 760), TOP + len(layers) * CELL + 28), "white")
     draw = ImageDraw.Draw(img)
+    for i, line in enumerate(title):
+        draw.text((6, 4 + 16 * i), line, fill="black")
     for h in range(H):
-        draw.text((44 + h * CELL, 6), f"h{h}", fill="black")
+        draw.text((44 + h * CELL, TOP - 16), f"head {h}", fill="black")
     for row, b in enumerate(layers):
-        y = 24 + row * CELL
-        draw.text((6, y + CELL // 2 - 6), f"L{b}", fill="black")
+        y = TOP + row * CELL
+        draw.text((4, y + CELL // 2 - 6), f"block {b}", fill="black")
         for h in range(H):
-            e, x = at[b, h], 40 + h * CELL
+            e, x = at[b, h], 44 + h * CELL
             draw.rectangle([x, y, x + CELL - 2, y + CELL - 2], fill=ROLE_COLORS[e["role"]])
             letter = e["attribute"][0].upper() if e["attribute"] else e.get("concept", "")[:3]
             draw.text((x + 5, y + 4), letter, fill="black")
             draw.text((x + 5, y + 28), f"{e['entropy']:.2f}", fill="black")
     for i, (role, color) in enumerate(ROLE_COLORS.items()):
-        y = 24 + len(layers) * CELL + 8
-        draw.rectangle([8 + i * 120, y, 20 + i * 120, y + 12], fill=color)
-        draw.text((24 + i * 120, y), role, fill="black")
-    img.save(os.path.join(out_dir, "roles.png"))
+        y = TOP + len(layers) * CELL + 8
+        draw.rectangle([8 + i * 150, y, 20 + i * 150, y + 12], fill=color)
+        draw.text((24 + i * 150, y), role + " head", fill="black")
+    data.atomic_write(os.path.join(out_dir, "roles.png"), lambda tmp: img.save(tmp, format="PNG"))
 
 
-@torch.no_grad()
-def attention_maps(model, images):
-    """[B, 1+K, P]: what CLS (every head) and each attribute token of a DeAR model (its expert heads in the last
-    block; the mixed heads where it has none) attend to among the patches in the last block; and those heads."""
-    x = model.token_blocks(model.frozen_prefix(images), last_input=True)  # the last block's input [B, T, D]
-    block, mask = model.clip.visual.transformer.resblocks[-1], getattr(model, f"mask_{model.L - 1 - model.first}")
-    K = len(ATTRIBUTES)
-    w = block.attn(block.ln_1(x), attn_mask=mask, need_weights=True)[1][:, :, : 1 + K, 1 + K :]  # [B, H, 1+K, P]
-    last = model.roles[model.L] if model.roles else [{"role": "mixed"}] * w.shape[1]
-    heads = [list(range(w.shape[1]))]  # CLS: every head
-    for a in ATTRIBUTES:
-        experts = [h for h, r in enumerate(last) if r["role"] == "attribute" and r["attribute"] == a]
-        heads.append(experts or [h for h, r in enumerate(last) if r["role"] == "mixed"])
-    maps = [w[:, hs, k].mean(1) if hs else torch.zeros_like(w[:, 0, k]) for k, hs in enumerate(heads)]  # none: 0
-    return torch.stack(maps, 1), heads
-
-
-def draw_maps(images, maps, labels, path, size=160):
-    """What heads look at (dear.py predict --explain): a row per image, the image and each map [P] over it as a red
-    heat map, labelled."""
-    from PIL import Image, ImageDraw
-
-    rows = []
-    for image, m in zip(images, maps):
-        tiles, g = [image.resize((size, size))], int(m.shape[-1] ** 0.5)
-        for k in range(m.shape[0]):
-            heat = (255 * m[k] / m[k].max().clamp_min(1e-12)).view(g, g).byte().numpy()
-            heat = Image.fromarray(heat).resize((size, size), Image.BICUBIC)
-            tiles.append(
-                Image.blend(tiles[0], Image.merge("RGB", (heat, heat.point(lambda v: 0), heat.point(lambda v: 0))), 0.6)
-            )
-        row = Image.new("RGB", (size * len(tiles), size + 14), "white")
-        for i, (tile, text) in enumerate(zip(tiles, ["image"] + labels)):
-            row.paste(tile, (i * size, 14))
-            ImageDraw.Draw(row).text((i * size + 2, 1), text, fill="black")
-        rows.append(row)
-    sheet = Image.new("RGB", (rows[0].width, len(rows) * rows[0].height), "white")
-    for i, row in enumerate(rows):
-        sheet.paste(row, (0, i * row.height))
-    sheet.save(path)
-
-
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # 7. The pipeline and the command line
 
 
@@ -498,65 +516,66 @@ def collect_statistics(model, loader, layers, keep=False, log=print):
     return stats, torch.cat(kept) if keep else None
 
 
-def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, factors=None, seed=0, log=print):
-    """Concept Entropy of the heads of `layers` (1-based) on the probe images of `loader` -> the
+def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, factors=None,
+                  seed=0, log=print):
+    """Concept Entropy of the heads of `layers` (from 1) on the probe images of `loader` -> the
     roles.json document, less "probe" and "inputs". texts / concepts: the pool; low / high:
     thresholds in bits (None: the 1/3 and 2/3 quantiles); factors: None, or the images' known
     factors {name: [N] class ids} (ground truth: probe_factors, its folds drawn by seed)."""
     visual = model.visual
     N, E = len(loader.dataset), visual.proj.shape[1]
     if not 1 <= n <= min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
-        raise data.UserError(
-            f"TextSpan cannot pick {n} texts per head from {len(texts)} texts, rank {rank}, {N} images"
-        )
-    stats, contributions = collect_statistics(model, loader, layers, keep=factors is not None, log=log)
+        raise data.UserError(f"TextSpan cannot pick {n} texts per head from {len(texts)} texts, "
+                             f"rank {rank}, {N} images")
+    keep = factors is not None
+    stats, contributions = collect_statistics(model, loader, layers, keep=keep, log=log)
     text_embeddings = encode_texts(model, texts).to(stats.mean.device)  # [T, E]
     heads = []
     for i, block in enumerate(layers):
         for h in range(visual.heads):
             picks = textspan_from_statistics(*stats.head((i, h)), text_embeddings, n, rank)
             P = concept_distribution([concepts[j] for j in picks])
-            entry = {"layer": block, "head": h, "entropy": round(concept_entropy(P), 4)}
-            heads.append({**entry, "P": {c: round(p, 4) for c, p in P.items()}, "texts": [texts[j] for j in picks]})
+            heads.append({"layer": block, "head": h, "entropy": round(concept_entropy(P), 4),
+                          "P": {c: round(p, 4) for c, p in P.items()},
+                          "texts": [texts[j] for j in picks]})
     auto = default_thresholds([e["entropy"] for e in heads])
-    low, high = round(auto[0] if low is None else low, 4), round(auto[1] if high is None else high, 4)
+    low = round(auto[0] if low is None else low, 4)
+    high = round(auto[1] if high is None else high, 4)
     for e in heads:
         e.update(assign_role(e["entropy"], e["P"], low, high))
-    doc = {"format": FORMAT, "model": model.name, "checkpoint_sha256": model.sha256}
-    doc |= {"num_layers": visual.transformer.layers, "num_heads": visual.heads, "layers": layers}
-    doc |= {"texts_per_head": n, "rank": rank, "concepts": list(CONCEPTS), "thresholds": {"low": low, "high": high}}
+    doc = {"format": FORMAT, "model": model.name, "checkpoint_sha256": model.sha256,
+           "num_layers": visual.transformer.layers, "num_heads": visual.heads, "layers": layers,
+           "texts_per_head": n, "rank": rank, "concepts": list(CONCEPTS),
+           "thresholds": {"low": low, "high": high}}
     if factors is not None:
         truth = probe_factors(contributions, factors, seed=seed)
         for i, e in enumerate(heads):
             li, h = divmod(i, visual.heads)
             e["decoding"] = {f: truth["accuracy"][f][li][h] for f in factors}
             e["skill"] = {f: truth["skill"][f][li][h] for f in factors}
-        doc["decoding"] = {"probe": "ridge least squares, 2-fold cross-validation", "chance": truth["chance"]}
+        doc["decoding"] = {"probe": "ridge least squares, 2-fold cross-validation",
+                           "chance": truth["chance"]}
     return {**doc, "heads": heads}
 
 
 # run's options and their defaults, also those of the command line's flags of the same names
-OPTIONS = dict(
-    n=None, rank=80, low=None, high=None, max_images=None, seed=0, pool=None, texts=None, batch_size=64, workers=0
-)
+OPTIONS = dict(n=None, rank=80, low=None, high=None, max_images=None, seed=0, pool=None,
+               texts=None, batch_size=64, workers=0)
 
 
-def run(
-    backbone, dataset, root, layers=None, split="test", device="cpu", out_dir=None, log=print, model=None, **options
-):
-    """Concept Entropy of `backbone` (a CLIP name, checkpoint path or "toy") on the `split` images
-    of `dataset` -> the path of roles.json (beside it roles.md and roles.png).
+def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print, **options):
+    """Concept Entropy of a CLIP `model` (with .name and .sha256, as clip.load gives it) on the
+    `split` images of `dataset` -> the path of roles.json (beside it roles.md and roles.png).
 
-    layers: 1-based blocks (None: the last four). options (OPTIONS): n texts per head (None: 20, as
+    layers: blocks from 1 (None: the last four). options (OPTIONS): n texts per head (None: 20, as
     TextSpan; toyworld.TEXTS_PER_HEAD with the toy pool), rank, thresholds low/high in bits (None:
-    quantiles), max_images (None: every image; else a sample by seed), pool: the built-in text pool
-    "default" or "toy" (None: toy for the toy CLIP), texts: the user's pool file, batch_size,
-    workers. model: `backbone` already loaded, if the caller has it. out_dir None:
-    clip.cache_dir()/roles/<name>_<hash of every input>. A folder whose roles.json records equal inputs is reused."""
+    quantiles), max_images (None: every image; else a sample by seed), pool: the built-in text
+    pool "default" or "toy" (None: toy for the toy CLIP), texts: the user's pool file, batch_size,
+    workers. out_dir None: clip.cache_dir()/roles/<name>_<hash of every input>. A folder whose
+    roles.json records equal inputs is reused."""
     if options.keys() - OPTIONS.keys():
         raise TypeError(f"unknown options {sorted(options.keys() - OPTIONS.keys())}")
     o = {**OPTIONS, **options}
-    model = model if model is not None else toyworld.load_clip(backbone, device, log=log)[0]
     L = model.visual.transformer.layers
     layers = sorted(set(range(max(1, L - 3), L + 1) if layers is None else layers))
     if not layers or not 1 <= layers[0] <= layers[-1] <= L:
@@ -567,97 +586,108 @@ def run(
     if dataset.startswith("folder:"):  # the same folder under any name
         dataset = "folder:" + data.dataset_folder(dataset, root)
     n = o["n"] or (toyworld.TEXTS_PER_HEAD if pool == "toy" else 20)
-    inputs = {"model": model.name, "checkpoint_sha256": model.sha256, "layers": layers, "dataset": dataset}
-    inputs |= {"split": split, "pool_sha256": hashlib.sha256(json.dumps([builtin, user]).encode()).hexdigest()}
-    inputs |= {"n": n} | {k: o[k] for k in ("rank", "low", "high", "max_images", "seed")}
+    pool_sha256 = hashlib.sha256(json.dumps([builtin, user]).encode()).hexdigest()
+    inputs = {"model": model.name, "checkpoint_sha256": model.sha256, "layers": layers,
+              "dataset": dataset, "split": split, "pool_sha256": pool_sha256, "n": n}
+    inputs |= {k: o[k] for k in ("rank", "low", "high", "max_images", "seed")}
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
-    name = re.sub(r"[^\w.@-]+", "-", f"{model.name}_L{layers[0]}-{layers[-1]}_{os.path.basename(dataset)}-{split}")
-    out_dir = out_dir or os.path.join(clip.cache_dir(), "roles", f"{name.strip('-')}_{key}")
+    name = f"{model.name}_L{layers[0]}-{layers[-1]}_{os.path.basename(dataset)}-{split}"
+    name = re.sub(r"[^\w.@-]+", "-", name).strip("-")
+    out_dir = out_dir or os.path.join(clip.cache_dir(), "roles", f"{name}_{key}")
     path = os.path.join(out_dir, "roles.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            if json.load(f).get("inputs") == inputs:
-                log(f"roles: {path} (computed before)")
-                return path
-    except (OSError, ValueError, AttributeError):
-        pass  # none there, or not for these inputs: compute them
+        if read_roles(path).get("inputs") == inputs:
+            log(f"roles: {path} (computed before, reused)")
+            return path
+    except data.UserError:
+        pass  # none there, or not for these inputs: computed
+    data.writable_folder(out_dir)  # before the work, not after it
     if dataset == "toyworld":
         toyworld.ensure_dataset(root)
     items = getattr(data.build_dataset(dataset, root), split)
     if o["max_images"] is not None and len(items) > o["max_images"]:
-        items = [items[i] for i in sorted(random.Random(o["seed"]).sample(range(len(items)), o["max_images"]))]
+        chosen = random.Random(o["seed"]).sample(range(len(items)), o["max_images"])
+        items = [items[i] for i in sorted(chosen)]
     texts, concepts = label_pool(model, builtin, user)
-    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images of {dataset}, {len(texts)} texts")
+    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images of {dataset}, "
+        f"{len(texts)} texts")
     images = data.ImageList(items, data.test_transform(model.visual.input_resolution))
-    loader = torch.utils.data.DataLoader(images, batch_size=o["batch_size"], num_workers=o["workers"])
+    loader = torch.utils.data.DataLoader(images, o["batch_size"], num_workers=o["workers"])
     factors = toyworld.factor_labels([p for p, _, _ in items]) if dataset == "toyworld" else None
-    doc = compute_roles(
-        model, loader, texts, concepts, layers, n, o["rank"], o["low"], o["high"], factors, o["seed"], log
-    )
+    doc = compute_roles(model, loader, texts, concepts, layers, n, o["rank"], o["low"], o["high"],
+                        factors, o["seed"], log)
     doc |= {"probe": {"dataset": dataset, "split": split, "images": len(items)}, "inputs": inputs}
     write_report(doc, out_dir)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)  # last: a roles.json is a complete set
+    data.write_json(path, doc)  # last: a roles.json is a complete set
     return path
 
 
-def at_least(low):
-    """An argparse type: an integer >= low."""
-
-    def number(text):
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low}")
-        return int(text)
-
-    return number
-
-
 def parse_blocks(text):
-    """'9-12' or '9,10,12' -> sorted 1-based blocks."""
+    """'9-12' or '9,10,12' -> sorted blocks, counted from 1."""
     out = set()
     for part in text.split(","):
         first, _, last = part.partition("-")
-        out |= set(range(at_least(1)(first), at_least(1)(last or first) + 1))
+        out |= set(range(data.POSITIVE(first), data.POSITIVE(last or first) + 1))
     return sorted(out)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(
-        description="Concept Entropy: the roles of CLIP's attention heads (roles.json, roles.md, roles.png)"
-    )
-    p.add_argument("--backbone", default="ViT-B/16", help="a CLIP name, a checkpoint path or toy")
+def load_backbone(name, device):
+    """clip.load, and "toy": the toy world's CLIP, pretrained into the CLIP cache on first use."""
+    path = toyworld.ensure_pretrained(clip.cache_dir()) if name == toyworld.BACKBONE else name
+    model, _ = clip.load(path, device)
+    model.name = name
+    return model
+
+
+def roles_of(argv):
+    p = data.Parser(description="Concept Entropy: the roles of CLIP's attention heads "
+                    "(roles.json, roles.md, roles.png)")
+    count = data.number(int, lambda v: v >= 0, "a count >= 0")
+    bits = data.number(float, lambda v: True, "a finite number")
+    p.add_argument("--backbone", default="ViT-B/16", help="a CLIP name, a checkpoint file or toy")
     p.add_argument("--dataset", required=True, help="probe dataset: a data.py name or folder:PATH")
-    p.add_argument("--root", default="data", help="the datasets' folder")
-    p.add_argument(
-        "--split", default="test", choices=("test", "train"), help="probe split (test: ImageNet val, as TextSpan)"
-    )
-    p.add_argument("--layers", type=parse_blocks, help="1-based blocks, e.g. 9-12 (default: the last four)")
-    p.add_argument("--max-images", type=at_least(1), help="a seeded sample of this many images (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of that sample")
-    p.add_argument("--n", type=at_least(1), help="TextSpan's texts per head (default 20; toy pool: 5)")
-    p.add_argument("--rank", type=at_least(1), default=80, help="TextSpan's SVD rank")
-    p.add_argument("--low", type=float, help="H <= low bits: specialist (default: the 1/3 quantile)")
-    p.add_argument("--high", type=float, help="H >= high bits: generalization (default: the 2/3 quantile)")
-    p.add_argument("--pool", choices=("default", "toy"), help="built-in pool (default: toy for the toy CLIP)")
-    p.add_argument("--texts", help="your pool: a description per line, labelled by the nearest --pool concept")
-    p.add_argument("--out", help="output folder (default: under the CLIP cache, named by the inputs)")
+    p.add_argument("--root", default=data.DEFAULT_ROOT, help="the datasets' folder ($DATA, else "
+                   "data)")
+    p.add_argument("--split", default="test", choices=("test", "train"), help="probe split (test: "
+                   "ImageNet val, as TextSpan)")
+    p.add_argument("--layers", type=parse_blocks, help="blocks from 1, e.g. 9-12 (default: the "
+                   "last four)")
+    p.add_argument("--max-images", type=data.POSITIVE, help="a seeded sample of this many images "
+                   "(default: all)")
+    p.add_argument("--seed", type=count, default=0, help="seed of that sample")
+    p.add_argument("--n", type=data.POSITIVE, help="TextSpan's texts per head (default 20; toy: 5)")
+    p.add_argument("--rank", type=data.POSITIVE, default=80, help="TextSpan's SVD rank")
+    p.add_argument("--low", type=bits, help="H <= low bits: specialist (default: the 1/3 quantile)")
+    p.add_argument("--high", type=bits, help="H >= high bits: generalization (default: the 2/3 "
+                   "quantile)")
+    p.add_argument("--pool", choices=("default", "toy"), help="built-in pool (default: toy for the "
+                   "toy CLIP)")
+    p.add_argument("--texts", help="your pool: a description per line, labelled by the nearest "
+                   "--pool concept")
+    p.add_argument("--out", help="output folder (default: in the CLIP cache, named by the inputs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--workers", type=at_least(0), default=0, help="data loader workers")
+    p.add_argument("--batch-size", type=data.POSITIVE, default=64)
+    p.add_argument("--workers", type=count, default=0, help="data loader workers")
     args = p.parse_args(argv)
     if None not in (args.low, args.high) and args.low > args.high:
-        p.error("--low must not exceed --high")
-    try:
-        options = {k: getattr(args, k) for k in OPTIONS}
-        path = run(args.backbone, args.dataset, args.root, args.layers, args.split, args.device, args.out, **options)
-        roles = [e["role"] for entries in load_roles(path).values() for e in entries]
-    except (data.UserError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: " + ", ".join(f"{roles.count(r)} {r}" for r in ROLES))
+        raise data.UserError("--low must not exceed --high")
+    options = {k: getattr(args, k) for k in OPTIONS}
+    model = load_backbone(args.backbone, args.device)
+    lines = []
+
+    def log(line):  # printed, and kept: the last line says whether the roles were found or written
+        print(line)
+        lines.append(line)
+
+    path = run(model, args.dataset, args.root, args.layers, args.split, args.out, log, **options)
+    roles = [e["role"] for entries in load_roles(path).values() for e in entries]
+    done = "found" if any("reused" in line for line in lines) else "wrote"
+    print(f"{done} {path}: " + ", ".join(f"{roles.count(r)} {r}" for r in ROLES))
     return 0
+
+
+def main(argv=None):
+    return data.guarded(roles_of, argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ want() { [[ ,$STAGES, == *,$1,* && ,$SKIP, != *,$1,* ]]; }
 # variants, the ablations on three small datasets. J = 9 is the full model; the J ablation needs roles at 7, 11.
 B2N=(imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
 DG=(imagenetv2 imagenet_sketch imagenet_a imagenet_r)
-SHOTS=(1 2 4 8 16) ABL_DATA=(dtd eurosat oxford_flowers) J=9 ABL_J=(7 11) MORE=() SHORT=()
+SHOTS=(1 2 4 8 16) ABL_DATA=(dtd eurosat oxford_flowers) J=9 ABL_J=(7 11) MORE=() SHORT=() TRAIN=()
 OUT=${OUT:-runs${PRESET:+-$PRESET}}
 BACKBONE=(--backbone ViT-B/16)
 if [[ -n $PRESET ]]; then # the toy world: 24 classes, a 4-block CLIP pretrained on them (J = 3 of 4), CPU
@@ -46,7 +46,7 @@ if [[ -n $PRESET ]]; then # the toy world: 24 classes, a 4-block CLIP pretrained
     BACKBONE=(--backbone toy --workers 0 --device cpu)
 fi
 if [[ $PRESET == smoke ]]; then # one seed, one epoch, the fewest jobs that fill every table
-    SEEDS=1 SHOTS=(1) ABL_J=() && BACKBONE+=(--epochs 1)
+    SEEDS=1 SHOTS=(1) ABL_J=() TRAIN=(--epochs 1)
 elif [[ $PRESET == toy ]]; then # b2n and ablations 10 of the toy's 20 epochs; the oracle roles control too
     SEEDS=${SEEDS:-1 2 3 4 5} MORE=("--roles-control oracle") SHORT=(--epochs 10)
 fi
@@ -77,21 +77,27 @@ toyworld.ensure_dataset(sys.argv[1]); print(*toyworld.ensure_transfer(sys.argv[1
     while IFS= read -r t; do TARGETS+=(--targets "$t"); done <<< "$sets" # folder:PATH, each taken whole
 fi
 
-job() { local q && printf -v q '%q ' "$PY" "${here}dear.py" "$@" "${COMMON[@]}" --resume && echo "${q% }"; }
+# Each job names only flags its call reads (dear.py refuses the others): --resume for runs (a finished one is
+# reused, an interrupted one resumed), the training schedule for DeAR runs only.
+job() { local q && printf -v q '%q ' "$PY" "${here}dear.py" "$@" "${COMMON[@]}" && echo "${q% }"; }
+zeroshot() { job "$@" --method zeroshot --resume; }
+dear() { job "$@" "${TRAIN[@]}" --resume; }
+XD=(--dataset "${B2N[0]}" --protocol xd) # the xd source; its targets: TARGETS
 jobs_of() { # jobs_of STAGE: its dear.py command lines, shell-quoted
     local ds f fl k s
     case $1 in
         roles) for j in "${ROLES_J[@]}"; do job --roles-only --J "$j" --dataset "${B2N[0]}"; done ;;
-        b2n) for ds in "${B2N[@]}"; do job --dataset "$ds" --protocol b2n --method zeroshot
-            for s in "${SEED[@]}"; do job --dataset "$ds" --protocol b2n --seed "$s" "${SHORT[@]}"; done; done ;;
-        xd) job --dataset "${B2N[0]}" --protocol xd "${TARGETS[@]}" --method zeroshot
-            for s in "${SEED[@]}"; do job --dataset "${B2N[0]}" --protocol xd "${TARGETS[@]}" --seed "$s"; done ;;
-        fewshot) for ds in "${B2N[@]}"; do job --dataset "$ds" --protocol fewshot --method zeroshot
+        b2n) for ds in "${B2N[@]}"; do zeroshot --dataset "$ds" --protocol b2n
+            for s in "${SEED[@]}"; do dear --dataset "$ds" --protocol b2n --seed "$s" "${SHORT[@]}"; done; done ;;
+        xd) zeroshot "${XD[@]}" "${TARGETS[@]}"
+            for s in "${SEED[@]}"; do dear "${XD[@]}" "${TARGETS[@]}" --seed "$s"; done ;;
+        fewshot) for ds in "${B2N[@]}"; do zeroshot --dataset "$ds" --protocol fewshot
             for k in "${SHOTS[@]}"; do for s in "${SEED[@]}"; do
-                job --dataset "$ds" --protocol fewshot --shots "$k" --seed "$s"; done; done; done ;;
+                dear --dataset "$ds" --protocol fewshot --shots "$k" --seed "$s"; done; done; done ;;
         ablations) for ds in "${ABL_DATA[@]}"; do for f in "${ABLATIONS[@]}"; do read -ra fl <<< "$f"
-            for s in "${SEED[@]}"; do job --dataset "$ds" --protocol b2n --seed "$s" "${SHORT[@]}" "${fl[@]}"; done
-        done; done ;;
+            for s in "${SEED[@]}"; do dear --dataset "$ds" --protocol b2n --seed "$s" "${SHORT[@]}" "${fl[@]}"; done
+        done; done # and MMRL's class-only logits on the xd targets, where fused vs class differs from MMRL most
+            for s in "${SEED[@]}"; do dear "${XD[@]}" "${TARGETS[@]}" --seed "$s" --novel-logits cls; done ;;
     esac
 }
 STAGE_LIST=() && for s in roles b2n xd fewshot ablations; do want $s && STAGE_LIST+=("$s"); done

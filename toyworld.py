@@ -1,4 +1,5 @@
-"""The toy world: 32x32 images whose factors are DeAR's attributes, and a tiny CLIP pretrained on them.
+"""The toy world: 32x32 images whose factors are DeAR's attributes, and a tiny CLIP pretrained on
+them.
 
 Each image shows one object on a grey ground (a faint tint, a brightness gradient, pixel noise):
 
@@ -8,46 +9,46 @@ Each image shows one object on a grey ground (a faint tint, a brightness gradien
     location  top left, top right, bottom left, bottom right
 
 The 24 classes pair a colour and a shape ("red circle"); texture and location vary inside a class. A
-checkerboard over colour x shape makes the base half (the first 12 labels) and the novel half each hold
-every colour and every shape: novel classes are unseen combinations of seen words. 24 train, 8 val and
-32 test images per class are written in CoOp's layout, which data.py reads like any other dataset.
-The transfer sets are read as folder:PATH datasets: `noisy` (four times the pixel noise) and `small`
-(objects at 60% of their size) shift the domain of the 24 classes; `textures` has 18 new classes,
-colour + texture ("red striped"), the shape varying.
+checkerboard over colour x shape makes the base half (the first 12 labels) and the novel half each
+hold every colour and every shape: novel classes are unseen combinations of seen words. 24 train, 8
+val and 32 test images per class are written in CoOp's layout, which data.py reads like any other
+dataset. The transfer sets are read as folder:PATH datasets: `noisy` (four times the pixel noise)
+and `small` (objects at 60% of their size) shift the domain of the 24 classes; `textures` has 18 new
+classes, colour + texture ("red striped"), the shape varying.
 
     python toyworld.py dataset --root DATA [--transfer]   DATA/toyworld/, DATA/toyworld-transfer/
     python toyworld.py pretrain [--out DIR] [--steps N]   into $CLIP_CACHE, else ~/.cache/clip
 
-The toy CLIP is clip/model.py with 4 blocks of width 128 and 4 heads in each tower, patch 8 (a 4x4 grid,
-2x2 patches per quadrant) and a text context of 16. It is pretrained contrastively (400 steps of 128
-pairs, AdamW, warm-up then cosine, seed 0; about 70 s on 2 idle cores) on images drawn on the fly, each
-captioned with ONE of its factors ("a striped object", "a photo of a circle."), a positive for every
-image with that factor. Its text tower runs on a second thread, one intra-op thread per tower, so the
-weights are the same for any OMP_NUM_THREADS. Recipe v2 was chosen over four rounds of worlds on the
-role-discovery criteria alone, before any DeAR run: with full colours and captions naming every factor
-(v1) all heads were colour heads; pale colours and one factor per caption give, at seed 0, attribute
-heads of colour, shape and texture that linear probes of each head confirm (4 of 5), and three
-generalization heads that decode no factor far better than another (seed 1 meets this too, seed 2 does
-not; 300 steps learn colour alone). Texture on the ground instead of the object made heads specialise
-more, but only 3 texts per head named them, and 3-text entropies tie. Zero-shot: base 81.3%, novel 80.5%
-(chance 8.3%). The texts describing a head come from text_pool(); its few words span only about 13
-directions, so TextSpan takes 5 texts per head here (TEXTS_PER_HEAD), not 20, which would exhaust them.
+The toy CLIP is clip/model.py with 4 blocks of width 128 and 4 heads in each tower, patch 8 (a 4x4
+grid, 2x2 patches per quadrant) and a text context of 16. It is pretrained contrastively (400 steps
+of 128 pairs, AdamW, warm-up then cosine, seed 0; about 70 s on 2 idle cores) on images drawn on the
+fly, each captioned with ONE of its factors ("a striped object", "a photo of a circle."), a positive
+for every image with that factor. Its text tower runs on a second thread, one intra-op thread per
+tower, so the weights are the same for any OMP_NUM_THREADS. Recipe v2 was chosen over four rounds of
+worlds on the role-discovery criteria alone, before any DeAR run: with full colours and captions
+naming every factor (v1) all heads were colour heads; pale colours and one factor per caption give,
+at seed 0, attribute heads of colour, shape and texture that linear probes of each head confirm (4
+of 5), and three generalization heads that decode no factor far better than another (seed 1 meets
+this too, seed 2 does not; 300 steps learn colour alone). Texture on the ground instead of the
+object made heads specialise more, but only 3 texts per head named them, and 3-text entropies tie.
+Zero-shot: base 81.3%, novel 80.5% (chance 8.3%). The texts describing a head come from text_pool();
+its few words span only about 13 directions, so TextSpan takes 5 texts per head here
+(TEXTS_PER_HEAD), not 20, which would exhaust them.
 
-RECIPE names the checkpoint and marks the written folders: change it whenever what is drawn or how the
-CLIP is pretrained changes, so that no stale file is ever reused.
+RECIPE names the checkpoint and marks the written folders: change it whenever what is drawn or how
+the CLIP is pretrained changes, so that no stale file is ever reused.
 """
 
-import argparse
 import functools
 import json
 import math
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle threads sleep, fast on shared cores
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+# before torch loads OpenMP: idle threads sleep (shared CPUs)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
@@ -67,19 +68,18 @@ SHAPES = ("circle", "square", "triangle", "cross")
 TEXTURES = ("solid", "striped", "dotted")
 LOCATIONS = ("top left", "top right", "bottom left", "bottom right")
 FACTORS = {"color": COLORS, "shape": SHAPES, "texture": TEXTURES, "location": LOCATIONS}
-# fmt: off
 PALETTE = {"red": (0.86, 0.18, 0.18), "green": (0.20, 0.67, 0.24), "blue": (0.20, 0.35, 0.86),
            "yellow": (0.90, 0.82, 0.18), "purple": (0.60, 0.24, 0.80), "orange": (0.95, 0.55, 0.14)}
-TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
-                  context_length=16, vocab_size=49408, transformer_width=128, transformer_heads=4,
-                  transformer_layers=4, vision_heads=4)
-# fmt: on
+TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
+                  vision_patch_size=8, context_length=16, vocab_size=49408, transformer_width=128,
+                  transformer_heads=4, transformer_layers=4, vision_heads=4)
 SATURATION = 0.25  # pale objects, so that colour is not by far the easiest factor to see
 DARK = 0.35  # stripes and dots: the object's colour times DARK
 SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}  # images per class; 16-shot training needs >= 16
 SPLIT_FILE = "split_zhou_ToyWorld.json"
 # name: (the factor paired with colour in a class, the drawing's shift)
-TRANSFER = {"noisy": ("shape", dict(noise=0.08)), "small": ("shape", dict(scale=0.6)), "textures": ("texture", {})}
+TRANSFER = {"noisy": ("shape", dict(noise=0.08)), "small": ("shape", dict(scale=0.6)),
+            "textures": ("texture", {})}
 TRANSFER_IMAGES = 40  # per class; data.py's folder reader keeps 30% (12) as the test split
 
 
@@ -104,7 +104,8 @@ def shape_mask(shape, x, y, cx, cy, r):
 
 
 def texture_mask(texture, x, y, size, rng):
-    """Boolean mask of the pixels the texture darkens: diagonal stripes (half dark) or a grid of dots."""
+    """Boolean mask of the pixels the texture darkens: diagonal stripes (half dark) or a grid of
+    dots."""
     if texture == "solid":
         return np.zeros_like(x, dtype=bool)
     period = size / 8  # 4 px at 32x32
@@ -120,15 +121,16 @@ def texture_mask(texture, x, y, size, rng):
 
 
 def render(color, shape, texture, location, seed, size=32, scale=1.0, noise=0.02):
-    """One image, uint8 [size, size, 3]; the same arguments give the same pixels. scale (object size) and
-    noise (pixel noise std) are the transfer sets' shifts."""
+    """One image, uint8 [size, size, 3]; the same arguments give the same pixels. scale (object
+    size) and noise (pixel noise std) are the transfer sets' shifts."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size] each
     # the ground: a grey level, a faint colour tint and a gentle brightness gradient
     grey = rng.uniform(0.30, 0.70)
     tint = rng.uniform(-0.03, 0.03, size=3)
     gx, gy = rng.uniform(-0.10, 0.10, size=2)
-    img = (grey + gx * (x / size - 0.5) + gy * (y / size - 0.5))[..., None] + tint  # [size, size, 3]
+    # [size, size, 3]
+    img = (grey + gx * (x / size - 0.5) + gy * (y / size - 0.5))[..., None] + tint
     # the object: half-size about 0.2 of the image, centred in its quadrant with a little jitter
     row, col = location.split()
     r = size * rng.uniform(0.19, 0.22) * scale
@@ -137,7 +139,8 @@ def render(color, shape, texture, location, seed, size=32, scale=1.0, noise=0.02
     rgb = np.array(PALETTE[color])
     rgb = rgb.mean() + SATURATION * (rgb - rgb.mean())  # towards the colour's own grey
     rgb = rgb * rng.uniform(0.88, 1.0) + rng.uniform(-0.03, 0.03, size=3)
-    rgb = np.where(texture_mask(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb  # [size, size, 3]
+    # [size, size, 3]
+    rgb = np.where(texture_mask(texture, x, y, size, rng), DARK, 1.0)[..., None] * rgb
     img = np.where(shape_mask(shape, x, y, cx, cy, r)[..., None], rgb, img)
     img = img + rng.normal(0.0, noise, size=img.shape)
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
@@ -150,14 +153,14 @@ def caption(color=None, shape=None, texture=None, location=None):
 
 
 def text_pool():
-    """(text, concept) pairs in the toy world's words: the descriptions Concept Entropy gives the toy CLIP."""
-    templates = {
-        "color": ("{}", "a {} object", "something {}", "the color {}", "a {} thing", "painted {}"),
-        "shape": ("{}", "a {}", "a photo of a {}", "a {} shape", "the outline of a {}", "a small {}"),
-        "texture": ("{}", "a {} object", "something {}", "a {} pattern", "a {} thing", "a {} surface"),
-        "location": ("in the {}", "an object in the {}", "something in the {}", "the {}", "a thing in the {}",
-                     "placed in the {}"),
-    }  # fmt: skip
+    """(text, concept) pairs in the toy world's words: the descriptions Concept Entropy gives the
+    toy CLIP."""
+    templates = {"color": ("{}", "a {} object", "something {}", "the color {}", "a {} thing",
+                           "painted {}"), "shape": ("{}", "a {}", "a photo of a {}", "a {} shape",
+            "the outline of a {}", "a small {}"), "texture": ("{}", "a {} object", "something {}",
+            "a {} pattern", "a {} thing", "a {} surface"),
+                 "location": ("in the {}", "an object in the {}", "something in the {}", "the {}",
+            "a thing in the {}", "placed in the {}")}
     return [(t.format(w), c) for c, words in FACTORS.items() for t in templates[c] for w in words]
 
 
@@ -166,7 +169,8 @@ def text_pool():
 
 
 def class_list():
-    """The 24 (colour, shape) classes in label order: base ((i + j) even on the grid) first, then novel."""
+    """The 24 (colour, shape) classes in label order: base ((i + j) even on the grid) first, then
+    novel."""
     grid = [(i, j) for i in range(len(COLORS)) for j in range(len(SHAPES))]
     base = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 0]
     novel = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 1]
@@ -174,12 +178,14 @@ def class_list():
 
 
 def dataset_items():
-    """Every image of the dataset: (split, label, file, (colour, shape, texture, location), seed)."""
+    """Every image of the dataset: (split, label, file, (colour, shape, texture, location),
+    seed)."""
     items = []
     for s, split in enumerate(SPLIT_SIZES):
         for label, (color, shape) in enumerate(class_list()):
             for i in range(SPLIT_SIZES[split]):
-                k = (i + label) % 12  # texture and location cycle through their 12 pairs, offset per class
+                # texture and location cycle through their 12 pairs, offset per class
+                k = (i + label) % 12
                 factors = (color, shape, TEXTURES[k % 3], LOCATIONS[k // 3])
                 seed = 1_000_000 * (s + 1) + 1000 * label + i
                 items.append((split, label, f"{color}_{shape}/{split}_{i:03d}.png", factors, seed))
@@ -187,62 +193,70 @@ def dataset_items():
 
 
 def factor_labels(paths):
-    """{factor: LongTensor of value indices} of dataset images, found by their last two path parts."""
+    """{factor: LongTensor of value indices} of dataset images, found by their last two path
+    parts."""
     by_file = {file: factors for _, _, file, factors, _ in dataset_items()}
     rows = [by_file["/".join(os.path.normpath(p).split(os.sep)[-2:])] for p in paths]
-    return {name: torch.tensor([vocab.index(f[k]) for f in rows]) for k, (name, vocab) in enumerate(FACTORS.items())}
+    return {name: torch.tensor([vocab.index(f[k]) for f in rows]) for k,
+            (name, vocab) in enumerate(FACTORS.items())}
 
 
 def write_folder(folder, images, files=()):
-    """Write `images` ((relative path, uint8 array) pairs) and `files` ((name, text) pairs) into `folder`
-    once, all at once (a temporary folder renamed), marked with the recipe; refuse any other folder there."""
+    """Write `images` ((relative path, uint8 array) pairs) and `files` ((name, text) pairs) into
+    `folder` once, all at once (data.atomic_write), marked with the recipe; refuse any other
+    folder there."""
     mark = os.path.join(folder, f"recipe-{RECIPE}")
     if os.path.isfile(mark):
         return folder
     if os.path.exists(folder):
-        raise data.UserError(f"{folder} is not toy world {RECIPE}: delete it (it is remade in seconds)")
-    tmp = f"{folder}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for file, pixels in images:
-        os.makedirs(os.path.dirname(os.path.join(tmp, file)), exist_ok=True)
-        Image.fromarray(pixels).save(os.path.join(tmp, file))
-    for name, text in [*files, (os.path.basename(mark), RECIPE)]:
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
+        raise data.UserError(f"{folder}: not toy world {RECIPE}; delete it (remade in seconds)")
+
+    def write(tmp):
+        for file, pixels in images:
+            os.makedirs(os.path.dirname(os.path.join(tmp, file)), exist_ok=True)
+            Image.fromarray(pixels).save(os.path.join(tmp, file))
+        for name, text in [*files, (os.path.basename(mark), RECIPE)]:
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
     try:
-        os.replace(tmp, folder)
+        return data.atomic_write(folder, write)
     except OSError:  # another process wrote it first
-        shutil.rmtree(tmp)
         if not os.path.isfile(mark):
             raise
-    return folder
+        return folder
 
 
 def ensure_dataset(root):
-    """<root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json}, written once; returns the folder."""
+    """<root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json}, written once; returns
+    the folder."""
     items = dataset_items()
-    split = {s: [[file, label, file.split("/")[0]] for s2, label, file, _, _ in items if s2 == s] for s in SPLIT_SIZES}
+    split = {s: [[file, label, file.split("/")[0]] for s2, label, file, _,
+                 _ in items if s2 == s] for s in SPLIT_SIZES}
     images = ((f"images/{file}", render(*factors, seed)) for _, _, file, factors, seed in items)
     folder = os.path.join(os.path.abspath(os.path.expanduser(root)), "toyworld")
     return write_folder(folder, images, [(SPLIT_FILE, json.dumps(split, indent=4))])
 
 
 def transfer_images():
-    """(set/class/file, pixels) of every transfer set: the class's two factors, the others cycling."""
+    """(set/class/file, pixels) of every transfer set: the class's two factors, the others
+    cycling."""
     for t, (name, (second, shift)) in enumerate(TRANSFER.items()):
         for label, (a, b) in enumerate((a, b) for a in COLORS for b in FACTORS[second]):
             for i in range(TRANSFER_IMAGES):
-                f = dict(color=a, shape=SHAPES[i % 4], texture=TEXTURES[i % 3], location=LOCATIONS[(i // 3) % 4])
+                f = dict(color=a, shape=SHAPES[i % 4], texture=TEXTURES[i % 3],
+                         location=LOCATIONS[(i // 3) % 4])
                 f[second] = b
                 seed = 10_000_000 * (t + 1) + 1000 * label + i  # above every dataset seed
                 yield f"{name}/{a}_{b}/{i:03d}.png", render(**f, seed=seed, **shift)
 
 
 def ensure_transfer(root):
-    """<root>/toyworld-transfer/<set>/<class>/*.png, written once; returns the sets as folder:PATH names."""
-    folder = write_folder(
-        os.path.join(os.path.abspath(os.path.expanduser(root)), "toyworld-transfer"), transfer_images()
-    )
+    """<root>/toyworld-transfer/<set>/<class>/*.png, written once; returns the sets as
+    folder:PATH names."""
+    folder = write_folder(os.path.join(os.path.abspath(os.path.expanduser(root)),
+                                       "toyworld-transfer"), transfer_images())
     return ["folder:" + os.path.join(folder, name) for name in TRANSFER]
 
 
@@ -257,17 +271,21 @@ def to_tensor(arrays):
 
 
 def sample_batch(n, g):
-    """n random objects and a caption for each that names one of its factors, drawn from generator g.
+    """n random objects and a caption for each that names one of its factors, drawn from
+    generator g.
 
-    Returns (image factors [n, 4], caption factors [n, 4] with -1 for an unnamed factor, captions, image
-    seeds). Half the captions take the class template's form ("a photo of a circle."). A caption naming one
-    factor is a positive for every image with it, so each factor must be read on its own: with whole
-    captions, colour and shape fit nearly every caption and texture and location are hardly learnt."""
+    Returns (image factors [n, 4], caption factors [n, 4] with -1 for an unnamed factor,
+    captions, image seeds). Half the captions take the class template's form ("a photo of a
+    circle."). A caption naming one factor is a positive for every image with it, so each factor
+    must be read on its own: with whole captions, colour and shape fit nearly every caption and
+    texture and location are hardly learnt."""
     sizes = torch.tensor([len(v) for v in FACTORS.values()])
     img_f = (torch.rand(n, 4, generator=g) * sizes).long()  # [n, 4]
-    # recipe v2 drew how many factors a caption names (always one); the draw stays, and so do its weights
+    # recipe v2 drew how many factors a caption names (always one); the draw stays, and so do its
+    # weights
     torch.multinomial(torch.tensor([1.0, 0, 0, 0]), n, True, generator=g)
-    named = torch.multinomial(torch.ones(n, 4), 4, generator=g)[:, :1]  # [n, 1]: first of a random order
+    # [n, 1]: first of a random order
+    named = torch.multinomial(torch.ones(n, 4), 4, generator=g)[:, :1]
     cap_f = torch.full_like(img_f, -1).scatter(1, named, img_f.gather(1, named))  # [n, 4]
     photo = torch.rand(n, generator=g) < 0.5
     seeds = torch.randint(0, 2**31 - 1, (n,), generator=g) + 2**32  # above every dataset seed
@@ -284,16 +302,18 @@ def tokens_of(text):
 
 
 def pretraining_batch(n, g):
-    """(images [n, 3, 32, 32], tokens [n, 16], truth [n, n]): truth[i, j] = caption j is true of image i."""
+    """(images [n, 3, 32, 32], tokens [n, 16], truth [n, n]): truth[i, j] = caption j is true of
+    image i."""
     img_f, cap_f, texts, seeds = sample_batch(n, g)
-    images = [render(*(v[k] for v, k in zip(FACTORS.values(), f)), seed) for f, seed in zip(img_f.tolist(), seeds)]
+    images = [render(*(v[k] for v, k in zip(FACTORS.values(), f)), seed) for f,
+              seed in zip(img_f.tolist(), seeds)]
     truth = ((cap_f[None] == img_f[:, None]) | (cap_f[None] < 0)).all(-1)  # [n, n]
     return to_tensor(images), torch.stack([tokens_of(t) for t in texts]), truth
 
 
 def contrastive_loss(logits, truth):
-    """CLIP's symmetric loss with soft targets: logits [B, B] image x text, each direction the cross-entropy
-    to the uniform distribution over a row's (column's) positives."""
+    """CLIP's symmetric loss with soft targets: logits [B, B] image x text, each direction the
+    cross-entropy to the uniform distribution over a row's (column's) positives."""
     t = truth.float()
     loss_i = -(t / t.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
     loss_t = -(t / t.sum(0, keepdim=True) * logits.log_softmax(0)).sum(0).mean()
@@ -301,16 +321,18 @@ def contrastive_loss(logits, truth):
 
 
 def warmup_cosine(lr, step, steps, n_warm):
-    """The learning rate at `step` (from 1): linear warm-up over n_warm steps, then cosine decay to 0."""
+    """The learning rate at `step` (from 1): linear warm-up over n_warm steps, then cosine decay
+    to 0."""
     if step <= n_warm:
         return lr * step / n_warm
     return lr * 0.5 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm)))
 
 
 def tower_step(model, images, tokens, truth, worker, then=None):
-    """The loss and loss.backward() with the text tower on `worker` (a one-thread executor) beside the
-    image tower here: the towers share no weights, so the gradients are those of one backward, bit for
-    bit. Returns (loss, then()), `then` (the next batch) run on the worker after the text backward."""
+    """The loss and loss.backward() with the text tower on `worker` (a one-thread executor)
+    beside the image tower here: the towers share no weights, so the gradients are those of one
+    backward, bit for bit. Returns (loss, then()), `then` (the next batch) run on the worker
+    after the text backward."""
     text = worker.submit(model.encode_text, tokens)
     image_out = model.encode_image(images)  # [B, E]
     text_out = text.result()  # [B, E]
@@ -328,24 +350,29 @@ def tower_step(model, images, tokens, truth, worker, then=None):
 
 
 def pretrain(steps=STEPS, seed=0, batch_size=128, lr=1e-3, log=print):
-    """The toy CLIP trained contrastively on pairs drawn on the fly (novel combinations included, as web
-    data holds them for real CLIP); deterministic in `seed`. Returns the model in eval mode."""
+    """The toy CLIP trained contrastively on pairs drawn on the fly (novel combinations included,
+    as web data holds them for real CLIP); deterministic in `seed`. Returns the model in eval
+    mode."""
     torch.manual_seed(seed)
     model = CLIP(**TOY_CONFIG).train()
     g = torch.Generator().manual_seed(seed)
-    # Captions use about 40 of the 49,408 token rows: a sparse gradient (SparseAdam) updates only those.
+    # Captions use about 40 of the 49,408 token rows: a sparse gradient (SparseAdam) updates only
+    # those.
     model.token_embedding.sparse = True
     params = [(n, p) for n, p in model.named_parameters() if n != "token_embedding.weight"]
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
     rest = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
     adam = dict(lr=lr, betas=(0.9, 0.98), eps=1e-6)
     groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
-    opts = [torch.optim.AdamW(groups, **adam), torch.optim.SparseAdam([model.token_embedding.weight], **adam)]
+    opts = [torch.optim.AdamW(groups, **adam),
+            torch.optim.SparseAdam([model.token_embedding.weight], **adam)]
     n_warm, t0, avg = max(1, int(0.05 * steps)), time.time(), None
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread per tower, for any OMP_NUM_THREADS: two would sum floats otherwise
+    # one thread per tower, for any OMP_NUM_THREADS: two would sum floats otherwise
+    torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(1) as worker:  # the text tower and the next batch (their ops release the GIL)
+        # the text tower and the next batch (their ops release the GIL)
+        with ThreadPoolExecutor(1) as worker:
             batch = pretraining_batch(batch_size, g)
             for step in range(1, steps + 1):
                 for opt in opts:
@@ -362,7 +389,8 @@ def pretrain(steps=STEPS, seed=0, batch_size=128, lr=1e-3, log=print):
                 if step % 20 == 0 or step == steps:
                     seconds = time.time() - t0
                     left = seconds / step * (steps - step)
-                    log(f"toy CLIP step {step}/{steps}  loss {avg:.3f}  {seconds:.0f} s, {left:.0f} s to go")
+                    log(f"toy CLIP step {step}/{steps}  loss {avg:.3f}  {seconds:.0f} s, "
+                        f"{left:.0f} s to go")
     finally:
         torch.set_num_threads(threads)
     model.token_embedding.sparse = False
@@ -374,53 +402,51 @@ def checkpoint_name(steps=STEPS):
 
 
 def ensure_pretrained(cache_dir, log=print, steps=STEPS):
-    """Path of the pretrained toy CLIP (a state dict clip.load reads) in cache_dir, pretrained once when missing."""
+    """Path of the pretrained toy CLIP (a state dict clip.load reads) in cache_dir, pretrained
+    once when missing. A record beside it (.json) keeps its SHA256 and head counts; a file that
+    disagrees with it is pretrained again."""
     path = os.path.join(os.path.expanduser(cache_dir), checkpoint_name(steps))
-    if not os.path.isfile(path):
-        log(f"Pretraining the toy CLIP once ({steps} steps, a minute or two) into {path}")
-        model = pretrain(steps, log=log)
-        # build_model cannot infer 4 heads of width 32 from the shapes: the state dict carries them
-        state = dict(model.state_dict(), vision_heads=torch.tensor(4), text_heads=torch.tensor(4))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, f"{path}.tmp{os.getpid()}")
-        os.replace(f"{path}.tmp{os.getpid()}", path)
+    record = path.removesuffix(".pt") + ".json"
+    heads = {"vision_heads": TOY_CONFIG["vision_heads"],
+             "text_heads": TOY_CONFIG["transformer_heads"]}
+    try:
+        made = {"sha256": data.sha256_file(path), **heads}
+        if data.read_json(record, {"sha256": str}, "") == made:
+            return path
+    except (data.UserError, OSError):
+        pass  # none there, or not what was recorded: pretrained (again)
+    data.writable_folder(os.path.dirname(path))  # before the work, not after it
+    log(f"Pretraining the toy CLIP once ({steps} steps, a minute or two) into {path}")
+    model = pretrain(steps, log=log)
+    # build_model cannot infer 4 heads of width 32 from the shapes: the state dict carries them
+    state = dict(model.state_dict(), **{k: torch.tensor(v) for k, v in heads.items()})
+    data.atomic_write(path, lambda tmp: torch.save(state, tmp))
+    data.write_json(record, {"sha256": data.sha256_file(path), **heads})
     return path
 
 
-def load_clip(name_or_path, device="cpu", log=print):
-    """clip.load, plus "toy": the toy CLIP, pretrained into clip.cache_dir() on first use."""
-    if name_or_path != BACKBONE:
-        return clip.load(name_or_path, device=device)
-    model, preprocess = clip.load(ensure_pretrained(clip.cache_dir(), log), device=device)
-    model.name = BACKBONE
-    return model, preprocess
-
-
-def positive_int(text):
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return int(text)
+def make(argv):
+    p = data.Parser(description="The toy world: its dataset and its tiny CLIP.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dataset", help="write ROOT/toyworld (once)")
+    d.add_argument("--root", default=data.DEFAULT_ROOT,
+                   help="the data root, as dear.py --root ($DATA, else data)")
+    d.add_argument("--transfer", action="store_true",
+                   help="also ROOT/toyworld-transfer: " + ", ".join(TRANSFER))
+    t = sub.add_parser("pretrain", help="pretrain the toy CLIP (once)")
+    t.add_argument("--out", help="folder (default: $CLIP_CACHE, else ~/.cache/clip)")
+    t.add_argument("--steps", type=data.POSITIVE, default=STEPS)
+    args = p.parse_args(argv)
+    if args.cmd == "dataset":
+        print(ensure_dataset(args.root), *(ensure_transfer(args.root) if args.transfer else []),
+              sep="\n")
+    else:
+        print(ensure_pretrained(clip.cache_dir(args.out), steps=args.steps))
+    return 0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The toy world: its dataset and its tiny CLIP.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("dataset", help="write ROOT/toyworld (once)")
-    d.add_argument("--root", required=True, help="the data root, as dear.py --root")
-    d.add_argument("--transfer", action="store_true", help="also ROOT/toyworld-transfer: " + ", ".join(TRANSFER))
-    t = sub.add_parser("pretrain", help="pretrain the toy CLIP (once)")
-    t.add_argument("--out", help="folder (default: $CLIP_CACHE, else ~/.cache/clip)")
-    t.add_argument("--steps", type=positive_int, default=STEPS)
-    args = p.parse_args(argv)
-    try:
-        if args.cmd == "dataset":
-            print(ensure_dataset(args.root), *(ensure_transfer(args.root) if args.transfer else []), sep="\n")
-        else:
-            print(ensure_pretrained(clip.cache_dir(args.out), steps=args.steps))
-    except (data.UserError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return data.guarded(make, argv)
 
 
 if __name__ == "__main__":

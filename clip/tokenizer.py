@@ -19,7 +19,8 @@ import ftfy
 import regex
 import torch
 
-VOCAB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpe_simple_vocab_16e6.txt.gz")
+VOCAB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "bpe_simple_vocab_16e6.txt.gz")
 VOCAB_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
 NUM_MERGES = 49152 - 256 - 2  # the 48,894 merges CLIP uses (the file holds many more)
 SOT, EOT = "<|startoftext|>", "<|endoftext|>"
@@ -33,7 +34,8 @@ def bytes_to_unicode() -> dict:
     sequence (any UTF-8 text) has a spelling, so there is never an unknown token. Printable
     Latin-1 bytes map to themselves; the other 68 bytes map to code points 256, 257, ...
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     # printable bytes first, then the others in order: this order fixes the ids of the 256 symbols
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -58,7 +60,8 @@ class SimpleTokenizer:
     def __init__(self, bpe_path: str = VOCAB_PATH):
         with open(bpe_path, "rb") as f:
             data = f.read()
-        if hashlib.sha256(data).hexdigest() != VOCAB_SHA256:  # another vocabulary gives other ids: refuse it
+        # another vocabulary gives other ids: refuse it
+        if hashlib.sha256(data).hexdigest() != VOCAB_SHA256:
             raise ValueError(f"{bpe_path} is not CLIP's vocabulary (SHA256 {VOCAB_SHA256})")
         lines = gzip.decompress(data).decode("utf-8").split("\n")
         # line 0 is a version header
@@ -74,10 +77,8 @@ class SimpleTokenizer:
         self.cache = {SOT: SOT, EOT: EOT}
         self.sot_token, self.eot_token = self.encoder[SOT], self.encoder[EOT]
         # words: the two specials, contractions, letter runs, single digits, runs of other symbols
-        self.pat = regex.compile(
-            r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
-            regex.IGNORECASE,
-        )
+        specials = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d"""
+        self.pat = regex.compile(specials + r"|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+", regex.IGNORECASE)
 
     def bpe(self, token: str) -> str:
         """Apply the merges to one word; returns its symbols joined by spaces."""
@@ -124,7 +125,8 @@ def get_tokenizer() -> SimpleTokenizer:
     return SimpleTokenizer()
 
 
-def tokenize(texts: Union[str, List[str]], context_length: int = 77, truncate: bool = False) -> torch.Tensor:
+def tokenize(texts: Union[str, List[str]], context_length: int = 77,
+             truncate: bool = False) -> torch.Tensor:
     """Token ids of one text or a list of texts.
 
     Parameters
@@ -148,7 +150,8 @@ def tokenize(texts: Union[str, List[str]], context_length: int = 77, truncate: b
         ids = [tok.sot_token] + tok.encode(text) + [tok.eot_token]
         if len(ids) > context_length:
             if not truncate:
-                raise ValueError(f"{text!r} is longer than the context length {context_length}; truncate=True cuts it")
+                raise ValueError(f"{text!r} is longer than the context length {context_length}; "
+                                 "truncate=True cuts it")
             ids = ids[:context_length]
             ids[-1] = tok.eot_token
         result[i, : len(ids)] = torch.tensor(ids, dtype=torch.int)

@@ -1,8 +1,10 @@
-"""Shared test helpers: tiny random CLIPs loaded the way a real checkpoint is, and the pretrained toy CLIP.
+"""Shared test helpers: tiny random CLIPs loaded the way a real checkpoint is, and the pretrained
+toy CLIP.
 
-The toy CLIP's pretraining (about 2 minutes on 2 cores) starts in a process of its own as soon as the collected
-tests are known to need it, and runs beside the other tests; it is kept in ~/.cache/dear/tests/<key>, the key
-naming the files and versions that decide its weights (DEAR_TEST_CACHE= turns the keeping off).
+The toy CLIP's pretraining (about 2 minutes on 2 cores) starts in a process of its own as soon as
+the collected tests are known to need it, and runs beside the other tests; it is kept in
+~/.cache/dear/tests/<key>, the key naming the files and versions that decide its weights
+(DEAR_TEST_CACHE= turns the keeping off).
 """
 
 import hashlib
@@ -13,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # the tests' models are tiny: a second thread adds CPU time only
+# the tests' models are tiny: a second thread adds CPU time only
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -24,18 +27,18 @@ sys.path.insert(0, ROOT)
 from clip.model import CLIP, build_model  # noqa: E402
 
 
-def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8, resolution=32, text_layers=2,
-                    text_width=64, text_heads=4, embed_dim=32, context_length=77):  # fmt: skip
-    """A random CLIP state dict with OpenAI's key names, plus the head counts that tiny checkpoints carry (a width
-    that is not a multiple of 64 does not give them)."""
+def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, patch=8,
+                    resolution=32, text_layers=2, text_width=64, text_heads=4, embed_dim=32,
+                    context_length=77):
+    """A random CLIP state dict with OpenAI's key names, plus the head counts that tiny
+    checkpoints carry (a width that is not a multiple of 64 does not give them)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        # fmt: off
         model = CLIP(embed_dim=embed_dim, image_resolution=resolution, vision_layers=vision_layers,
-                     vision_width=vision_width, vision_patch_size=patch, context_length=context_length, vocab_size=49408,  # noqa: E501
-                     transformer_width=text_width, transformer_heads=text_heads, transformer_layers=text_layers,
+                     vision_width=vision_width, vision_patch_size=patch,
+                     context_length=context_length, vocab_size=49408, transformer_width=text_width,
+                     transformer_heads=text_heads, transformer_layers=text_layers,
                      vision_heads=vision_heads)
-        # fmt: on
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sd["vision_heads"], sd["text_heads"] = torch.tensor(vision_heads), torch.tensor(text_heads)
     return sd
@@ -52,7 +55,8 @@ def tiny_model():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where there is none (select: -m cuda)")
+    config.addinivalue_line("markers",
+                            "cuda: needs a CUDA device; skipped where there is none (-m cuda)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -77,17 +81,26 @@ def toy_dir():
 
 
 PRETRAIN, BACKGROUND = {}, {}
-# Every test process reads CLIP checkpoints and head roles from here (the toy CLIP once pretrained, the roles that
+# Every test process reads CLIP checkpoints and head roles from here (the toy CLIP once pretrained,
+# the roles that
 # tests compute for their own tiny checkpoints, keyed by those checkpoints' SHA256)
 os.environ["CLIP_CACHE"] = toy_dir()
 os.makedirs(os.environ["CLIP_CACHE"], exist_ok=True)
 WORK = tempfile.mkdtemp(prefix="dear-tests-")
-# The two slowest checks run as commands of their own beside the other tests, as soon as the toy CLIP is there:
-# `run_all.sh --smoke`, and the README's quick start (DeAR on the toy world, then its zero-shot row).
-COMMANDS = {"smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
-            "quick_start": [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = "
-                            "['--dataset', 'toyworld', '--root', 'data', '--out', 'runs']; "
-                            "dear.main(a); dear.main(a + ['--method', 'zeroshot'])"]}  # fmt: skip
+# The two slowest checks run as commands of their own beside the other tests, as soon as the toy
+# CLIP is there:
+# `run_all.sh --smoke`, and the README's quick start (DeAR on the toy world, then its zero-shot
+# row).
+COMMANDS = {
+    "smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
+    "quick_start": [
+        sys.executable,
+        "-c",
+        f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = "
+        "['--dataset', 'toyworld', '--root', 'data', '--out', 'runs']; "
+        "dear.main(a); dear.main(a + ['--method', 'zeroshot'])",
+    ],
+}
 
 
 def start_pretraining():
@@ -112,8 +125,8 @@ def start_background():
             log = open(os.path.join(WORK, name + ".log"), "w")
             env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
             env.pop("GPUS", None)
-            BACKGROUND[name] = subprocess.Popen(COMMANDS[name], cwd=os.path.join(WORK, name), env=env, stdout=log,
-                                                stderr=subprocess.STDOUT)  # fmt: skip
+            BACKGROUND[name] = subprocess.Popen(COMMANDS[name], cwd=os.path.join(WORK, name),
+                                                env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -130,7 +143,8 @@ def toy_cache():
             pytest.fail(open(os.path.join(folder, "pretrain.log")).read()[-2000:])
         open(os.path.join(folder, "done"), "w").close()
     elif not os.path.exists(os.path.join(folder, "done")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "toyworld.py"), "pretrain", "--out", folder], check=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "toyworld.py"), "pretrain", "--out",
+                        folder], check=True)
         open(os.path.join(folder, "done"), "w").close()
     return folder
 

@@ -19,7 +19,8 @@ from clip.model import MultiheadAttention, build_model, length_buckets
 from conftest import tiny_clip, tiny_state_dict
 
 # ---------------------------------------------------------------- a plain reference CLIP
-# OpenAI's layout ([L, N, D]) with torch.nn.MultiheadAttention, fed the same state dict; it shares no code
+# OpenAI's layout ([L, N, D]) with torch.nn.MultiheadAttention, fed the same state dict; it shares
+# no code
 # with clip/model.py.
 
 
@@ -28,11 +29,13 @@ def ref_transformer(x, sd, prefix, layers, heads, mask=None):
     for i in range(layers):
         p = f"{prefix}.resblocks.{i}."
         mha = nn.MultiheadAttention(x.shape[-1], heads)
-        mha.load_state_dict({k[len(p + "attn.") :]: v for k, v in sd.items() if k.startswith(p + "attn.")})
+        mha.load_state_dict({k[len(p + "attn.") :]: v for k,
+                             v in sd.items() if k.startswith(p + "attn.")})
         h = ln(x, p + "ln_1")
         x = x + mha(h, h, h, need_weights=False, attn_mask=mask)[0]
         h = F.linear(ln(x, p + "ln_2"), sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"])
-        x = x + F.linear(h * torch.sigmoid(1.702 * h), sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"])
+        x = x + F.linear(h * torch.sigmoid(1.702 * h), sd[p + "mlp.c_proj.weight"],
+                         sd[p + "mlp.c_proj.bias"])
     return x
 
 
@@ -42,7 +45,9 @@ def ref_encode_image(sd, images, layers=4, heads=4):
     x = torch.cat([sd["visual.class_embedding"].expand(x.shape[0], 1, -1), x], dim=1)
     x = x + sd["visual.positional_embedding"]
     x = F.layer_norm(x, x.shape[-1:], sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"])
-    x = ref_transformer(x.permute(1, 0, 2), sd, "visual.transformer", layers, heads).permute(1, 0, 2)  # via LND
+    # via LND
+    x = ref_transformer(x.permute(1, 0, 2), sd, "visual.transformer", layers, heads).permute(1, 0,
+            2)
     x = F.layer_norm(x[:, 0], x.shape[-1:], sd["visual.ln_post.weight"], sd["visual.ln_post.bias"])
     return x @ sd["visual.proj"]
 
@@ -66,18 +71,24 @@ TEXTS = ["a photo of a big red fox standing.", "cat", "a photo of a dog.", "", "
 # ---------------------------------------------------------------- model
 
 
-@pytest.mark.parametrize("group_cost", [0, 10**6])  # one group per prompt length; one group padded to the longest
+# one group per prompt length; one group padded to the longest
+@pytest.mark.parametrize("group_cost", [0, 10**6])
 def test_features_equal_the_plain_reference(group_cost, monkeypatch):
     monkeypatch.setitem(clip.model.GROUP_COST, "cpu", group_cost)
     sd = tiny_state_dict(seed=3)
     g = torch.Generator().manual_seed(3)
-    sd = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.dim() == 1 else v for k, v in sd.items()}  # LN gains
+    # LN gains
+    sd = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.dim() == 1 else v for k,
+          v in sd.items()}
     model = build_model(sd)
     tokens = clip.tokenize(TEXTS)
-    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])  # id 0 ("!") inside a text: EOT is the argmax
+    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0,
+                                  49407])  # id 0 ("!") inside a text: EOT is the argmax
     with torch.no_grad():
-        ours_i, ours_t = [F.normalize(f, dim=-1) for f in (model.encode_image(images()), model.encode_text(tokens))]
-        ref_i, ref_t = [F.normalize(f, dim=-1) for f in (ref_encode_image(sd, images()), ref_encode_text(sd, tokens))]
+        ours_i, ours_t = [F.normalize(f, dim=-1) for f in (model.encode_image(images()),
+                model.encode_text(tokens))]
+        ref_i, ref_t = [F.normalize(f, dim=-1) for f in (ref_encode_image(sd, images()),
+                ref_encode_text(sd, tokens))]
         logits, logits_t = model(images(), tokens)
     assert (ours_i - ref_i).abs().max() < 1e-5 and (ours_t - ref_t).abs().max() < 1e-5
     assert torch.allclose(logits, model.logit_scale.exp() * ref_i @ ref_t.t(), atol=1e-4)
@@ -85,7 +96,8 @@ def test_features_equal_the_plain_reference(group_cost, monkeypatch):
 
 
 def explicit_attention(attn, x, mask):
-    """Per head h: softmax(Q_h K_h^T / sqrt(d) + mask[:, h]) V_h, heads concatenated, then out_proj."""
+    """Per head h: softmax(Q_h K_h^T / sqrt(d) + mask[:, h]) V_h, heads concatenated, then
+    out_proj."""
     B, L, D = x.shape
     H, d = attn.n_head, D // attn.n_head
     (Wq, Wk, Wv), (bq, bk, bv) = attn.in_proj_weight.split(D), attn.in_proj_bias.split(D)
@@ -93,7 +105,8 @@ def explicit_attention(attn, x, mask):
     for h in range(H):
         r = slice(h * d, (h + 1) * d)
         q, k, v = x @ Wq[r].t() + bq[r], x @ Wk[r].t() + bk[r], x @ Wv[r].t() + bv[r]
-        weights.append(torch.softmax(q @ k.transpose(1, 2) / d**0.5 + mask[:, h], dim=-1))  # [B, L, L]
+        # [B, L, L]
+        weights.append(torch.softmax(q @ k.transpose(1, 2) / d**0.5 + mask[:, h], dim=-1))
         outs.append(weights[-1] @ v)
     return attn.out_proj(torch.cat(outs, dim=-1)), torch.stack(weights, dim=1)
 
@@ -105,7 +118,8 @@ def test_masked_attention_equals_explicit_per_head_softmax(shape):
     attn, x = MultiheadAttention(D, H), torch.randn(B, L, D)
     size = {"L": L, "H": H, "B": B}
     mask = torch.randn([size[c] for c in shape])
-    mask = mask.masked_fill(torch.rand(mask.shape) < 0.3, float("-inf")).masked_fill(torch.eye(L, dtype=bool), 0.0)
+    mask = mask.masked_fill(torch.rand(mask.shape) < 0.3,
+                            float("-inf")).masked_fill(torch.eye(L, dtype=bool), 0.0)
     full = mask.expand(B, H, L, L)
     expected, expected_w = explicit_attention(attn, x, full)
     out, w = attn(x, attn_mask=mask, need_weights=True)
@@ -119,15 +133,20 @@ def test_rows_and_past_equal_the_full_computation():
     block, L, H = m.visual.transformer.resblocks[0], 9, 4
     x = torch.randn(2, L, 64, generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(H, L, L).masked_fill(torch.rand(H, L, L) < 0.5, float("-inf"))
-    mask[:, range(L), range(L)] = 0.0  # each row its own per-head mask row; every position sees itself
+    # each row its own per-head mask row; every position sees itself
+    mask[:, range(L), range(L)] = 0.0
     with torch.no_grad():
         for rows in (slice(0, 3), slice(L - 1, None), torch.tensor([4, 1, 7])):
-            assert torch.allclose(block(x, attn_mask=mask, rows=rows), block(x, attn_mask=mask)[:, rows], atol=1e-6)
+            assert torch.allclose(block(x, attn_mask=mask, rows=rows),
+                                  block(x, attn_mask=mask)[:, rows], atol=1e-6)
         tokens = m.visual.embed(images())
         full = m.visual.run_blocks(tokens, 0, 4)
-        assert torch.allclose(m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6)
-        assert torch.equal(m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])  # no block: a cut
-        # past: a text block on a suffix after 4 positions shared by every text = the block on [past, suffix]
+        assert torch.allclose(m.visual.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1],
+                              atol=1e-6)
+        # no block: a cut
+        assert torch.equal(m.visual.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])
+        # past: a text block on a suffix after 4 positions shared by every text = the block on
+        # [past, suffix]
         past, suffix = x[:1, :4], x[:, 4:]
         whole = torch.cat([past.expand(2, -1, -1), suffix], dim=1)
         whole = m.transformer.resblocks[1](whole, attn_mask=m.causal_mask(L))[:, 4:]
@@ -143,7 +162,8 @@ def test_seams_compose_to_the_encoders(tiny_model):
         assert x.shape == (2, 1 + m.visual.num_patches, 64)
         full = m.visual.run_blocks(x, 0, 4)
         for k in range(5):
-            assert torch.allclose(m.visual.run_blocks(m.visual.run_blocks(x, 0, k), k, 4), full, atol=1e-6)
+            assert torch.allclose(m.visual.run_blocks(m.visual.run_blocks(x, 0, k), k, 4), full,
+                                  atol=1e-6)
         assert torch.allclose(m.encode_image(images()), m.visual.head(full[:, 0]), atol=1e-6)
         t = m.embed_text(tokens)
         text = m.text_head(m.run_text_blocks(m.run_text_blocks(t, 0, 1), 1, 2), tokens.argmax(-1))
@@ -151,15 +171,18 @@ def test_seams_compose_to_the_encoders(tiny_model):
 
 
 def test_length_buckets_cover_every_prompt_once_with_its_eot():
-    """Ten texts with EOT at 3, one at 4, ten at 20; cost = texts x (longest EOT + 1) + group cost, by hand
-    for group cost 32: {3},{4},{20} = 351; {3,4},{20} = 55 + 210 + 64 = 329 (cheapest); {3},{4,20} = 335."""
-    eot = torch.tensor([3] * 10 + [4] + [20] * 10)[torch.randperm(21, generator=torch.Generator().manual_seed(0))]
+    """Ten texts with EOT at 3, one at 4, ten at 20; cost = texts x (longest EOT + 1) + group
+    cost, by hand for group cost 32: {3},{4},{20} = 351; {3,4},{20} = 55 + 210 + 64 = 329
+    (cheapest); {3},{4,20} = 335."""
+    eot = torch.tensor([3] * 10 + [4] + [20] * 10)[torch.randperm(21,
+            generator=torch.Generator().manual_seed(0))]
     for cost, split in ((0, [[3], [4], [20]]), (32, [[3, 4], [20]]), (10**6, [[3, 4, 20]])):
         groups = length_buckets(eot, cost)
         assert [rows.tolist() for _, _, rows, _ in groups] == split
         assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))
         for n, idx, rows, pick in groups:
-            assert torch.equal(rows[pick], eot[idx]) and n == eot[idx].max()  # each text read at its own EOT
+            # each text read at its own EOT
+            assert torch.equal(rows[pick], eot[idx]) and n == eot[idx].max()
 
 
 def test_state_dicts_load_strictly_as_copies():
@@ -170,7 +193,8 @@ def test_state_dicts_load_strictly_as_copies():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     with torch.no_grad():
         model.visual.proj.add_(1.0)
-    assert torch.equal(sd["visual.proj"], weights["visual.proj"])  # a copy: the caller's tensor is unchanged
+    # a copy: the caller's tensor is unchanged
+    assert torch.equal(sd["visual.proj"], weights["visual.proj"])
     with pytest.raises(RuntimeError, match="Unexpected key"):
         build_model({**sd, "visual.extra": torch.zeros(1)})
     with pytest.raises(RuntimeError, match="Missing key"):
@@ -178,20 +202,26 @@ def test_state_dicts_load_strictly_as_copies():
 
 
 def test_resnet_clips_are_refused():
-    with pytest.raises(ValueError, match="DeAR needs attention heads: ResNet CLIPs are not supported"):
-        build_model({"visual.layer1.0.conv1.weight": torch.zeros(1), "visual.attnpool.c_proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError,
+                       match="DeAR needs attention heads: ResNet CLIPs are not supported"):
+        build_model({"visual.layer1.0.conv1.weight": torch.zeros(1),
+                     "visual.attnpool.c_proj.weight": torch.zeros(1)})
 
 
 def openai_state_dict(width, patch, resolution, embed, text_width, vision_layers=2, text_layers=1):
-    """Random tensors under the keys and shapes of OpenAI's ViT checkpoints (openai/CLIP `clip/model.py`)."""
+    """Random tensors under the keys and shapes of OpenAI's ViT checkpoints (openai/CLIP
+    `clip/model.py`)."""
     r = lambda *shape: torch.empty(shape).normal_(std=0.02)
     sd = {"positional_embedding": r(77, text_width), "token_embedding.weight": r(49408, text_width)}
-    sd |= {"text_projection": r(text_width, embed), "logit_scale": r(), "visual.proj": r(width, embed)}
-    sd |= {"ln_final.weight": r(text_width), "ln_final.bias": r(text_width), "visual.class_embedding": r(width)}
+    sd |= {"text_projection": r(text_width, embed), "logit_scale": r(),
+           "visual.proj": r(width, embed)}
+    sd |= {"ln_final.weight": r(text_width), "ln_final.bias": r(text_width),
+           "visual.class_embedding": r(width)}
     sd |= {"visual.conv1.weight": r(width, 3, patch, patch)}
     sd |= {"visual.positional_embedding": r((resolution // patch) ** 2 + 1, width)}
     sd |= {f"visual.{ln}.{p}": r(width) for ln in ("ln_pre", "ln_post") for p in ("weight", "bias")}
-    for prefix, D, layers in (("transformer", text_width, text_layers), ("visual.transformer", width, vision_layers)):
+    for prefix, D, layers in (("transformer", text_width, text_layers),
+                              ("visual.transformer", width, vision_layers)):
         for i in range(layers):
             p = f"{prefix}.resblocks.{i}."
             sd |= {p + "attn.in_proj_weight": r(3 * D, D), p + "attn.in_proj_bias": r(3 * D)}
@@ -203,17 +233,16 @@ def openai_state_dict(width, patch, resolution, embed, text_width, vision_layers
 
 
 # name: vision width, heads, patch, resolution, embed dim, text width, text heads
-BACKBONES = {
-    "ViT-B/32": (768, 12, 32, 224, 512, 512, 8),
-    "ViT-B/16": (768, 12, 16, 224, 512, 512, 8),
-    "ViT-L/14": (1024, 16, 14, 224, 768, 768, 12),
-    "ViT-L/14@336px": (1024, 16, 14, 336, 768, 768, 12),
-}  # fmt: skip
+BACKBONES = {"ViT-B/32": (768, 12, 32, 224, 512, 512, 8),
+             "ViT-B/16": (768, 12, 16, 224, 512, 512, 8),
+             "ViT-L/14": (1024, 16, 14, 224, 768, 768, 12),
+             "ViT-L/14@336px": (1024, 16, 14, 336, 768, 768, 12)}
 
 
 @pytest.mark.parametrize("name", list(BACKBONES))
 def test_openai_backbones_build_from_their_shapes(name):
-    """True shapes of each published ViT, but only 2 vision blocks and 1 text block (of 12 or 24) to save time."""
+    """True shapes of each published ViT, but only 2 vision blocks and 1 text block (of 12 or 24)
+    to save time."""
     width, heads, patch, res, embed, text_width, text_heads = BACKBONES[name]
     model = build_model(openai_state_dict(width, patch, res, embed, text_width))
     v, t = model.visual, model.transformer
@@ -229,12 +258,14 @@ def test_openai_backbones_build_from_their_shapes(name):
 
 
 def test_tokenizer_known_ids():
-    # ids read off the merges file: id = 512 + (line number - 1) for a merge, e.g. "c at</w>" -> 2368;
+    # ids read off the merges file: id = 512 + (line number - 1) for a merge, e.g. "c at</w>" ->
+    # 2368;
     # byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
     t = clip.tokenize(["a photo of a cat.", "Hello   World!"])
     assert t.shape == (2, 77) and t.dtype == torch.int32
     assert t[0, :9].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407, 0]
-    assert t[1, :6].tolist() == [49406, 3306, 1002, 256, 49407, 0]  # lower-cased, whitespace collapsed
+    # lower-cased, whitespace collapsed
+    assert t[1, :6].tolist() == [49406, 3306, 1002, 256, 49407, 0]
     tok = clip.tokenizer.get_tokenizer()
     assert tok.encode("zxqvbnm") == [89, 87, 80, 85, 10496, 332]  # only "b n" merges (rank 9984)
     assert tok.encode("don't") == [847, 713] and tok.encode("café") == [15304]
@@ -252,7 +283,8 @@ def test_tokenize_too_long_raises_or_truncates():
 
 def test_a_tampered_vocabulary_is_refused(tmp_path):
     data = bytearray(open(clip.tokenizer.VOCAB_PATH, "rb").read())
-    assert hashlib.sha256(data).hexdigest() == "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+    want = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+    assert hashlib.sha256(data).hexdigest() == want
     data[-1] ^= 1
     (tmp_path / "vocab.txt.gz").write_bytes(data)
     with pytest.raises(ValueError, match="not CLIP's vocabulary"):
@@ -280,7 +312,8 @@ class Archive(nn.Module):
         return x * self.logit_scale.exp()
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace")  # deprecated, but how OpenAI's archives were made
+# deprecated, but how OpenAI's archives were made
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
 def test_torchscript_archives_and_plain_state_dicts_load_the_same_weights(tmp_path):
     archive = torch.jit.trace(Archive(tiny_clip(seed=5)).half(), torch.ones(2, dtype=torch.half))
     archive.save(str(tmp_path / "archive.pt"))  # fp16 weights, as published
@@ -289,14 +322,19 @@ def test_torchscript_archives_and_plain_state_dicts_load_the_same_weights(tmp_pa
     a, preprocess = clip.load(str(tmp_path / "archive.pt"))
     p, _ = clip.load(str(tmp_path / "plain.pt"))
     assert a.state_dict().keys() == p.state_dict().keys() and not a.training
-    assert all(v.dtype == torch.float32 and torch.equal(v, p.state_dict()[k]) for k, v in a.state_dict().items())
+    assert all(v.dtype == torch.float32 and torch.equal(v, p.state_dict()[k]) for k,
+               v in a.state_dict().items())
     assert a.sha256 == hashlib.sha256((tmp_path / "archive.pt").read_bytes()).hexdigest()
-    assert a.name == str(tmp_path / "archive.pt") and a.visual.heads == 4 and a.transformer.heads == 4
+    assert a.name == str(tmp_path / "archive.pt")
+    assert a.visual.heads == 4
+    assert a.transformer.heads == 4
 
     # preprocess: a uniform non-square image -> [3, 32, 32], each channel (v / 255 - MEAN) / STD
     x = preprocess(Image.new("RGB", (64, 48), color=(10, 128, 240)))
-    expected = (torch.tensor([10, 128, 240]) / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD)
-    assert x.shape == (3, 32, 32) and torch.allclose(x, expected[:, None, None].expand(3, 32, 32), atol=1e-5)
+    expected = (torch.tensor([10, 128,
+                              240]) / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD)
+    assert x.shape == (3, 32, 32) and torch.allclose(x, expected[:, None, None].expand(3, 32, 32),
+                                                     atol=1e-5)
     with pytest.raises(FileNotFoundError, match="ViT-B/16"):
         clip.load("ViT-H/99")
 
@@ -305,9 +343,11 @@ def test_torchscript_archives_and_plain_state_dicts_load_the_same_weights(tmp_pa
 def server(tmp_path):
     """An http.server on 127.0.0.1 serving the folder tmp_path/www (its URL: server.url)."""
     (tmp_path / "www").mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(tmp_path / "www"))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
     httpd.www, httpd.url = tmp_path / "www", f"http://127.0.0.1:{httpd.server_address[1]}"
     yield httpd
     httpd.shutdown()
@@ -330,18 +370,21 @@ def test_download_checks_the_sha256_of_its_url(tmp_path, server, monkeypatch):
     assert (m.name, m.sha256, os.listdir(cache)) == ("ViT-T/8", sha, ["ViT-T-8.pt"])
     os.remove(server.www / sha / "ViT-T-8.pt")
     assert clip.load("ViT-T/8", download_root=str(cache))[0].sha256 == sha  # from the cache
-    (cache / "ViT-T-8.pt").write_bytes(data[:-1] + b"x")  # a corrupt cached file is refused, not reused
-    with pytest.raises(OSError, match="does not have the SHA256"):
+    # a corrupt cached file is refused, not reused
+    (cache / "ViT-T-8.pt").write_bytes(data[:-1] + b"x")
+    with pytest.raises(OSError, match="not the SHA256"):
         clip.load("ViT-T/8", download_root=str(cache))
     os.remove(cache / "ViT-T-8.pt")
-    with pytest.raises(RuntimeError, match="invalid hash value"):  # a file that does not match its URL ...
+    # a file that does not match its URL ...
+    with pytest.raises(RuntimeError, match="invalid hash value"):
         clip.load("ViT-W/8", download_root=str(cache))
     assert os.listdir(cache) == []  # ... is not kept
 
 
 def test_cache_dir_and_available_models(tmp_path, monkeypatch):
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "env"))
-    assert clip.cache_dir() == str(tmp_path / "env") and clip.cache_dir(str(tmp_path / "r")) == str(tmp_path / "r")
+    assert clip.cache_dir() == str(tmp_path / "env")
+    assert clip.cache_dir(str(tmp_path / "r")) == str(tmp_path / "r")
     monkeypatch.delenv("CLIP_CACHE")
     assert clip.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "clip")
     assert clip.available_models() == ["ViT-B/32", "ViT-B/16", "ViT-L/14", "ViT-L/14@336px"]

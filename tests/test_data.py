@@ -1,5 +1,6 @@
-"""data.py: every reader on a tiny fake dataset in its real layout, few-shot subsets equal to Dassl's, base/novel,
-folder datasets and their kept split, class names, images and transforms, downloads from a local HTTP server, the CLI.
+"""data.py: every reader on a tiny fake dataset in its real layout, few-shot subsets equal to
+Dassl's, base/novel, folder datasets and their kept split, class names, images and transforms,
+downloads from a local HTTP server, the CLI.
 """
 
 import collections
@@ -26,7 +27,8 @@ import data
 
 def make_image(path, seed=0):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(path)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (10, 12, 3),
+            dtype=np.uint8)).save(path)
 
 
 def write_split(path, image_dir, entries):
@@ -45,14 +47,17 @@ def interleave(per_class):
 
 
 # ------------------------------------------------------------------------------------ fake layouts
-# Each builder writes one dataset under root and returns (class names as the model sees them, split sizes).
+# Each builder writes one dataset under root and returns (class names as the model sees them, split
+# sizes).
 
 SIZES = {"train": 5, "val": 3, "test": 2}
 JSON_LAYOUTS = {  # raw class names as the split JSON stores them -> the names put in the prompt
     "caltech101": {"accordion": "accordion", "Leopards": "leopard", "yin_yang": "yin yang"},
     "oxford_pets": {"abyssinian": "abyssinian", "american_bulldog": "american bulldog"},
-    "stanford_cars": {"2012 Tesla Model S Sedan": "2012 Tesla Model S Sedan", "2012 Acura RL": "2012 Acura RL"},
-    "oxford_flowers": {"pink primrose": "pink primrose", "hard-leaved pocket orchid": "hard-leaved pocket orchid"},
+    "stanford_cars": {"2012 Tesla Model S Sedan": "2012 Tesla Model S Sedan",
+                      "2012 Acura RL": "2012 Acura RL"},
+    "oxford_flowers": {"pink primrose": "pink primrose",
+                       "hard-leaved pocket orchid": "hard-leaved pocket orchid"},
     "food101": {"apple_pie": "apple pie", "baklava": "baklava"},
     "sun397": {"abbey": "abbey", "outdoor apartment_building": "outdoor apartment building"},
     "dtd": {"banded": "banded", "blotchy": "blotchy"},
@@ -65,9 +70,10 @@ JSON_LAYOUTS = {  # raw class names as the split JSON stores them -> the names p
 def build_json(root, name):
     spec, raw = data.DATASETS[name], list(JSON_LAYOUTS[name])
     folder = os.path.join(root, spec.folder)
-    entries = {s: interleave([[(f"{c[:3]}{y}/{s}{i}.jpg", y, c) for i in range(n)] for y, c in enumerate(raw)])
-               for s, n in SIZES.items()}  # fmt: skip
-    write_split(os.path.join(folder, f"split_zhou_{spec.coop}.json"), os.path.join(folder, spec.images), entries)
+    entries = {s: interleave([[(f"{c[:3]}{y}/{s}{i}.jpg", y, c) for i in range(n)] for y,
+                              c in enumerate(raw)]) for s, n in SIZES.items()}
+    write_split(os.path.join(folder, f"split_zhou_{spec.coop}.json"),
+                os.path.join(folder, spec.images), entries)
     return list(JSON_LAYOUTS[name].values()), tuple(n * len(raw) for n in SIZES.values())
 
 
@@ -87,8 +93,10 @@ def build_fgvc(root, name):
     return variants, (15, 9, 6)
 
 
-# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235); CoOp keeps them, so must data.py
-WNIDS = {f"n0{i:07d}": name for i, name in enumerate(["tench", "great white shark", "sunglasses", "sunglasses", "jay"])}
+# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235); CoOp keeps them, so must
+# data.py
+WNIDS = {f"n0{i:07d}": name for i, name in enumerate(["tench", "great white shark", "sunglasses",
+                                                      "sunglasses", "jay"])}
 
 
 def write_classnames(folder, n=len(WNIDS)):
@@ -120,7 +128,8 @@ def build_variant(root, name):
             make_image(os.path.join(image_dir, str(k), f"{k}abc.jpeg"), seed=k)
         return names, (0, 0, 12)
     write_classnames(folder)
-    keep = list(WNIDS)[1:4] if name in ("imagenet_a", "imagenet_r") else list(WNIDS)  # A and R: 200 of the 1000
+    # A and R: 200 of the 1000
+    keep = list(WNIDS)[1:4] if name in ("imagenet_a", "imagenet_r") else list(WNIDS)
     for w in keep:
         for i in range(3):
             make_image(os.path.join(image_dir, w, f"{i}.jpg"), seed=i)
@@ -129,8 +138,8 @@ def build_variant(root, name):
     return [WNIDS[w] for w in keep], (0, 0, 3 * len(keep))
 
 
-BUILDERS = {**dict.fromkeys(JSON_LAYOUTS, build_json), "fgvc_aircraft": build_fgvc, "imagenet": build_imagenet,
-            **dict.fromkeys(data.DG_TARGETS, build_variant)}  # fmt: skip
+BUILDERS = {**dict.fromkeys(JSON_LAYOUTS, build_json), "fgvc_aircraft": build_fgvc,
+            "imagenet": build_imagenet, **dict.fromkeys(data.DG_TARGETS, build_variant)}
 TEMPLATES = {  # CoOp's trainers/zsclip.py CUSTOM_TEMPLATES; the rest are "a photo of a {}."
     "oxford_pets": "a photo of a {}, a type of pet.",
     "oxford_flowers": "a photo of a {}, a type of flower.",
@@ -168,8 +177,9 @@ def test_reader(tmp_path, name):
 
 
 def dassl_fewshot(train, val, k, seed):
-    """Dassl's generate_fewshot_dataset as CoOp calls it, restated: the global random seeded once, train with k,
-    then val with min(k, 4), defaultdict grouping, all the items of a small class."""
+    """Dassl's generate_fewshot_dataset as CoOp calls it, restated: the global random seeded
+    once, train with k, then val with min(k, 4), defaultdict grouping, all the items of a small
+    class."""
     random.seed(seed)
     out = []
     for items, n in ((train, k), (val, min(k, 4))):
@@ -190,9 +200,10 @@ def build_uneven_dtd(root, train_sizes=(6, 7, 1, 5, 9), val_sizes=(5, 3, 4, 2, 6
         [[(f"{c}/{s}{i}.jpg", y, c) for i in range(sizes[y])] for y, c in enumerate(names)]
     )
     entries = {"train": per_class("t", train_sizes), "val": per_class("v", val_sizes),
-               "test": [(f"{c}/s{i}.jpg", y, c) for y, c in enumerate(names) for i in range(2)]}  # fmt: skip
+               "test": [(f"{c}/s{i}.jpg", y, c) for y, c in enumerate(names) for i in range(2)]}
     folder = os.path.join(root, "dtd")
-    write_split(os.path.join(folder, "split_zhou_DescribableTextures.json"), os.path.join(folder, "images"), entries)
+    write_split(os.path.join(folder, "split_zhou_DescribableTextures.json"),
+                os.path.join(folder, "images"), entries)
     return entries, os.path.join(folder, "images")
 
 
@@ -209,8 +220,10 @@ def test_fewshot_equals_dassl(tmp_path, shots):
             train, val = dassl_fewshot(entries["train"], entries["val"], shots, seed)
             assert rel(ds.train, image_dir) == [(p, y) for p, y, _ in train]
             assert rel(ds.val, image_dir) == [(p, y) for p, y, _ in val]
-            assert len(ds.test) == 10 and ds.shots_per_class == [min(shots, n) for n in (6, 7, 1, 5, 9)]
-            assert bool(ds.warnings) == (shots > 1)  # a class with fewer images than --shots is named
+            assert len(ds.test) == 10 and ds.shots_per_class == [min(shots, n) for n in (6, 7, 1, 5,
+                    9)]
+            # a class with fewer images than --shots is named
+            assert bool(ds.warnings) == (shots > 1)
     assert os.path.isfile(tmp_path / "dtd" / "split_fewshot" / f"shot_{shots}-seed_3.json")
 
 
@@ -222,7 +235,8 @@ def test_fewshot_cache_follows_the_split(tmp_path):
     split["val"] = split["val"][3:]
     path.write_text(json.dumps(split))
     ds = data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
-    assert rel(ds.val, image_dir) == [(p, y) for p, y, _ in dassl_fewshot(entries["train"], split["val"], 2, 1)[1]]
+    assert rel(ds.val, image_dir) == [(p, y) for p, y,
+                                      _ in dassl_fewshot(entries["train"], split["val"], 2, 1)[1]]
 
 
 def test_imagenet_fewshot_samples_train_only(tmp_path):
@@ -236,7 +250,8 @@ def test_imagenet_fewshot_samples_train_only(tmp_path):
 
 
 def test_subsample_classes_ranks_sorted_labels():
-    """Labels 10, 0, 5, 2, 7: base = the ceil(5/2) = 3 smallest (0, 2, 5), novel = 7, 10, renumbered by rank."""
+    """Labels 10, 0, 5, 2, 7: base = the ceil(5/2) = 3 smallest (0, 2, 5), novel = 7, 10,
+    renumbered by rank."""
     train = [(f"t{y}", y, f"c{y}") for y in (10, 0, 5, 2, 7)]
     test = [(f"s{y}", y, f"c{y}") for y in (7, 2, 10, 0, 5)]
     base, novel = (data.subsample_classes(train, [], test, s) for s in ("base", "novel"))
@@ -250,14 +265,16 @@ def test_base_novel(tmp_path):
     full = data.build_dataset("dtd", str(tmp_path), shots=4, seed=2)
     base, novel = (data.build_dataset("dtd", str(tmp_path), 4, 2, s) for s in ("base", "novel"))
     assert base.classnames == full.classnames[:3] and novel.classnames == full.classnames[3:]
-    assert base.train == [it for it in full.train if it[1] < 3]  # few-shot first, then the class split
+    # few-shot first, then the class split
+    assert base.train == [it for it in full.train if it[1] < 3]
     assert novel.test == [(p, y - 3, c) for p, y, c in full.test if y >= 3]
     build_variant(str(tmp_path), "imagenet_a")  # a test-only set: classes from its test split
     a = data.build_dataset("imagenet_a", str(tmp_path), shots=16, subsample="novel")
     assert a.classnames == ["sunglasses"] and len(a.test) == 3 and a.train == []
 
 
-# ------------------------------------------------------------------------------ folders, class names
+# ------------------------------------------------------------------------------ folders, class
+# names
 
 
 def fruit_folder(folder, counts=(10, 2, 3)):
@@ -271,25 +288,31 @@ def test_folder_split_is_kept(tmp_path):
     name = fruit_folder(tmp_path / "fruit")
     ds = data.build_dataset(name, None)
     assert ds.classnames == ["pear", "plum", "red apple"] and ds.template == "a photo of a {}."
-    per_class = [[sum(y == k for _, y, _ in s) for s in (ds.train, ds.val, ds.test)] for k in range(3)]
-    assert per_class == [[5, 2, 3], [1, 0, 1], [2, 0, 1]]  # 50/20/30, every class keeps a test image
+    per_class = [[sum(y == k for _, y, _ in s) for s in (ds.train, ds.val,
+            ds.test)] for k in range(3)]
+    # 50/20/30, every class keeps a test image
+    assert per_class == [[5, 2, 3], [1, 0, 1], [2, 0, 1]]
     again = data.build_dataset(name, None, shots=2)  # the few-shot cache's folder is not a class
     make_image(str(tmp_path / "fruit" / "plum" / "new.png"))
-    assert again.classnames == ds.classnames and data.build_dataset(name, None).test == ds.test  # kept
+    # kept
+    assert again.classnames == ds.classnames and data.build_dataset(name, None).test == ds.test
     os.remove(tmp_path / "fruit" / "split_folder.json")
     os.remove(tmp_path / "fruit" / "plum" / "new.png")
     assert data.build_dataset(name, None).train == ds.train  # split anew: the same draw (seed 1)
     other = fruit_folder(tmp_path / "copy")  # the same files elsewhere: the same split
-    assert rel(data.build_dataset(other, None).test, tmp_path / "copy") == rel(ds.test, tmp_path / "fruit")
+    assert rel(data.build_dataset(other, None).test, tmp_path / "copy") == rel(ds.test,
+            tmp_path / "fruit")
 
 
-@pytest.mark.parametrize("a,b", [("Red_Apple", "red apple"), ("salt & pepper", "salt &amp; pepper"), ("a  b", "a b")])
+@pytest.mark.parametrize("a,b", [("Red_Apple", "red apple"), ("salt & pepper", "salt &amp; pepper"),
+                                 ("a  b", "a b")])
 def test_equal_prompts_are_refused(tmp_path, a, b):
     for c in (a, b):
         for i in range(2):
             make_image(str(tmp_path / c / f"{i}.png"))
     a = a.replace("_", " ")  # a folder's '_' reads as a space
-    with pytest.raises(data.UserError, match=re.escape(f"classes {a!r} and {b!r} give the same prompt")):
+    with pytest.raises(data.UserError,
+                       match=re.escape(f"classes {a!r} and {b!r} give the same prompt")):
         data.build_dataset(f"folder:{tmp_path}", None)
 
 
@@ -308,9 +331,12 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
 def test_transforms():
     train, test = data.train_transform(32, min_scale=0.3), data.test_transform(32)
     crop = train.transforms[0]
-    assert crop.scale == (0.3, 1.0) and crop.interpolation == crop.interpolation.BICUBIC and crop.size == (32, 32)
-    assert [type(t).__name__ for t in train.transforms[1:]] == ["RandomHorizontalFlip", "ToTensor", "Normalize"]
-    assert [type(t).__name__ for t in test.transforms] == ["Resize", "CenterCrop", "ToTensor", "Normalize"]
+    assert crop.scale == (0.3, 1.0) and crop.size == (32, 32)
+    assert crop.interpolation == crop.interpolation.BICUBIC
+    assert [type(t).__name__ for t in train.transforms[1:]] == ["RandomHorizontalFlip", "ToTensor",
+            "Normalize"]
+    assert [type(t).__name__ for t in test.transforms] == ["Resize", "CenterCrop", "ToTensor",
+            "Normalize"]
     assert test.transforms[0].interpolation == crop.interpolation.BICUBIC
     image = Image.new("RGB", (60, 40), color=(128, 0, 255))
     want = (torch.tensor([128, 0, 255]) / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD)
@@ -319,7 +345,8 @@ def test_transforms():
         assert x.shape == (3, 32, 32) and torch.allclose(x.mean(dim=(1, 2)), want, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------------------- errors, CLI
+# ----------------------------------------------------------------------------------------- errors,
+# CLI
 
 
 def half_unpacked(root):
@@ -330,15 +357,25 @@ def half_unpacked(root):
     return {"last": last}
 
 
-@pytest.mark.parametrize("name,setup,words", [
-    ("nope", None, "unknown dataset 'nope'; known: imagenet, caltech101,"),
-    ("eurosat", None, "eurosat: {root}/eurosat/split_zhou_EuroSAT.json not found; get it with: python data.py "
-                      "download eurosat --root {root}"),
-    ("imagenet_r", None, "imagenet_r: {root}/imagenet-rendition/classnames.txt not found; get it with"),
-    ("eurosat", half_unpacked, "eurosat: {root}/eurosat/2750/{last} not found; get it with"),
-    ("folder:{root}/fruit", lambda r: fruit_folder(pathlib.Path(r) / "fruit", (3, 1)) and None,
-     "{root}/fruit/plum holds 1 image(s)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,setup,words",
+    [
+        ("nope", None, "unknown dataset 'nope'; known: imagenet, caltech101,"),
+        (
+            "eurosat",
+            None,
+            "{root}/eurosat/split_zhou_EuroSAT.json: not found; get it with: python data.py "
+            "download eurosat --root {root}",
+        ),
+        ("imagenet_r", None, "{root}/imagenet-rendition/classnames.txt: not found; get it with"),
+        ("eurosat", half_unpacked, "{root}/eurosat/2750/{last}: not found; get it with"),
+        (
+            "folder:{root}/fruit",
+            lambda r: fruit_folder(pathlib.Path(r) / "fruit", (3, 1)) and None,
+            "{root}/fruit/plum: 1 image(s)",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, name, setup, words):
     root = str(tmp_path)
     fill = {"root": root, **((setup and setup(root)) or {})}
@@ -349,7 +386,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, name, setup, words):
 
 def test_cli_check(tmp_path, capsys):
     build_json(str(tmp_path), "eurosat")
-    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--shots", "2", "--seed", "3", "--open"]) == 0
+    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--shots", "2", "--seed", "3",
+                      "--open"]) == 0
     out = capsys.readouterr().out
     assert "3 classes (all), train 6, val 6, test 6" in out and "opened 18 images" in out
     assert "prompt: a centered satellite photo of Annual Crop Land." in out
@@ -357,12 +395,16 @@ def test_cli_check(tmp_path, capsys):
         data.main(["check", "eurosat", "--shots", "0"])
     assert e.value.code == 2
     capsys.readouterr()
-    assert data.main(["check", "nope", "eurosat", "dtd", "--root", str(tmp_path)]) == 2  # each error on its line
+    # each error on its line
+    assert data.main(["check", "nope", "eurosat", "dtd", "--root", str(tmp_path)]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 2 and errors[0].startswith("error: unknown dataset 'nope'") and "error: dtd: " in errors[1]
+    assert len(errors) == 2
+    assert errors[0].startswith("error: unknown dataset 'nope'")
+    assert "dtd/split_zhou" in errors[1]
 
 
-# -------------------------------------------------------------------------------------------- downloads
+# --------------------------------------------------------------------------------------------
+# downloads
 
 
 @pytest.fixture
@@ -382,7 +424,8 @@ def server():
             pass
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
     yield routes, f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
@@ -397,7 +440,8 @@ def zip_bytes(files):
 
 
 def fake_eurosat(routes, url, monkeypatch, md5=None):
-    """EuroSAT.zip (2750/<class>/*.jpg) and its split JSON on 'Drive', served like the real sources."""
+    """EuroSAT.zip (2750/<class>/*.jpg) and its split JSON on 'Drive', served like the real
+    sources."""
     files, entries = {}, {"train": [], "val": [], "test": []}
     for y, (folder, name) in enumerate([("AnnualCrop", "Annual Crop Land"), ("Forest", "Forest")]):
         for s, n in SIZES.items():
@@ -409,9 +453,8 @@ def fake_eurosat(routes, url, monkeypatch, md5=None):
     routes["/EuroSAT.zip"] = archive = zip_bytes(files)
     routes[f"/drive?id={data.SPLITS['eurosat']}"] = json.dumps(entries).encode()
     md5 = md5 or hashlib.md5(archive).hexdigest()
-    monkeypatch.setattr(
-        data, "SOURCES", [("eurosat", f"{url}/EuroSAT.zip", md5, "eurosat/EuroSAT.zip", "eurosat/2750")]
-    )
+    monkeypatch.setattr(data, "SOURCES", [("eurosat", f"{url}/EuroSAT.zip", md5,
+                                           "eurosat/EuroSAT.zip", "eurosat/2750")])
     monkeypatch.setattr(data, "DRIVE", f"{url}/drive?id=")
 
 
@@ -419,63 +462,78 @@ def test_download_eurosat(tmp_path, server, monkeypatch):
     fake_eurosat(*server, monkeypatch)
     assert data.main(["download", "eurosat", "--root", str(tmp_path)]) == 0
     ds = data.build_dataset("eurosat", str(tmp_path), shots=2)
-    assert ds.classnames == ["Annual Crop Land", "Forest"] and len(ds.test) == 4 and len(ds.train) == 4
-    assert sorted(os.listdir(tmp_path / "eurosat")) == ["2750", "split_fewshot", "split_zhou_EuroSAT.json"]
-    image = tmp_path / "eurosat" / "2750" / "Forest" / "test1.png"
-    os.remove(image)  # an unpack cut off: the archive is still there, not all of its files
+    assert ds.classnames == ["Annual Crop Land",
+                             "Forest"] and len(ds.test) == 4 and len(ds.train) == 4
+    assert sorted(os.listdir(tmp_path / "eurosat")) == ["2750", "split_fewshot",
+                                                        "split_zhou_EuroSAT.json"]
+    # the archive of a cut-off unpack
     (tmp_path / "eurosat" / "EuroSAT.zip").write_bytes(server[0]["/EuroSAT.zip"])
-    server[0].clear()  # nothing is fetched again
+    # never mixed in
+    with pytest.raises(data.UserError, match="2750 is in the way of .*EuroSAT.zip: move it"):
+        data.download("eurosat", str(tmp_path))
+    os.rename(tmp_path / "eurosat" / "2750", tmp_path / "moved")
+    server[0].clear()  # nothing is fetched again: the archive is unpacked
     data.download("eurosat", str(tmp_path))
-    assert image.is_file() and not (tmp_path / "eurosat" / "EuroSAT.zip").exists()
+    assert (tmp_path / "eurosat" / "2750" / "Forest" / "test1.png").is_file()
+    assert not (tmp_path / "eurosat" / "EuroSAT.zip").exists()
 
 
-def test_download_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server, monkeypatch, capsys):
+def test_download_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server,
+        monkeypatch, capsys):
     routes, url = server
     fake_eurosat(routes, url, monkeypatch, md5="0" * 32)
     routes[f"/drive?id={data.SPLITS['eurosat']}"] = b"<!DOCTYPE html><html>quota exceeded</html>"
-    with pytest.raises(data.UserError, match="EuroSAT.zip does not have the MD5 0{32} of "):
+    with pytest.raises(data.UserError,
+                       match="EuroSAT.zip: the download does not have the MD5 0{32} of "):
         data.download("eurosat", str(tmp_path))
     assert not os.path.exists(tmp_path / "eurosat" / "2750")
     monkeypatch.setattr(data, "SOURCES", [])
     data.download("eurosat", str(tmp_path))
-    assert f"fetch by hand: https://drive.google.com/file/d/{data.SPLITS['eurosat']}/view" in capsys.readouterr().err
+    drive = f"https://drive.google.com/file/d/{data.SPLITS['eurosat']}/view"
+    assert f"fetch by hand: {drive}" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "eurosat" / "split_zhou_EuroSAT.json")
 
 
 def tar_bytes(member):
-    """A tar.gz with ok.txt and one more member: (name, kind, link target) with kind file | sym | hard."""
+    """A tar.gz with ok.txt and one more member: (name, kind, link target) with kind file | sym |
+    hard."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
         for name, kind, target in [("ok.txt", "file", ""), member]:
             info = tarfile.TarInfo(name)
-            info.type, info.linkname = (
-                {"file": tarfile.REGTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE}[kind],
-                target,
-            )
+            info.type, info.linkname = ({"file": tarfile.REGTYPE, "sym": tarfile.SYMTYPE,
+                                         "hard": tarfile.LNKTYPE}[kind], target)
             info.size = 2 if kind == "file" else 0
             t.addfile(info, io.BytesIO(b"hi") if kind == "file" else None)
-    return buf.getvalue()  # fmt: skip
+    return buf.getvalue()
 
 
-@pytest.mark.parametrize("member,refused", [
-    (("../evil.txt", "file", ""), True),
-    (("link", "sym", "../.."), True),
-    (("hard", "hard", "{out}/secret.txt"), True),
-    (("{out}/evil.txt", "file", ""), False),  # the filter strips the leading '/': it lands inside
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "member,refused",
+    [
+        (("../evil.txt", "file", ""), True),
+        (("link", "sym", "../.."), True),
+        (("hard", "hard", "{out}/secret.txt"), True),
+        # the filter strips the leading '/': it lands inside
+        (("{out}/evil.txt", "file", ""), False),
+    ],
+)
 def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch, member, refused):
     routes, url = server
     out = tmp_path / "outside"
     out.mkdir()
     (out / "secret.txt").write_text("secret")
     routes["/a.tar.gz"] = tar_bytes(tuple(m.format(out=out) for m in member))
-    monkeypatch.setattr(data, "SOURCES", [("dtd", f"{url}/a.tar.gz", "", "dtd/a.tar.gz", "dtd/images")])
+    monkeypatch.setattr(data, "SOURCES", [("dtd", f"{url}/a.tar.gz", "", "dtd/a.tar.gz",
+                                           "dtd/images")])
     monkeypatch.setattr(data, "SPLITS", {})
     if refused:
-        with pytest.raises(tarfile.FilterError):
+        with pytest.raises(data.UserError, match="a.tar.gz cannot be unpacked safely and whole"):
             data.download("dtd", str(tmp_path / "root"))
     else:
         data.download("dtd", str(tmp_path / "root"))
         assert os.path.isfile(tmp_path / "root" / "dtd" / str(out).lstrip("/") / "evil.txt")
-    assert sorted(os.listdir(out)) == ["secret.txt"] and not os.path.exists(tmp_path / "root" / "evil.txt")
-    assert not os.path.exists(tmp_path / "root" / "dtd" / "a.tar.gz")  # deleted: a rerun fetches it again
+    assert sorted(os.listdir(out)) == ["secret.txt"]
+    assert not os.path.exists(tmp_path / "root" / "evil.txt")
+    # deleted: a rerun fetches it again
+    assert not os.path.exists(tmp_path / "root" / "dtd" / "a.tar.gz")

@@ -13,11 +13,13 @@ from dear import ATTRIBUTES, K, DeAR, role_mask
 
 H, P = 4, 16  # the tiny CLIP: 4 heads, 32x32 images, patch 8 -> 16 patches
 ORIG, ATTR = [0] + list(range(1 + K, 1 + K + P)), list(range(1, 1 + K))
-# a different role layout in each of blocks 2..4 (J = 2 of 4): every head kind, every attribute somewhere
+# a different role layout in each of blocks 2..4 (J = 2 of 4): every head kind, every attribute
+# somewhere
 # fmt: off
-LAYOUTS = {2: [("generalization", None), ("attribute", "color"), ("mixed", None), ("specialist", None)],
-           3: [("attribute", "shape"), ("mixed", None), ("generalization", None), ("attribute", "texture")],
-           4: [("attribute", "location"), ("generalization", None), ("attribute", "object"), ("mixed", None)]}
+G, M, S = ("generalization", None), ("mixed", None), ("specialist", None)
+LAYOUTS = {2: [G, ("attribute", "color"), M, S],
+           3: [("attribute", "shape"), M, G, ("attribute", "texture")],
+           4: [("attribute", "location"), G, ("attribute", "object"), M]}
 # fmt: on
 
 
@@ -36,9 +38,11 @@ def hand_allowed(role, attribute, n):
         for k in range(n):
             q_tok, k_tok = 1 <= q <= K, 1 <= k <= K
             if role == "mixed" or q == k or not (q_tok or k_tok):
-                allowed[q, k] = True  # mixed: anything; everyone sees itself; originals see originals
+                # mixed: anything; everyone sees itself; originals see originals
+                allowed[q, k] = True
             elif role == "attribute" and q_tok != k_tok:
-                allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (q, k)  # originals <-> attr_a only
+                # originals <-> attr_a only
+                allowed[q, k] = 1 + ATTRIBUTES.index(attribute) in (q, k)
     return allowed
 
 
@@ -54,11 +58,13 @@ def test_role_mask_cells_equal_the_rules_stated_pair_by_pair(variant):
 
 
 def test_masked_attention_weights_follow_the_roles():
-    """On real attention weights: a blocked cell gets exactly zero weight, an allowed one more than zero."""
+    """On real attention weights: a blocked cell gets exactly zero weight, an allowed one more
+    than zero."""
     block = tiny_clip(text_layers=4).visual.transformer.resblocks[0]
     mask = role_mask(roles_of(LAYOUTS)[2], P)
     with torch.no_grad():
-        _, w = block.attn(block.ln_1(torch.randn(1, 1 + K + P, 64)), attn_mask=mask, need_weights=True)
+        _, w = block.attn(block.ln_1(torch.randn(1, 1 + K + P, 64)), attn_mask=mask,
+                          need_weights=True)
     assert torch.equal(w[0] > 0, mask == 0)
 
 
@@ -80,13 +86,16 @@ def hand_block(block, x, allowed=None):
 
 def fresh_tokens(aligner, R, i):
     """F^l(R) from the parameters: MMRL++ R (W + A_i B_i)^T + b_i; MMRL R W_i^T + b_i."""
-    W = aligner.weight[i] if aligner.weight.dim() == 3 else aligner.weight + aligner.A[i] @ aligner.B[i]
+    if aligner.weight.dim() == 3:
+        return R @ aligner.weight[i].t() + aligner.bias[i]
+    W = aligner.weight + aligner.A[i] @ aligner.B[i]
     return R @ W.t() + aligner.bias[i]
 
 
 def hand_vision(model, images, J, beta, layouts):
-    """f_cls, f_attr, f0 by hand: blocks 1..J-1 untouched; F^J(R) after CLS at block J; later blocks get
-    beta F^l(R) + (1 - beta) (their output of block l-1); each block masked by its own roles."""
+    """f_cls, f_attr, f0 by hand: blocks 1..J-1 untouched; F^J(R) after CLS at block J; later
+    blocks get beta F^l(R) + (1 - beta) (their output of block l-1); each block masked by its own
+    roles."""
     v = model.clip.visual
     blocks, B = v.transformer.resblocks, images.shape[0]
     x = v.conv1(images).flatten(2).transpose(1, 2)
@@ -99,30 +108,30 @@ def hand_vision(model, images, J, beta, layouts):
     for i, l in enumerate(range(J, 5)):
         fresh = fresh_tokens(model.F_v, model.R, i).expand(B, K, -1)
         kept = x[:, 1:] if l == J else x[:, 1 + K :]  # insert at J, replace (mix) after it
-        x = torch.cat([x[:, :1], fresh if l == J else beta * fresh + (1 - beta) * x[:, 1 : 1 + K], kept], 1)
-        allowed = None if layouts is None else torch.stack([hand_allowed(r, a, x.shape[1]) for r, a in layouts[l]])
+        x = torch.cat([x[:, :1], fresh if l == J else beta * fresh + (1 - beta) * x[:, 1 : 1 + K],
+                       kept], 1)
+        allowed = None if layouts is None else torch.stack([hand_allowed(r, a, x.shape[1]) for r,
+                a in layouts[l]])
         x = hand_block(blocks[l - 1], x, allowed)
     P_attr = v.proj + model.P_A @ model.P_B if model.kind == "mmrlpp" else model.P_full
     norm = lambda f: F.normalize(f, dim=-1)  # noqa: E731
-    return (
-        norm(v.ln_post(x[:, 0]) @ v.proj),
-        norm(v.ln_post(x[:, 1 : 1 + K]) @ P_attr),
-        norm(v.ln_post(f0[:, 0]) @ v.proj),
-    )
+    return (norm(v.ln_post(x[:, 0]) @ v.proj), norm(v.ln_post(x[:, 1 : 1 + K]) @ P_attr),
+            norm(v.ln_post(f0[:, 0]) @ v.proj))
 
 
 def hand_text(model, names, template, beta):
-    """t by hand: every prompt whole, padded to the context length, the K tokens after SOT from block J, beta
-    mixing after it, a causal mask of length T + K, read at EOT + K."""
+    """t by hand: every prompt whole, padded to the context length, the K tokens after SOT from
+    block J, beta mixing after it, a causal mask of length T + K, read at EOT + K."""
     m = model.clip
     tokens = clip.tokenize([template.format(n) for n in names])
     x = m.embed_text(tokens)
     for b in range(m.transformer.layers):
-        i = b - model.first_text
+        i = b - model.text_blocks.start
         if i >= 0:
             fresh = fresh_tokens(model.F_t, model.R, i).expand(len(names), K, -1)
             kept = x[:, 1:] if i == 0 else x[:, 1 + K :]
-            x = torch.cat([x[:, :1], fresh if i == 0 else beta * fresh + (1 - beta) * x[:, 1 : 1 + K], kept], 1)
+            x = torch.cat([x[:, :1], fresh if i == 0 else beta * fresh + (1 - beta) * x[:,
+                    1 : 1 + K], kept], 1)
         x = m.transformer.resblocks[b](x, attn_mask=m.causal_mask(x.shape[1]))
     eot = tokens.argmax(-1) + K
     return F.normalize(m.ln_final(x[torch.arange(len(names)), eot]) @ m.text_projection, dim=-1)
@@ -145,31 +154,39 @@ NAMES = ["cat", "dog house", "a very long class name with many words", "ox", "se
 @pytest.mark.parametrize("tokens", ["mmrlpp", "mmrl"])
 @pytest.mark.parametrize("mask", ["role", "none"])
 def test_forward_equals_the_computation_written_out_by_hand(tokens, mask):
-    """The fast forward (frozen prefix once, last block on the rows read, shared prompt start, length groups)
-    equals every block on every position by hand; the six logit sets and the fusion too."""
+    """The fast forward (frozen prefix once, last block on the rows read, shared prompt start,
+    length groups) equals every block on every position by hand; the six logit sets and the
+    fusion too."""
     roles = roles_of(LAYOUTS) if mask == "role" else None
-    model = trained_looking(DeAR(tiny_clip(text_layers=4), roles, J=2, beta=0.3, mask=mask, tokens=tokens))
+    model = trained_looking(DeAR(tiny_clip(text_layers=4), roles, J=2, beta=0.3, mask=mask,
+                                 tokens=tokens))
     images = torch.randn(3, 3, 32, 32)
     model.set_classes(NAMES, "a photo of a {}.")
     out = model(images, with_frozen=True)
     with torch.no_grad():
         f_cls, f_attr, f0 = hand_vision(model, images, 2, 0.3, LAYOUTS if mask == "role" else None)
         t = hand_text(model, NAMES, "a photo of a {}.", 0.3)
-    for got, want in ((out["f_cls"], f_cls), (out["f_attr"], f_attr), (out["f0"], f0), (out["t"], t)):
+    plain = model.text_features_plain()  # the text side as dear.py states it
+    for got, want in ((out["f_cls"], f_cls), (out["f_attr"], f_attr), (out["f0"], f0),
+                      (out["t"], t), (plain, t)):
         assert torch.allclose(got, want, atol=2e-5)
-    assert (f_cls - f0).abs().max() > 1e-3  # the attribute and mixed heads carry the tokens into CLS
+    # the attribute and mixed heads carry the tokens into CLS
+    assert (f_cls - f0).abs().max() > 1e-3
     feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)
     logits = model.clip.logit_scale.exp() * feats @ t.t()  # [B, 1+K, C]
     alpha = model.w.softmax(0)
     assert torch.allclose(out["logits"], logits, atol=1e-3)
-    assert torch.allclose(out["fused"], sum(alpha[k] * logits[:, k] for k in range(1 + K)), atol=1e-3)
+    assert torch.allclose(out["fused"], sum(alpha[k] * logits[:, k] for k in range(1 + K)),
+                          atol=1e-3)
 
 
 def test_text_tower_shallower_than_vision_gets_its_tokens_in_its_last_blocks():
-    model = trained_looking(DeAR(tiny_clip(text_layers=3), all_roles("mixed", layers=(3, 4)), J=3, beta=0.25))
+    model = trained_looking(DeAR(tiny_clip(text_layers=3), all_roles("mixed", layers=(3, 4)), J=3,
+                                 beta=0.25))
     model.set_classes(NAMES[:3], "itap of a {}.")
-    assert model.first_text == 1
-    assert torch.allclose(model.encode_classes(), hand_text(model, NAMES[:3], "itap of a {}.", 0.25), atol=2e-5)
+    assert model.text_blocks == range(1, 3)
+    assert torch.allclose(model.encode_classes(), hand_text(model, NAMES[:3], "itap of a {}.",
+            0.25), atol=2e-5)
 
 
 def test_generalization_heads_keep_cls_frozen_and_attribute_heads_let_only_their_token_in():
@@ -181,7 +198,8 @@ def test_generalization_heads_keep_cls_frozen_and_attribute_heads_let_only_their
     f_cls = model.image_features(model.token_blocks(model.frozen_prefix(images)))[0]
     grad = torch.autograd.grad(f_cls.sum(), model.R)[0]  # [K, rep]
     texture = ATTRIBUTES.index("texture")
-    assert grad[texture].abs().max() > 0 and grad[[k for k in range(K) if k != texture]].abs().max() == 0
+    assert grad[texture].abs().max() > 0
+    assert grad[[k for k in range(K) if k != texture]].abs().max() == 0
 
 
 def test_without_tokens_the_model_is_frozen_clip():
@@ -190,25 +208,31 @@ def test_without_tokens_the_model_is_frozen_clip():
     assert not any(p.requires_grad for p in model.parameters())
     model.set_classes(["cat", "dog house"], "a photo of a {}.")
     images = torch.randn(2, 3, 32, 32)
-    text = F.normalize(m.encode_text(clip.tokenize(["a photo of a cat.", "a photo of a dog house."])), dim=-1)
+    text = F.normalize(m.encode_text(clip.tokenize(["a photo of a cat.",
+                                                    "a photo of a dog house."])), dim=-1)
     want = m.logit_scale.exp() * F.normalize(m.encode_image(images), dim=-1) @ text.t()
     assert torch.allclose(model(images)["fused"], want, atol=1e-4)
 
 
 def test_loss_terms_on_features_at_known_angles_and_their_gradients():
-    """1 - cos at 60/90 degrees is known; distinct lambdas so that swapped wiring fails; the -log alpha_cls
-    term moves w (its gradient is lambda_fusion (softmax(w) - e_cls)) and the CE term moves the fused logits."""
+    """1 - cos at 60/90 degrees is known; distinct lambdas so that swapped wiring fails; the -log
+    alpha_cls term moves w (its gradient is lambda_fusion (softmax(w) - e_cls)) and the CE term
+    moves the fused logits."""
     e = torch.eye(4)
     c60, s60 = math.cos(math.pi / 3), math.sin(math.pi / 3)
     # fmt: off
     out = {"f0": torch.stack([e[0], e[1]]), "f_cls": torch.stack([c60 * e[0] + s60 * e[2], e[3]]),
-           "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]), "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]])}
+           "t": torch.stack([0.8 * e[0] + 0.6 * e[3], e[1]]),
+           "fused": torch.tensor([[2.0, 0.0], [0.0, 1.0]])}
     # fmt: on
     w = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]).log().requires_grad_()
-    total, parts = dear.dear_loss(out, torch.tensor([0, 1]), torch.stack([e[0], e[1]]), w.softmax(0), 3.0, 0.5)
-    ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))) / 2  # two-class CE of margins 2 and 1
+    total, parts = dear.dear_loss(out, torch.tensor([0, 1]), torch.stack([e[0], e[1]]),
+                                  w.softmax(0), 3.0, 0.5)
+    # two-class CE of margins 2 and 1
+    ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))) / 2
     assert parts["ce"].item() == pytest.approx(ce, rel=1e-6)
-    assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((0.75, 0.1), rel=1e-6)
+    assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((0.75, 0.1),
+            rel=1e-6)
     assert parts["fusion"].item() == pytest.approx(math.log(2), rel=1e-6)
     assert total.item() == pytest.approx(ce + 3.0 * (0.75 + 0.1) + 0.5 * math.log(2), rel=1e-6)
     total.backward()
@@ -217,16 +241,20 @@ def test_loss_terms_on_features_at_known_angles_and_their_gradients():
 
 
 def test_the_regularisers_are_cosines_per_row():
-    """Three rows of unequal norms: the mean over rows of 1 - cos(row, its frozen row), not over the batch."""
-    out = {"f_cls": torch.tensor([[2.0, 0, 0], [0, 3, 3], [1, 1, 0]]), "t": torch.tensor([[1.0, 0, 0], [0, 2, 0]]),
-           "f0": torch.tensor([[1.0, 1, 0], [0, 0, 0.5], [0, 1, 0]]), "fused": torch.ones(3, 2)}  # fmt: skip
+    """Three rows of unequal norms: the mean over rows of 1 - cos(row, its frozen row), not over
+    the batch."""
+    out = {"f_cls": torch.tensor([[2.0, 0, 0], [0, 3, 3], [1, 1, 0]]),
+           "t": torch.tensor([[1.0, 0, 0], [0, 2, 0]]),
+           "f0": torch.tensor([[1.0, 1, 0], [0, 0, 0.5], [0, 1, 0]]), "fused": torch.ones(3, 2)}
     t0, s2 = torch.tensor([[3.0, 4, 0], [0, 1, 1]]), math.sqrt(0.5)
     _, parts = dear.dear_loss(out, torch.tensor([0, 1, 1]), t0, torch.full((6,), 1 / 6), 0.3, 2.0)
-    assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((1 - s2, (0.4 + 1 - s2) / 2), rel=1e-6)
+    assert (parts["reg_img"].item(), parts["reg_txt"].item()) == pytest.approx((1 - s2,
+            (0.4 + 1 - s2) / 2), rel=1e-6)
 
 
 def test_residual_factors_are_kaiming_uniform_as_mmrlpp():
-    """A (rank 4) and P_A (rank 64) as nn.init.kaiming_uniform_(a=sqrt(5)): uniform within 1/sqrt(fan_in)."""
+    """A (rank 4) and P_A (rank 64) as nn.init.kaiming_uniform_(a=sqrt(5)): uniform within
+    1/sqrt(fan_in)."""
     model = DeAR(tiny_clip(text_layers=4), None, J=1, mask="none")
     for A, bound in ((model.F_v.A, 1 / 2), (model.F_t.A, 1 / 2), (model.P_A, 1 / 8)):
         assert 0.95 * bound < A.abs().max() <= bound
@@ -236,7 +264,8 @@ def test_every_trainable_part_gets_a_gradient_and_the_frozen_clip_none():
     model = trained_looking(DeAR(tiny_clip(text_layers=4), roles_of(LAYOUTS), J=2))
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     out = model(torch.randn(2, 3, 32, 32), with_frozen=True)
-    dear.dear_loss(out, torch.tensor([0, 2]), model.t0, model.alpha(), 0.0, 0.0)[0].backward()  # CE alone
+    # CE alone
+    dear.dear_loss(out, torch.tensor([0, 2]), model.t0, model.alpha(), 0.0, 0.0)[0].backward()
     for name, p in model.named_parameters():
         if name.startswith("clip."):
             assert p.grad is None, name
@@ -253,10 +282,31 @@ def count_by_hand(kind, n, rep, D, W, E):
 
 
 @pytest.mark.parametrize("kind", ["mmrlpp", "mmrl"])
-@pytest.mark.parametrize("shape", [dict(vision_width=768, vision_heads=12, text_width=512, text_heads=8,
-                                        embed_dim=512, vision_layers=4, text_layers=4, J=1),  # ViT-B/16 at J = 9
-                                   dict(vision_width=64, vision_heads=4, text_width=96, text_heads=4,
-                                        embed_dim=48, vision_layers=4, text_layers=3, J=2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(
+            vision_width=768,
+            vision_heads=12,
+            text_width=512,
+            text_heads=8,
+            embed_dim=512,
+            vision_layers=4,
+            text_layers=4,
+            J=1,
+        ),  # ViT-B/16 at J = 9
+        dict(
+            vision_width=64,
+            vision_heads=4,
+            text_width=96,
+            text_heads=4,
+            embed_dim=48,
+            vision_layers=4,
+            text_layers=3,
+            J=2,
+        ),
+    ],
+)
 def test_trainable_values_counted_by_hand(kind, shape):
     shape = dict(shape)
     J = shape.pop("J")
@@ -270,8 +320,9 @@ def test_trainable_values_counted_by_hand(kind, shape):
 
 @pytest.mark.parametrize("kind", ["mmrlpp", "mmrl"])
 def test_tokens_start_equal_in_every_block_and_p_attr_starts_as_proj(kind):
-    """Every block's tokens are the one shared map of R: bit for bit between blocks (the same op on equal
-    weights), and within torch.testing's fp32 tolerance of R W^T + b by hand (another kernel: another rounding)."""
+    """Every block's tokens are the one shared map of R: bit for bit between blocks (the same op
+    on equal weights), and within torch.testing's fp32 tolerance of R W^T + b by hand (another
+    kernel: another rounding)."""
     model = DeAR(tiny_clip(text_layers=4), None, J=2, mask="none", tokens=kind)
     base = model.F_v.weight if kind == "mmrlpp" else model.F_v.weight[0]
     first = model.F_v(model.R, 0)
@@ -282,9 +333,11 @@ def test_tokens_start_equal_in_every_block_and_p_attr_starts_as_proj(kind):
 
 
 def test_one_step_moves_each_block_residual_at_rank_at_most_4_and_the_blocks_part():
-    """MMRL++: after one AdamW step on a fixed batch each block's residual A_i B_i has moved, has rank <= 4,
-    and the blocks' tokens differ; the shared map moved too (it is trainable); P_attr's residual has rank <= 64."""
-    model = DeAR(tiny_clip(vision_width=96, text_width=96, vision_heads=4, text_layers=4), roles_of(LAYOUTS), J=2)
+    """MMRL++: after one AdamW step on a fixed batch each block's residual A_i B_i has moved, has
+    rank <= 4, and the blocks' tokens differ; the shared map moved too (it is trainable);
+    P_attr's residual has rank <= 64."""
+    model = DeAR(tiny_clip(vision_width=96, text_width=96, vision_heads=4, text_layers=4),
+                 roles_of(LAYOUTS), J=2)
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
     before = model.F_v.weight.detach().clone()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -307,7 +360,9 @@ def test_head_and_token_stream_stay_fp32_under_autocast(dtype):
     with torch.autocast("cpu", dtype=dtype):
         x = model.token_blocks(model.frozen_prefix(torch.randn(2, 3, 32, 32)))
         out = model(torch.randn(2, 3, 32, 32), with_frozen=True)
-    assert x.dtype == torch.float32 and out["fused"].dtype == torch.float32 and out["logits"].dtype == torch.float32
+    assert x.dtype == torch.float32
+    assert out["fused"].dtype == torch.float32
+    assert out["logits"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("L, J", [(12, 9), (24, 17), (4, 3), (6, 5)])
@@ -315,10 +370,13 @@ def test_default_J_keeps_the_last_third_of_the_blocks(L, J):
     assert dear.default_J(L) == J
 
 
-# the four OpenAI ViTs' true widths, heads, patch and resolution, depth cut to 2 vision blocks and 1 text block
+# the four OpenAI ViTs' true widths, heads, patch and resolution, depth cut to 2 vision blocks and 1
+# text block
 # fmt: off
-BACKBONES = {"ViT-B/32": (768, 12, 32, 224, 512, 8, 512), "ViT-B/16": (768, 12, 16, 224, 512, 8, 512),
-             "ViT-L/14": (1024, 16, 14, 224, 768, 12, 768), "ViT-L/14@336px": (1024, 16, 14, 336, 768, 12, 768)}
+BACKBONES = {"ViT-B/32": (768, 12, 32, 224, 512, 8, 512),
+             "ViT-B/16": (768, 12, 16, 224, 512, 8, 512),
+             "ViT-L/14": (1024, 16, 14, 224, 768, 12, 768),
+             "ViT-L/14@336px": (1024, 16, 14, 336, 768, 12, 768)}
 # fmt: on
 
 
@@ -326,11 +384,11 @@ BACKBONES = {"ViT-B/32": (768, 12, 32, 224, 512, 8, 512), "ViT-B/16": (768, 12, 
 def test_each_vit_backbone_builds_dear_and_takes_a_training_step(name):
     D, heads, patch, res, W, text_heads, E = BACKBONES[name]
     m = tiny_clip(vision_width=D, vision_heads=heads, patch=patch, resolution=res, text_width=W,
-                  text_heads=text_heads, embed_dim=E, vision_layers=2, text_layers=1)  # fmt: skip
+                  text_heads=text_heads, embed_dim=E, vision_layers=2, text_layers=1)
     P_ = (res // patch) ** 2
     assert m.visual.num_patches == P_ and m.visual.transformer.heads == heads
-    roles = {2: [{"role": ["attribute", "mixed", "generalization"][h % 3], "attribute": ATTRIBUTES[h % K]}
-                 for h in range(heads)]}  # fmt: skip
+    roles = {2: [{"role": ["attribute", "mixed", "generalization"][h % 3],
+                  "attribute": ATTRIBUTES[h % K]} for h in range(heads)]}
     model = DeAR(m, roles, J=2)
     model.set_classes(["a", "b"], "a photo of a {}.")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -342,11 +400,12 @@ def test_each_vit_backbone_builds_dear_and_takes_a_training_step(name):
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16),
-                                           pytest.param("cuda", torch.float16, marks=pytest.mark.cuda),
-                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)])  # fmt: skip
+                                           pytest.param("cuda", torch.float16,
+        marks=pytest.mark.cuda), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)])
 def test_half_precision_agrees_with_fp32(device, dtype):
-    """Under autocast the features stay within half precision's round-off of fp32 (cos > 0.999 for fp16, 0.99 for
-    bf16, over 8 images and 5 classes), and the masked attention of the fused kernel equals the plain softmax."""
+    """Under autocast the features stay within half precision's round-off of fp32 (cos > 0.999
+    for fp16, 0.99 for bf16, over 8 images and 5 classes), and the masked attention of the fused
+    kernel equals the plain softmax."""
     model = trained_looking(DeAR(tiny_clip(text_layers=4), roles_of(LAYOUTS), J=2)).to(device)
     model.set_classes(NAMES, "a photo of a {}.")
     images = torch.randn(8, 3, 32, 32, device=device)
@@ -354,11 +413,13 @@ def test_half_precision_agrees_with_fp32(device, dtype):
         ref = model(images, with_frozen=True)
         with torch.autocast(device, dtype=dtype):
             half = model(images, with_frozen=True)
-        block, mask = model.clip.visual.transformer.resblocks[2], model.mask_1.to(device)
+        block, mask = model.clip.visual.transformer.resblocks[2], model.mask(1).to(device)
         x = block.ln_1(torch.randn(2, 1 + K + P, 64, device=device))
         with torch.autocast(device, dtype=dtype):
-            fused, (plain, _) = block.attn(x, attn_mask=mask), block.attn(x, attn_mask=mask, need_weights=True)
+            fused, (plain, _) = (block.attn(x, attn_mask=mask),
+                                 block.attn(x, attn_mask=mask, need_weights=True))
     floor = 0.999 if dtype is torch.float16 else 0.99
     for k in ("f_cls", "f_attr", "f0", "t"):
         assert F.cosine_similarity(half[k].float(), ref[k], dim=-1).min() > floor, k
-    assert torch.allclose(fused.float(), plain.float(), atol=0.02 if dtype is torch.float16 else 0.1)
+    assert torch.allclose(fused.float(), plain.float(),
+                          atol=0.02 if dtype is torch.float16 else 0.1)

@@ -21,8 +21,8 @@ from entropy import CONCEPTS
 
 
 def perturbed(seed=0, blocks=4):
-    """A tiny CLIP (4 heads, width 64, E = 32) whose ln_post, biases and eps are not
-    the identity / zero / tiny that the random init leaves, so every term of the PRS shares shows."""
+    """A tiny CLIP (4 heads, width 64, E = 32) whose ln_post, biases and eps are not the identity
+    / zero / tiny that the random init leaves, so every term of the PRS shares shows."""
     model = tiny_clip(seed=seed, vision_layers=blocks)
     g = torch.Generator().manual_seed(seed)
     visual = model.visual
@@ -50,15 +50,18 @@ def test_the_parts_add_up_to_the_image_embedding(layers):
         embedding = model.encode_image(images)
     torch.testing.assert_close(heads.sum((1, 2)) + rest, embedding, atol=1e-5, rtol=1e-5)
     assert heads.abs().sum() > 0.01 * embedding.abs().sum()  # the heads matter
-    scaled = entropy.head_contributions(model, images, layers)  # in units of the normalised embedding
-    torch.testing.assert_close(scaled * embedding.norm(dim=-1).view(-1, 1, 1, 1), heads, atol=1e-6, rtol=1e-5)
+    # in units of the normalised embedding
+    scaled = entropy.head_contributions(model, images, layers)
+    torch.testing.assert_close(scaled * embedding.norm(dim=-1).view(-1, 1, 1, 1), heads, atol=1e-6,
+                               rtol=1e-5)
 
 
 def test_one_head_by_hand_as_textspans_prs_logger():
     """Block 3 (1-based), head 1, from the description of TextSpan's prs_hook.py: the head's
-    attention at CLS through its out_proj columns, plus out_proj.bias / H; minus mean(r) / ((2L+1) H)
-    with L = 4, all blocks of the model (only blocks 2-3 are analysed); times ln_post.weight / std(r);
-    plus ln_post.bias / ((2L+1) H); @ proj; divided by the norm of the image embedding."""
+    attention at CLS through its out_proj columns, plus out_proj.bias / H; minus mean(r) /
+    ((2L+1) H) with L = 4, all blocks of the model (only blocks 2-3 are analysed); times
+    ln_post.weight / std(r); plus ln_post.bias / ((2L+1) H); @ proj; divided by the norm of the
+    image embedding."""
     model = perturbed()
     visual, blocks = model.visual, model.visual.transformer.resblocks
     images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -71,9 +74,12 @@ def test_one_head_by_hand_as_textspans_prs_logger():
         y = block.ln_1(x)
         W, c = block.attn.in_proj_weight, block.attn.in_proj_bias
         cols = slice(h * hs, (h + 1) * hs)  # head h's rows of W_q, W_k, W_v and columns of W_O
-        q, k, v = (y @ W[i * D : (i + 1) * D][cols].T + c[i * D : (i + 1) * D][cols] for i in range(3))
-        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)  # CLS row [B, T]
-        head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[:, cols].T + block.attn.out_proj.bias / H
+        q, k, v = (y @ W[i * D : (i + 1) * D][cols].T + c[i * D : (i + 1) * D][cols]
+                   for i in range(3))
+        # CLS row [B, T]
+        a = torch.softmax((q[:, :1] @ k.transpose(1, 2))[:, 0] / math.sqrt(hs), dim=-1)
+        head = (a[:, :, None] * v).sum(1) @ block.attn.out_proj.weight[:,
+                cols].T + block.attn.out_proj.bias / H
         r = x
         for block in blocks[b:]:
             r = block(r)
@@ -91,10 +97,11 @@ def test_one_head_by_hand_as_textspans_prs_logger():
 
 
 def textspan_by_hand(data, texts, n, rank, centre_first=False, deflate=True):
-    """TextSpan's `replace_with_iterative_removal` restated in numpy: SVD of the raw contributions,
-    texts projected onto the top-`rank` right singular vectors, then the contributions centred; n
-    times: pick the text whose projection has the largest std across images, remove its direction
-    from the contributions and every text. centre_first / deflate=False: two plausible departures."""
+    """TextSpan's `replace_with_iterative_removal` restated in numpy: SVD of the raw
+    contributions, texts projected onto the top-`rank` right singular vectors, then the
+    contributions centred; n times: pick the text whose projection has the largest std across
+    images, remove its direction from the contributions and every text. centre_first /
+    deflate=False: two plausible departures."""
     data, texts = np.asarray(data, dtype=np.float64), np.asarray(texts, dtype=np.float64)
     if centre_first:
         data = data - data.mean(0)
@@ -118,7 +125,8 @@ def skewed(seed, N=60, E=12, T=40):
     """Contributions with a sizeable mean (as real heads have) and unequal variances; random unit
     texts in few dimensions, far from orthogonal."""
     g = np.random.default_rng(seed)
-    c = g.normal(size=(N, E)) @ np.diag(np.linspace(3, 0.2, E)) @ np.linalg.qr(g.normal(size=(E, E)))[0]
+    c = g.normal(size=(N, E)) @ np.diag(np.linspace(3, 0.2,
+                                                    E)) @ np.linalg.qr(g.normal(size=(E, E)))[0]
     texts = g.normal(size=(T, E))
     return c + 4 * g.normal(size=E), texts / np.linalg.norm(texts, axis=1, keepdims=True)
 
@@ -133,18 +141,23 @@ def stream(contributions, sizes):
     return stats
 
 
-@pytest.mark.parametrize("N, E, n, rank", [(60, 12, 5, 6), (8, 12, 3, 10)])  # N < rank: only N directions
+# N < rank: only N directions
+@pytest.mark.parametrize("N, E, n, rank", [(60, 12, 5, 6), (8, 12, 3, 10)])
 def test_textspan_picks_what_textspans_iterative_removal_picks(N, E, n, rank):
     differs = {"centre_first": 0, "no_deflation": 0}
     for seed in range(6):
         contributions, texts = skewed(seed, N=N, E=E)
         want = textspan_by_hand(contributions, texts, n, rank)
-        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n, rank) == want, seed
+        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n,
+                                rank) == want, seed
         # the same from statistics streamed in uneven batches
         stats = stream(torch.tensor(contributions), [3, 1, 5])
-        assert entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n, rank) == want, seed
-        differs["centre_first"] += textspan_by_hand(contributions, texts, n, rank, centre_first=True) != want
-        differs["no_deflation"] += textspan_by_hand(contributions, texts, n, rank, deflate=False) != want
+        assert entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n,
+                                                rank) == want, seed
+        differs["centre_first"] += textspan_by_hand(contributions, texts, n, rank,
+                                                    centre_first=True) != want
+        differs["no_deflation"] += textspan_by_hand(contributions, texts, n, rank,
+                                                    deflate=False) != want
     if N > rank:
         assert min(differs.values()) >= 3, differs  # the data tell both departures from TextSpan
 
@@ -164,27 +177,33 @@ def test_streamed_statistics_are_those_of_the_stored_contributions():
             assert count == 61
             np.testing.assert_allclose(mean.numpy(), c.mean(0), rtol=1e-12)
             np.testing.assert_allclose(scatter.numpy(), centred.T @ centred, rtol=1e-9, atol=1e-9)
-            np.testing.assert_allclose((scatter + count * torch.outer(mean, mean)).numpy(), c.T @ c, rtol=1e-12)
+            np.testing.assert_allclose((scatter + count * torch.outer(mean, mean)).numpy(), c.T @ c,
+                                       rtol=1e-12)
 
 
 def fake_texts(monkeypatch, T=40, E=32, seed=0):
     """T texts with random unit embeddings (encode_texts replaced), their concepts unequal."""
-    vectors = torch.nn.functional.normalize(torch.randn(T, E, generator=torch.Generator().manual_seed(seed)), dim=-1)
+    g = torch.Generator().manual_seed(seed)
+    vectors = torch.nn.functional.normalize(torch.randn(T, E, generator=g), dim=-1)
     texts = [f"text {j}" for j in range(T)]
-    monkeypatch.setattr(entropy, "encode_texts", lambda model, batch: vectors[[texts.index(t) for t in batch]])
+    monkeypatch.setattr(entropy, "encode_texts", lambda model,
+                        batch: vectors[[texts.index(t) for t in batch]])
     return texts, [CONCEPTS[j % 7] if j < 28 else "color" for j in range(T)], vectors
 
 
 def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeypatch):
-    """23 images in batches of 5 against every image's contributions stored in one array: TextSpan
-    restated on each head's matrix, entropy by hand, thresholds the 1/3 and 2/3 linear quantiles; and
-    the ground-truth probe on the stored contributions."""
+    """23 images in batches of 5 against every image's contributions stored in one array:
+    TextSpan restated on each head's matrix, entropy by hand, thresholds the 1/3 and 2/3 linear
+    quantiles; and the ground-truth probe on the stored contributions."""
     model = perturbed()
     texts, concepts, vectors = fake_texts(monkeypatch)
     images = torch.randn(23, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.zeros(23)), batch_size=5)
-    factors = {"parity": [i % 2 for i in range(23)]}  # ground truth, decoded with folds drawn by the seed
-    doc = entropy.compute_roles(model, loader, texts, concepts, [3, 4], 4, 6, None, None, factors, 5, lambda line: None)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.zeros(23)),
+                                         batch_size=5)
+    # ground truth, decoded with folds drawn by the seed
+    factors = {"parity": [i % 2 for i in range(23)]}
+    doc = entropy.compute_roles(model, loader, texts, concepts, [3, 4], 4, 6, None, None, factors,
+                                5, lambda line: None)
     stored = entropy.head_contributions(model, images, [3, 4])  # [23, 2, 4, E]
     decoded = entropy.probe_factors(stored, factors, seed=5)["accuracy"]["parity"]
     assert [e["decoding"]["parity"] for e in doc["heads"]] == decoded[0] + decoded[1]
@@ -194,13 +213,15 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
         for h in range(4):
             picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
             shares = [sum(concepts[j] == c for j in picks) / 4 for c in CONCEPTS]
-            want[block, h] = [texts[j] for j in picks], round(-sum(p * math.log2(p) for p in shares if p > 0), 4)
+            want[block, h] = ([texts[j] for j in picks],
+                              round(-sum(p * math.log2(p) for p in shares if p > 0), 4))
     low, high = np.quantile([H for _, H in want.values()], [1 / 3, 2 / 3])
     assert doc["thresholds"] == {"low": round(low, 4), "high": round(high, 4)}
     for e in doc["heads"]:
         assert (e["texts"], e["entropy"]) == want[e["layer"], e["head"]]
         assert e["role"] == entropy.assign_role(e["entropy"], e["P"], low, high)["role"]
-    assert len({tuple(t) for t, _ in want.values()}) > 4  # the heads differ: the comparison means something
+    # the heads differ: the comparison means something
+    assert len({tuple(t) for t, _ in want.values()}) > 4
 
 
 # ----------------------------------------------------------------------------- entropy, roles
@@ -210,11 +231,14 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
     "concepts, low, high, H, role",
     [
         (["texture"] * 4, 0.5, 1.5, 0.0, ("attribute", "texture")),
-        (["animal"] * 3 + ["color"], 1.0, 1.5, 0.8113, ("specialist", None)),  # dominant: not an attribute
-        (["color", "shape"] * 2, 1.0, 1.5, 1.0, ("attribute", "color")),  # H = low; a tie: listed first
+        # dominant: not an attribute
+        (["animal"] * 3 + ["color"], 1.0, 1.5, 0.8113, ("specialist", None)),
+        # H = low; a tie: listed first
+        (["color", "shape"] * 2, 1.0, 1.5, 1.0, ("attribute", "color")),
         (["animal", "location"], 1.0, 1.5, 1.0, ("attribute", "location")),  # attributes come first
         (["color", "shape", "texture"], 1.0, 2.0, 1.585, ("mixed", None)),
-        (["color", "shape", "texture", "animal"], 1.0, 2.0, 2.0, ("generalization", None)),  # H = high
+        # H = high
+        (["color", "shape", "texture", "animal"], 1.0, 2.0, 2.0, ("generalization", None)),
         (["color", "shape", "texture", "animal"], 1.0, 2.5, 2.0, ("mixed", None)),
     ],
 )
@@ -240,34 +264,36 @@ def test_user_texts_take_the_concept_of_the_nearest_normalised_centroid():
     centroid: scene. The unnormalised sum or mean, or the nearest single text, would say colour."""
     g = torch.Generator().manual_seed(0)
     e = torch.eye(16)
-    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)] + [0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]]
-    ref = torch.nn.functional.normalize(torch.stack(color + [e[1] + e[2], e[1] - e[2], e[1] + e[3]]), dim=-1)
+    color = [e[0] + 0.05 * torch.randn(16, generator=g) for _ in range(29)]
+    color += [0.6 * e[0] + 0.8 * e[1] + 0.05 * e[2]]
+    ref = torch.nn.functional.normalize(torch.stack(color + [e[1] + e[2], e[1] - e[2],
+            e[1] + e[3]]), dim=-1)
     queries = torch.stack([0.6 * e[0] + 0.8 * e[1], e[0] + 0.1 * e[1]])
-    assert entropy.label_by_centroid(queries, ref, ["color"] * 30 + ["scene"] * 3) == ["scene", "color"]
+    assert entropy.label_by_centroid(queries, ref, ["color"] * 30 + ["scene"] * 3) == ["scene",
+            "color"]
 
 
 def test_texts_are_encoded_in_batches_as_clip_encodes_each_alone():
     """Texts of several lengths, one longer than the 16-position text tower (cut, keeping EOT), in
     batches of 2 that do not divide the 5 texts; each normalised on its own."""
     model = tiny_clip(context_length=16)
-    texts = [
-        "red",
-        "a striped tail",
-        "round",
-        "a very long text about a small red bird on a thin branch of an old tree",
-    ]
+    texts = ["red", "a striped tail", "round",
+             "a very long text about a small red bird on a thin branch of an old tree"]
     texts.append("blue and shiny")
     got = entropy.encode_texts(model, texts, batch_size=2)  # [5, E]
     with torch.no_grad():
-        want = [model.encode_text(clip.tokenize([t], context_length=16, truncate=True)) for t in texts]
-    torch.testing.assert_close(got, torch.nn.functional.normalize(torch.cat(want), dim=-1), atol=1e-6, rtol=1e-5)
+        want = [model.encode_text(clip.tokenize([t], context_length=16,
+                                                truncate=True)) for t in texts]
+    torch.testing.assert_close(got, torch.nn.functional.normalize(torch.cat(want), dim=-1),
+                               atol=1e-6, rtol=1e-5)
 
 
 def test_pools_are_read_with_their_concepts(tmp_path):
     texts, concepts = zip(*entropy.read_pool(entropy.POOL))
     assert set(concepts) == set(CONCEPTS) and len(set(texts)) == len(texts) > 1000
     (tmp_path / "mine.txt").write_text("# mine\nshape\ta round thing\n\na striped cat\n")
-    assert entropy.read_pool(tmp_path / "mine.txt") == [("a round thing", "shape"), ("a striped cat", None)]
+    assert entropy.read_pool(tmp_path / "mine.txt") == [("a round thing", "shape"),
+                                                        ("a striped cat", None)]
     (tmp_path / "bad.txt").write_text("colour\ta red thing\n")
     with pytest.raises(data.UserError, match="unknown concepts \\['colour'\\]"):
         entropy.read_pool(tmp_path / "bad.txt")
@@ -277,7 +303,8 @@ def test_pools_are_read_with_their_concepts(tmp_path):
 
 
 def head(role, attribute=None, skill=None, entropy_=1.0):
-    return {"role": role, "attribute": attribute, "entropy": entropy_, **({"skill": skill} if skill else {})}
+    return {"role": role, "attribute": attribute, "entropy": entropy_,
+            **({"skill": skill} if skill else {})}
 
 
 def test_random_roles_shuffle_each_block_on_its_own():
@@ -285,18 +312,16 @@ def test_random_roles_shuffle_each_block_on_its_own():
     permutations (not one reused), and the seed decides."""
     mix = {3: "AAAMMGSM", 4: "GGGGMAMM"}
     names = {"A": "attribute", "G": "generalization", "M": "mixed", "S": "specialist"}
-    roles = {
-        b: [head(names[r], "color" if r == "A" else None, entropy_=10 * b + h) for h, r in enumerate(rs)]
-        for b, rs in mix.items()
-    }
+    roles = {b: [head(names[r], "color" if r == "A" else None, entropy_=10 * b + h) for h,
+                 r in enumerate(rs)] for b, rs in mix.items()}
     out = entropy.control_roles(roles, "random", 7)
     perms = {b: [int(e["entropy"]) - 10 * b for e in out[b]] for b in out}
     for b in roles:
-        assert sorted(e["role"] for e in out[b]) == sorted(names[r] for r in mix[b]) and sorted(perms[b]) == list(
-            range(8)
-        )
+        assert sorted(e["role"] for e in out[b]) == sorted(names[r] for r in mix[b])
+        assert sorted(perms[b]) == list(range(8))
     assert perms[3] != perms[4] and list(range(8)) not in perms.values()
-    assert entropy.control_roles(roles, "random", 7) == out != entropy.control_roles(roles, "random", 8)
+    assert entropy.control_roles(roles, "random", 7) == out != entropy.control_roles(roles,
+            "random", 8)
 
 
 def test_oracle_roles_rank_every_head_by_the_lead_of_its_best_factor():
@@ -305,18 +330,22 @@ def test_oracle_roles_rank_every_head_by_the_lead_of_its_best_factor():
     are masked as generalization) generalization, the rest mixed."""
 
     def skills(best, lead):
-        return {f: 0.2 + (lead if f == best else 0) for f in ("color", "shape", "texture", "location")}
+        return {f: 0.2 + (lead if f == best else 0) for f in ("color", "shape", "texture",
+                "location")}
 
-    roles = {
-        3: [head("attribute", "color", skills("color", 0.3)), head("specialist", None, skills("shape", 0.05)),
-            head("mixed", None, skills("texture", 0.2)), head("attribute", "location", skills("location", 0.1))],
-        4: [head("mixed", None, skills("texture", 0.7)), head("generalization", None, skills("location", 0.6)),
-            head("generalization", None, skills("color", 0.0)), head("mixed", None, skills("shape", 0.4))],
-    }  # fmt: skip
+    roles = {3: [head("attribute", "color", skills("color", 0.3)),
+                 head("specialist", None, skills("shape", 0.05)),
+                 head("mixed", None, skills("texture", 0.2)),
+                 head("attribute", "location", skills("location", 0.1))],
+             4: [head("mixed", None, skills("texture", 0.7)),
+            head("generalization", None, skills("location", 0.6)),
+            head("generalization", None, skills("color", 0.0)),
+            head("mixed", None, skills("shape", 0.4))]}
     out = entropy.control_roles(roles, "oracle", 1)
     assert {b: [(e["role"], e["attribute"]) for e in heads] for b, heads in out.items()} == {
         3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
-        4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None), ("mixed", None)],
+        4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
+            ("mixed", None)],
     }
     assert out[3][1]["skill"] == roles[3][1]["skill"]  # the ground truth travels with the head
     with pytest.raises(data.UserError, match="ground-truth skills"):
@@ -327,25 +356,28 @@ def test_oracle_roles_rank_every_head_by_the_lead_of_its_best_factor():
 
 
 def make_doc(layers=(3, 4), H=4):
-    kinds = [("attribute", "color"), ("generalization", None), ("mixed", None), ("specialist", None)]
+    kinds = [("attribute", "color"), ("generalization", None), ("mixed", None),
+             ("specialist", None)]
     heads = []
     for i, block in enumerate(layers):
         for h in range(H):
             role, attribute = kinds[(h + i) % 4]
             P = dict.fromkeys(CONCEPTS, 0.0) | {"animal" if role == "specialist" else "color": 1.0}
-            e = {"layer": block, "head": h, "entropy": 0.25 * (h + i), "P": P, "texts": [f"text {block}.{h}"]}
+            e = {"layer": block, "head": h, "entropy": 0.25 * (h + i), "P": P,
+                 "texts": [f"text {block}.{h}"]}
             e |= {"role": role, "attribute": attribute}
             heads.append(e | ({"concept": "animal"} if role == "specialist" else {}))
-    return {
-        "format": entropy.FORMAT, "model": "tiny", "checkpoint_sha256": "ab" * 32, "num_layers": 4, "num_heads": H,
-        "layers": list(layers), "probe": {"dataset": "toy", "split": "test", "images": 8}, "texts_per_head": 1,
-        "rank": 80, "concepts": list(CONCEPTS), "thresholds": {"low": 0.3, "high": 0.6}, "heads": heads,
-    }  # fmt: skip
+    return {"format": entropy.FORMAT, "model": "tiny", "checkpoint_sha256": "ab" * 32,
+            "num_layers": 4, "num_heads": H, "layers": list(layers),
+            "probe": {"dataset": "toy", "split": "test", "images": 8}, "texts_per_head": 1,
+            "rank": 80, "concepts": list(CONCEPTS), "thresholds": {"low": 0.3, "high": 0.6},
+            "heads": heads}
 
 
 def test_roles_round_trip(tmp_path):
     (tmp_path / "roles.json").write_text(json.dumps(make_doc()))
-    roles = entropy.load_roles(tmp_path / "roles.json", num_layers=4, num_heads=4, layers=[4], sha256="ab" * 32)
+    roles = entropy.load_roles(tmp_path / "roles.json", num_layers=4, num_heads=4, layers=[4],
+                               sha256="ab" * 32)
     assert sorted(roles) == [3, 4]
     want = [("attribute", "color"), ("generalization", None), ("mixed", None), ("specialist", None)]
     assert [(e["role"], e["attribute"]) for e in roles[3]] == want
@@ -356,16 +388,18 @@ def test_roles_round_trip(tmp_path):
     "corrupt, kwargs, message",
     [
         (lambda d: d.update(format="something/1"), {}, "not a dear-roles/1 file"),
-        (lambda d: d.pop("heads"), {}, "not a dear-roles/1 file"),
+        (lambda d: d.pop("heads"), {}, "the document lacks 'heads'"),
         (None, {"sha256": "cd" * 32}, "computed for checkpoint abab.*, not for this one \\(cdcd"),
         (None, {"num_heads": 12}, "for a model of 4 blocks x 4 heads, not None x 12"),
         (None, {"layers": [2, 3, 4]}, "has blocks \\[3, 4\\], not all of \\[2, 3, 4\\]"),
-        (lambda d: d["heads"][5].update(head=4), {}, "block 4 head 4 is not one of the file's heads"),
-        (lambda d: d["heads"].__setitem__(5, dict(d["heads"][4])), {}, "block 4 head 0 .* listed twice"),
+        (lambda d: d["heads"][5].update(head=4), {}, "block 4 head 4 is not one of its heads"),
+        (lambda d: d["heads"].__setitem__(5, dict(d["heads"][4])), {}, "block 4 head 0 .* twice"),
         (lambda d: d["heads"].pop(5), {}, "lacks some heads"),
         (lambda d: d["heads"][1].update(role="boss"), {}, "block 3 head 1: role 'boss'"),
-        (lambda d: d["heads"][2].update(attribute="shape"), {}, "block 3 head 2: role 'mixed' with attribute 'shape'"),
-        (lambda d: d["heads"][0].update(attribute=None), {}, "block 3 head 0: role 'attribute' with attribute None"),
+        (lambda d: d["heads"][2].update(attribute="shape"), {},
+         "block 3 head 2: role 'mixed' with attribute 'shape'"),
+        (lambda d: d["heads"][0].update(attribute=None), {},
+         "block 3 head 0: role 'attribute' with attribute None"),
         (
             lambda d: d["heads"][0].update(attribute="animal"),
             {},
@@ -378,7 +412,7 @@ def test_load_roles_refuses_files_it_cannot_use(tmp_path, corrupt, kwargs, messa
     if corrupt:
         corrupt(doc)
     (tmp_path / "roles.json").write_text(json.dumps(doc))
-    with pytest.raises(data.UserError, match="^roles file .*roles.json: " + message):
+    with pytest.raises(data.UserError, match="^.*roles.json: " + message):
         entropy.load_roles(tmp_path / "roles.json", **kwargs)
 
 
@@ -393,9 +427,12 @@ def test_the_report_names_every_head(tmp_path):
     assert "| 4 | 3 | G | 90 | 50 | color (+0.50) |" in md
     png = Image.open(tmp_path / "out" / "roles.png").convert("RGB")
     for e in doc["heads"]:
-        assert f"**Block {e['layer']}, head {e['head']}**: " in md and f"text {e['layer']}.{e['head']}" in md
-        x, y = 40 + e["head"] * entropy.CELL, 24 + doc["layers"].index(e["layer"]) * entropy.CELL
-        assert png.getpixel((x + entropy.CELL - 6, y + entropy.CELL - 6)) == entropy.ROLE_COLORS[e["role"]]
+        assert f"**Block {e['layer']}, head {e['head']}**: " in md
+        assert f"text {e['layer']}.{e['head']}" in md
+        x, y = (44 + e["head"] * entropy.CELL,
+                entropy.TOP + doc["layers"].index(e["layer"]) * entropy.CELL)
+        assert png.getpixel((x + entropy.CELL - 6,
+                             y + entropy.CELL - 6)) == entropy.ROLE_COLORS[e["role"]]
 
 
 # ------------------------------------------------------------------------- run, cache, CLI
@@ -403,11 +440,11 @@ def test_the_report_names_every_head(tmp_path):
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    """run() on a tiny CLIP (toyworld.load_clip replaced) and 14 images listed as a dataset
+    """run() on tiny CLIPs (entropy.load_backbone: tiny, other) and 14 images listed as a dataset
     (data.build_dataset replaced), with the CLIP cache in tmp_path; and a labelled user pool."""
     models = {"tiny": perturbed(blocks=6), "other": perturbed(blocks=6)}
     models["other"].sha256 = "cd" * 32
-    monkeypatch.setattr(toyworld, "load_clip", lambda name, device="cpu", log=print: (models[name], None))
+    monkeypatch.setattr(entropy, "load_backbone", lambda name, device: models[name])
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
     g = np.random.default_rng(0)
     items = []
@@ -423,28 +460,33 @@ def world(tmp_path, monkeypatch):
 
 def test_the_cache_is_reused_only_for_equal_inputs(world):
     base = dict(texts=str(world / "pool.txt"), n=2, rank=8, log=lambda line: None)
-    path = entropy.run("tiny", "imagenet", str(world), [3, 4], **base)
+    tiny = entropy.load_backbone("tiny", "cpu")
+    path = entropy.run(tiny, "imagenet", str(world), [3, 4], **base)
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == str(world / "cache" / "roles")
-    assert folder.startswith("tiny_L3-4_imagenet-test_") and len(folder) == len("tiny_L3-4_imagenet-test_") + 12
+    assert folder.startswith("tiny_L3-4_imagenet-test_")
+    assert len(folder) == len("tiny_L3-4_imagenet-test_") + 12
     assert sorted(os.listdir(os.path.dirname(path))) == ["roles.json", "roles.md", "roles.png"]
     stamp = os.stat(path).st_mtime_ns
-    assert entropy.run("tiny", "imagenet", "elsewhere", [3, 4], **base) == path  # a named dataset under any root
+    # a named dataset under any root
+    assert entropy.run(tiny, "imagenet", "elsewhere", [3, 4], **base) == path
     assert os.stat(path).st_mtime_ns == stamp  # reused, not computed again
     doc = json.loads(open(path).read())
     assert doc["probe"] == {"dataset": "imagenet", "split": "test", "images": 14}
     assert doc["inputs"]["checkpoint_sha256"] == "ab" * 32 and doc["inputs"]["n"] == 2
-    changes = [("backbone", "other"), ("layers", [4]), ("dataset", "eurosat"), ("split", "train"), ("n", 3),
-               ("rank", 6), ("low", 0.5), ("high", 2.0), ("max_images", 12), ("seed", 1),
-               ("dataset", f"folder:{world}/a"), ("dataset", f"folder:{world}/b/a")]  # fmt: skip
+    changes = [("backbone", "other"), ("layers", [4]), ("dataset", "eurosat"), ("split", "train"),
+               ("n", 3), ("rank", 6), ("low", 0.5), ("high", 2.0), ("max_images", 12), ("seed", 1),
+               ("dataset", f"folder:{world}/a"), ("dataset", f"folder:{world}/b/a")]
     paths = {path}
     for key, value in changes:
-        args = {"backbone": "tiny", "dataset": "imagenet", "root": str(world), "layers": [3, 4], **base, key: value}
+        args = {"backbone": "tiny", "dataset": "imagenet", "root": str(world), "layers": [3, 4],
+                **base, key: value}
         if key == "seed":
             args["max_images"] = 12  # the seed draws the sample
-        paths.add(entropy.run(**args))
+        paths.add(entropy.run(entropy.load_backbone(args.pop("backbone"), "cpu"), **args))
     (world / "pool.txt").write_text((world / "pool.txt").read_text().replace("text 0", "text zero"))
-    paths.add(entropy.run("tiny", "imagenet", str(world), [3, 4], **base))  # the same file, other texts
+    # the same file, other texts
+    paths.add(entropy.run(tiny, "imagenet", str(world), [3, 4], **base))
     assert len(paths) == len(changes) + 2
 
 
@@ -454,32 +496,43 @@ def test_the_toy_world_gets_its_pool_and_ground_truth(world, monkeypatch):
     known factors, which the oracle control reads."""
     toy, seen = perturbed(), []
     toy.name = "toy"
-    monkeypatch.setattr(toyworld, "load_clip", lambda name, device="cpu", log=print: (toy, None))
     pool = [(f"{c} {j}", c) for j in range(4) for c in ("color", "shape", "texture", "location")]
     monkeypatch.setattr(toyworld, "text_pool", lambda: pool)
     monkeypatch.setattr(toyworld, "ensure_dataset", lambda root: None)
-    monkeypatch.setattr(toyworld, "factor_labels", lambda paths: seen.append(paths) or {"color": [0, 0, 1] * 4})
-    path = entropy.run("toy", "toyworld", str(world), [4], max_images=12, seed=3, log=lambda line: None)
-    assert seen == [[str(world / f"{i}.png") for i in sorted(random.Random(3).sample(range(14), 12))]]
+    monkeypatch.setattr(toyworld, "factor_labels",
+                        lambda paths: seen.append(paths) or {"color": [0, 0, 1] * 4})
+    path = entropy.run(toy, "toyworld", str(world), [4], max_images=12, seed=3,
+                       log=lambda line: None)
+    assert seen == [[str(world / f"{i}.png") for i in sorted(random.Random(3).sample(range(14),
+            12))]]
     doc = json.loads(open(path).read())
-    assert doc["texts_per_head"] == toyworld.TEXTS_PER_HEAD and doc["decoding"]["chance"] == {"color": 0.6667}
-    assert all(set(e["texts"]) <= {t for t, _ in pool} and set(e["skill"]) == {"color"} for e in doc["heads"])
+    assert doc["texts_per_head"] == toyworld.TEXTS_PER_HEAD
+    assert doc["decoding"]["chance"] == {"color": 0.6667}
+    assert all(set(e["texts"]) <= {t for t, _ in pool} for e in doc["heads"])
+    assert all(set(e["skill"]) == {"color"} for e in doc["heads"])
     oracle = entropy.control_roles(entropy.load_roles(path), "oracle", 0)
     assert sorted(e["role"] for e in oracle[4]) == sorted(e["role"] for e in doc["heads"])
 
 
 def test_cli_writes_roles_and_refuses_in_one_line(world, capsys):
-    args = ["--backbone", "tiny", "--dataset", "imagenet", "--root", str(world), "--texts", str(world / "pool.txt")]
+    args = ["--backbone", "tiny", "--dataset", "imagenet", "--root", str(world), "--texts",
+            str(world / "pool.txt")]
     args += ["--n", "2", "--rank", "8", "--out", str(world / "out"), "--device", "cpu"]
     assert entropy.main(args) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith(f"wrote {world / 'out' / 'roles.json'}: ")
+    path = world / "out" / "roles.json"
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"wrote {path}: ")
+    assert entropy.main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"found {path}: ")
     doc = json.loads((world / "out" / "roles.json").read_text())
     assert doc["layers"] == [3, 4, 5, 6] and len(doc["heads"]) == 16  # the last four by default
-    assert entropy.main(args + ["--layers", "5-8"]) == 2
-    assert capsys.readouterr().err == "error: blocks [5, 6, 7, 8] are not among the backbone's 1..6\n"
-    assert entropy.main(args + ["--layers", "5-3"]) == 2  # none: not the default blocks
-    assert capsys.readouterr().err == "error: blocks [] are not among the backbone's 1..6\n"
-    assert entropy.main(args + ["--n", "14", "--rank", "80"]) == 2  # 14 images centred span 13 directions
-    assert capsys.readouterr().err.startswith("error: TextSpan cannot pick 14 texts per head")
-    with pytest.raises(SystemExit):
-        entropy.main(args + ["--n", "0"])
+    for extra, says in (
+        (["--layers", "5-8"], "blocks [5, 6, 7, 8] are not among the backbone's 1..6"),
+        # none: not the default
+        (["--layers", "5-3"], "blocks [] are not among the backbone's 1..6"),
+        (["--n", "14", "--rank", "80"], "TextSpan cannot pick 14 texts per head"),  # 13 directions
+        (["--n", "0"], "argument --n: '0' is not a whole number >= 1"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            entropy.main(args + extra)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: " + says) and err.count("\n") == 1, err

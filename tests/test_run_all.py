@@ -1,7 +1,8 @@
-"""run_all.sh: the job list of every table, stage selection, GPU queues, the lock, failed jobs, --smoke.
+"""run_all.sh: the job list of every table, stage selection, GPU queues, the lock, failed jobs,
+--smoke.
 
-Every test but the last runs run_all.sh with a stand-in PYTHON (FAKE below) that records its arguments
-instead of training, so they take seconds.
+Every test but the last runs run_all.sh with a stand-in PYTHON (FAKE below) that records its
+arguments instead of training, so they take seconds.
 """
 
 import json
@@ -16,12 +17,16 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_ALL = os.path.join(ROOT, "run_all.sh")
-B2N = "imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101"
+B2N = ("imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 "
+       "dtd eurosat ucf101")
 B2N, DG = B2N.split(), ["imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
-ABLATIONS = [("--mask generalization-only",), ("--mask none",), ("--no-attr-tokens",), ("--lambda-fusion 0",)]
-ABLATIONS += [("--J 7",), ("--J 11",), ("--beta 0.5",), ("--beta 0.7",), ("--beta 0.9",), ("--novel-logits cls",)]
+ABLATIONS = [("--mask generalization-only",), ("--mask none",), ("--no-attr-tokens",),
+             ("--lambda-fusion 0",)]
+ABLATIONS += [("--J 7",), ("--J 11",), ("--beta 0.5",), ("--beta 0.7",), ("--beta 0.9",),
+              ("--novel-logits cls",)]
 ABLATIONS += [("--roles-control random",), ("--tokens mmrl",)]
-# the toy world's transfer sets as toyworld.ensure_transfer names them: folder:PATH, commas and spaces kept
+# the toy world's transfer sets as toyworld.ensure_transfer names them: folder:PATH, commas and
+# spaces kept
 TRANSFER = ["folder:/t/noisy,1", "folder:/t/small sets", "folder:/t/textures"]
 
 FAKE = f"""#!{sys.executable}
@@ -40,7 +45,8 @@ sys.exit(dear and env.get("FAKE_FAIL") in args)
 
 @pytest.fixture
 def run(tmp_path):
-    """run(*args, **env): run_all.sh in tmp_path with the stand-in PYTHON -> CompletedProcess with .calls."""
+    """run(*args, **env): run_all.sh in tmp_path with the stand-in PYTHON -> CompletedProcess
+    with .calls."""
     (tmp_path / "python").write_text(FAKE)
     (tmp_path / "python").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k != "GPUS"}
@@ -48,12 +54,14 @@ def run(tmp_path):
 
     def run(*args, wait=True, **env):
         cmd = ["bash", RUN_ALL, *args]
-        kw = dict(cwd=tmp_path, env=dict(base, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        kw = dict(cwd=tmp_path, env=dict(base, **env), stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True)
         if not wait:
             return subprocess.Popen(cmd, **kw)
         p = subprocess.run(cmd, timeout=60, **kw)
         log = tmp_path / "calls.jsonl"
-        p.calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        lines = log.read_text().splitlines() if log.exists() else []
+        p.calls = [json.loads(line) for line in lines]
         log.unlink(missing_ok=True)
         return p
 
@@ -62,10 +70,10 @@ def run(tmp_path):
 
 def job(args):
     """The flags of one dear.py job, order aside: ("--dataset dtd", "--mask none", ...)."""
-    assert args[0].endswith("dear.py") and args[-1] == "--resume", args
+    assert args[0].endswith("dear.py"), args
     flags, i = [], 1
-    while i < len(args) - 1:
-        has_value = not args[i + 1].startswith("--")
+    while i < len(args):
+        has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
         flags.append(" ".join(args[i : i + 1 + has_value]))
         i += 1 + has_value
     return tuple(sorted(flags))
@@ -77,9 +85,12 @@ def listed(p):
 
 
 def stage_of(j):
-    protocol = next(f.split()[1] for f in j if f.startswith("--protocol ")) if "--roles-only" not in j else "roles"
-    plain = ("--dataset", "--protocol", "--seed", "--shots", "--method", "--targets", "--root", "--out", "--backbone")
-    return "ablations" if any(f.split()[0] not in plain for f in j) and protocol == "b2n" else protocol
+    if "--roles-only" in j:
+        return "roles"
+    protocol = next(f.split()[1] for f in j if f.startswith("--protocol "))
+    plain = ("--dataset", "--protocol", "--seed", "--shots", "--method", "--targets", "--root",
+             "--out", "--backbone", "--resume")
+    return "ablations" if any(f.split()[0] not in plain for f in j) else protocol
 
 
 def test_list_covers_every_table(run):
@@ -89,47 +100,53 @@ def test_list_covers_every_table(run):
         want[tuple(sorted(common + flags))] += 1
     targets = tuple(f"--targets {t}" for t in DG + B2N[1:])
     for run_flags in [("--method zeroshot",)] + [(f"--seed {s}",) for s in (1, 2, 3)]:
-        want[tuple(sorted(common + ("--dataset imagenet", "--protocol xd") + targets + run_flags))] += 1
+        want[tuple(sorted(common + ("--dataset imagenet", "--protocol xd",
+                                    "--resume") + targets + run_flags))] += 1
+    for s in (1, 2, 3):  # MMRL's class-only logits on the xd targets
+        flags = ("--dataset imagenet", "--protocol xd", "--resume", f"--seed {s}",
+                 "--novel-logits cls")
+        want[tuple(sorted(common + flags + targets))] += 1
     for ds in B2N:
         for protocol, shots in (("b2n", [None]), ("fewshot", [1, 2, 4, 8, 16])):
-            want[tuple(sorted(common + (f"--dataset {ds}", f"--protocol {protocol}", "--method zeroshot")))] += 1
+            zero = (f"--dataset {ds}", f"--protocol {protocol}", "--method zeroshot", "--resume")
+            want[tuple(sorted(common + zero))] += 1
             for k in shots:
                 for s in (1, 2, 3):
-                    flags = (f"--dataset {ds}", f"--protocol {protocol}", f"--seed {s}") + (f"--shots {k}",) * bool(k)
-                    want[tuple(sorted(common + flags))] += 1
+                    flags = (f"--dataset {ds}", f"--protocol {protocol}",
+                             f"--seed {s}") + (f"--shots {k}",) * bool(k)
+                    want[tuple(sorted(common + flags + ("--resume",)))] += 1
     for ds in ("dtd", "eurosat", "oxford_flowers"):
         for ablation in ABLATIONS:
             for s in (1, 2, 3):
-                want[tuple(sorted(common + (f"--dataset {ds}", "--protocol b2n", f"--seed {s}") + ablation))] += 1
+                flags = (f"--dataset {ds}", "--protocol b2n", f"--seed {s}", "--resume") + ablation
+                want[tuple(sorted(common + flags))] += 1
     p = run("--list", "--root", "DATA", "--out", "OUT")
     jobs = listed(p)
     assert Counter(jobs) == want
     assert [stage_of(j) for j in jobs[:3]] == ["roles"] * 3 and "first 3 line(s)" in p.stderr
-    assert Counter(map(stage_of, jobs)) == dict(roles=3, b2n=11 + 33, xd=4, fewshot=11 + 165, ablations=108)
+    assert Counter(map(stage_of, jobs)) == dict(roles=3, b2n=11 + 33, xd=4, fewshot=11 + 165,
+                                                ablations=108 + 3)
     assert p.calls == []  # listing runs nothing
 
 
 def test_toy_transfer_sets_reach_dear_py_as_separate_targets(run):
     p = run("--toy", "--list", "--out", "OUT")
     xd = [shlex.split(line)[1:] for line in p.stdout.splitlines() if "--protocol xd" in line]
-    assert len(xd) == 1 + 5  # zero-shot and seeds 1-5
+    assert len(xd) == 1 + 5 + 5  # zero-shot, seeds 1-5, seeds 1-5 with --novel-logits cls
     for args in xd:
         assert [args[i + 1] for i, a in enumerate(args) if a == "--targets"] == TRANSFER
-        assert "--root OUT/data" in job(args) and "--backbone toy" in job(args) and "--device cpu" in job(args)
+        assert "--root OUT/data" in job(args)
+        assert "--backbone toy" in job(args)
+        assert "--device cpu" in job(args)
     roles = [j for j in listed(p) if "--roles-only" in j]
-    assert sorted(f for j in roles for f in j if f.startswith("--J ")) == ["--J 2", "--J 3", "--J 4"]
+    assert sorted(f for j in roles for f in j if f.startswith("--J ")) == ["--J 2", "--J 3",
+            "--J 4"]
 
 
-@pytest.mark.parametrize(
-    "args, stages",
-    [
-        (["--stages", "b2n,xd"], dict(b2n=22, xd=2)),
-        (["--skip", "roles,fewshot,ablations"], dict(b2n=22, xd=2)),
-        (["--stages", "roles"], dict(roles=1)),
-        (["--stages", "roles,ablations", "--skip", "tables"], dict(roles=3, ablations=36)),
-        (["--stages", "fewshot"], dict(fewshot=11 + 55)),
-    ],
-)
+@pytest.mark.parametrize("args, stages", [(["--stages", "b2n,xd"], dict(b2n=22, xd=2)), (["--skip",
+        "roles,fewshot,ablations"], dict(b2n=22, xd=2)), (["--stages", "roles"], dict(roles=1)),
+                                          (["--stages", "roles,ablations", "--skip", "tables"],
+        dict(roles=3, ablations=36 + 1)), (["--stages", "fewshot"], dict(fewshot=11 + 55))])
 def test_stages_and_skip_choose_the_jobs(run, args, stages):
     assert Counter(map(stage_of, listed(run("--list", "--seeds", "1", *args)))) == stages
 
@@ -158,7 +175,9 @@ def test_one_queue_per_gpu_round_robin(run, tmp_path):
 def test_a_failed_job_is_named_the_others_go_on_and_the_exit_status_says_so(run):
     p = run("--stages", "b2n,tables", "--seeds", "1", FAKE_FAIL="eurosat")
     failed = [line for line in p.stderr.splitlines() if line.startswith("FAILED ")]
-    assert p.returncode == 1 and len(failed) == 2 and all("--dataset eurosat" in line for line in failed)
+    assert p.returncode == 1
+    assert len(failed) == 2
+    assert all("--dataset eurosat" in line for line in failed)
     ran = [c["args"][0] for c in p.calls]
     assert sum(a.endswith("dear.py") for a in ran) == 22 and ran[-1].endswith("tables.py")
     assert ran[0].endswith("data.py")  # the datasets are checked before any job
@@ -166,15 +185,15 @@ def test_a_failed_job_is_named_the_others_go_on_and_the_exit_status_says_so(run)
 
 def test_a_second_run_all_on_the_same_out_is_refused(run, tmp_path):
     first = run("--stages", "b2n", "--seeds", "1", wait=False, FAKE_WAIT=str(tmp_path / "go"))
-    while not (tmp_path / "calls.jsonl").exists() or "dear.py" not in (tmp_path / "calls.jsonl").read_text():
+    calls = tmp_path / "calls.jsonl"
+    while not calls.exists() or "dear.py" not in calls.read_text():
         time.sleep(0.05)  # the first one runs a job
     second = run("--stages", "tables")
     (tmp_path / "go").touch()
     assert first.wait(timeout=60) == 0
-    assert (
-        second.returncode == 2
-        and second.stderr == "run_all.sh: runs is in use by another run_all.sh; wait for it, or choose another --out\n"
-    )
+    assert second.returncode == 2
+    assert second.stderr == ("run_all.sh: runs is in use by another run_all.sh; wait for it, or "
+                             "choose another --out\n")
     assert not [c for c in second.calls if c["args"][0].endswith("tables.py")]
 
 
@@ -186,11 +205,13 @@ def test_a_symlinked_lock_file_is_not_followed(run, tmp_path):
     assert not (tmp_path / "elsewhere").exists()
 
 
-# Passes once the rewritten dear.py (--tokens, repeatable --targets) is in place: real training, ~1 min.
+# Passes once the rewritten dear.py (--tokens, repeatable --targets) is in place: real training, ~1
+# min.
 def test_smoke_runs_every_stage_on_the_toy_world(smoke):
-    """`bash run_all.sh --smoke` with the real code (started by conftest beside the other tests, once the toy CLIP
-    is there): every stage, every table."""
+    """`bash run_all.sh --smoke` with the real code (started by conftest beside the other tests,
+    once the toy CLIP is there): every stage, every table."""
     out, p = smoke
     assert p.returncode == 0, open(out.parent / "smoke.log").read()[-3000:]
-    assert len(list(out.glob("*/*/*/results.json"))) == 7  # b2n 2, xd 2, fewshot 2, ablations 1
-    assert (out / "roles" / "J3" / "roles.json").exists() and (out / "tables" / "tables.md").exists()
+    assert len(list(out.glob("*/*/*/results.json"))) == 8  # b2n 2, xd 2, fewshot 2, ablations 2
+    assert (out / "roles" / "J3" / "roles.json").exists()
+    assert (out / "tables" / "tables.md").exists()

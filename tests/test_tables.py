@@ -1,5 +1,6 @@
-"""tables.py on hand-made results.json files (the CONTRACT schema, in folders whose names mean nothing):
-cells, averages and HMs by hand, uneven result folders, published numbers, env differences, the toy tables."""
+"""tables.py on hand-made results.json files (the CONTRACT schema, in folders whose names mean
+nothing): cells, averages and HMs by hand, uneven result folders, published numbers, env
+differences, the toy tables."""
 
 import csv
 import itertools
@@ -8,25 +9,28 @@ import os
 
 import pytest
 
+import dear
 import tables
 
-ENV = dict(python="3.11.9", torch="2.4.1", torchvision="0.19.1", cuda="12.1", cudnn=90100, device="NVIDIA H100",
-           git_commit="f4cba4f", git_dirty=False)  # fmt: skip
+ENV = dict(python="3.11.9", torch="2.4.1", torchvision="0.19.1", cuda="12.1", cudnn=90100,
+           device="NVIDIA H100", git_commit="f4cba4f", git_dirty=False)
 FOLDER = itertools.count()
 
 
-def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, changed=None, backbone="ViT-B/16",
-        env=None, **config):  # fmt: skip
-    """One results.json; `evals`: (dataset, split, accuracy) each. Its folder is named by a counter only."""
-    cfg = dict(protocol=protocol, dataset=dataset, method=method, shots=shots, seed=seed, backbone=backbone,
-               eval_only=False, epochs=5, batch_size=4, lr=0.001, warmup_epochs=1, warmup_lr=1e-05,
-               weight_decay=0.0005, J=9, beta=0.9, mask="role")  # fmt: skip
+def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, changed=None,
+        backbone="ViT-B/16", env=None, **config):
+    """One results.json as dear.py writes it (its config resolved, then `config` set); `evals`:
+    (dataset, split, accuracy) each. Its folder is named by a counter only."""
+    c = dear.resolve(dear.Config(dataset=dataset, protocol=protocol, method=method, shots=shots,
+                                 seed=seed, backbone=backbone, device="cpu"))
     changed = changed or {}  # the flags that differ from the defaults, as dear.py records them
     variant = "_".join(f"{k}-{v}" for k, v in changed.items()).replace("/", "-") or "default"
-    res = {"config": dict(cfg, **config), "variant": variant, "changed": changed, "env": dict(ENV, **(env or {})),
-           "inputs": {"dataset_folder": dataset, "backbone_sha256": "ab" * 32, "roles_sha256": None},
-           "evals": [{"dataset": d, "split": s, "beta": 0.9, "accuracy": a, "n": 100, "logits": "fused",
-                      "per_class": []} for d, s, a in evals]}  # fmt: skip
+    res = {"config": {n: getattr(c, n) for n in dear.RECORDED} | config, "variant": variant,
+           "changed": changed, "env": dict(ENV, **(env or {})), "train": None, "warnings": [],
+           "inputs": {"dataset_folder": dataset, "backbone_sha256": "ab" * 32,
+            "roles_sha256": None}, "evals": [{"dataset": d, "split": s, "beta": 0.9, "accuracy": a,
+            "n": 100, "logits": "fused", "precision": "fp32", "per_class": []} for d, s,
+            a in evals]}
     folder = os.path.join(out, f"run{next(FOLDER)}")
     os.makedirs(folder)
     with open(os.path.join(folder, "results.json"), "w") as f:
@@ -40,11 +44,14 @@ def b2n(out, dataset, base, novel, **kw):
 
 def section(md, title, where="ViT-B/16"):
     """The table whose title starts with `title` and ends with `[where]`."""
-    return next(s for s in md.split("\n## ") if s.startswith(title) and s.split("\n")[0].endswith(f"[{where}]"))
+    sections = md.split("\n## ")
+    return next(s for s in sections
+                if s.startswith(title) and s.split("\n")[0].endswith(f"[{where}]"))
 
 
 def row(md, title, *labels, where="ViT-B/16"):
-    """The cells of the Markdown row labelled `labels` (Table 1: the dataset names its first row only)."""
+    """The cells of the Markdown row labelled `labels` (Table 1: the dataset names its first row
+    only)."""
     group = None
     for line in section(md, title, where).splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -60,31 +67,40 @@ def row(md, title, *labels, where="ViT-B/16"):
 def test_cell_is_mean_and_population_std_over_seeds_with_n(tmp_path):
     for seed, base in ((1, 80.0), (2, 82.0), (3, 87.0)):  # EuroSAT: 3 seeds
         b2n(tmp_path, "eurosat", base, 60.0, seed=seed)
-    for ds, seed in itertools.product(tables.B2N_DATASETS, (1, 2)):  # the others: 2 seeds, 70 and 74
+    # the others: 2 seeds, 70 and 74
+    for ds, seed in itertools.product(tables.B2N_DATASETS, (1, 2)):
         b2n(tmp_path, ds, 70.0 + 4 * (seed - 1), 50.0, seed=seed) if ds != "eurosat" else None
     md = tables.build(str(tmp_path))
-    # std with ddof=0 as CoOp's parse_test_res.py: sqrt((9 + 1 + 16) / 3) = 2.94 (ddof=1 would give 3.61)
+    # std with ddof=0 as CoOp's parse_test_res.py: sqrt((9 + 1 + 16) / 3) = 2.94 (ddof=1 would give
+    # 3.61)
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "83.00 ± 2.94 (n=3)"
-    # HM(83, 60) = 69.65 (the mean of the per-seed HMs would be 69.63); its std over the per-seed HMs
+    # HM(83, 60) = 69.65 (the mean of the per-seed HMs would be 69.63); its std over the per-seed
+    # HMs
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[2] == "69.65 ± 1.03 (n=3)"
     assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[0] == "72.00 ± 2.00 (n=2)"
-    # the mean of the dataset means, (83 + 10 * 72) / 11 = 73.00 (over seeds 1 and 2 only: 72.73); its std and n
-    # over the seeds all datasets have: seed 1 (80 + 700) / 11 = 70.91, seed 2 (82 + 740) / 11 = 74.73
+    # the mean of the dataset means, (83 + 10 * 72) / 11 = 73.00 (over seeds 1 and 2 only: 72.73);
+    # its std and n
+    # over the seeds all datasets have: seed 1 (80 + 700) / 11 = 70.91, seed 2 (82 + 740) / 11 =
+    # 74.73
     assert row(md, "Table 1", "Average", tables.OURS_DEAR)[0] == "73.00 ± 1.91 (n=2)"
 
 
 def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
-    accs = {ds: (60.0, 60.0) for ds in tables.B2N_DATASETS} | {"dtd": (90.0, 30.0), "eurosat": (30.0, 90.0)}
+    accs = {ds: (60.0, 60.0) for ds in tables.B2N_DATASETS} | {"dtd": (90.0, 30.0),
+            "eurosat": (30.0, 90.0)}
     for ds, (base, novel) in accs.items():
         b2n(tmp_path, ds, base, novel)
     md = tables.build(str(tmp_path))
     base, novel, hm = row(md, "Table 1", "Average", tables.OURS_DEAR)
     assert (base, novel) == ("60.00 ± 0.00 (n=1)", "60.00 ± 0.00 (n=1)")
-    assert hm == "60.00 ± 0.00 (n=1)"  # HM(60, 60); the mean of the HMs: (9 * 60 + 45 + 45) / 11 = 57.27
+    # HM(60, 60); the mean of the HMs: (9 * 60 + 45 + 45) / 11 = 57.27
+    assert hm == "60.00 ± 0.00 (n=1)"
     assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[2] == "45.00 ± 0.00 (n=1)"
-    # ours − the paper, to the paper's precision: DTD's base is printed as 83.9, the average base as 85.94
+    # ours − the paper, to the paper's precision: DTD's base is printed as 83.9, the average base as
+    # 85.94
     assert row(md, "Table 1", "DTD", "Δ DeAR: this code − paper") == ["+6.1", "–", "–"]
-    assert row(md, "Table 1", "Average", "Δ DeAR: this code − paper") == ["-25.94", "-18.99", "-22.72"]
+    assert row(md, "Table 1", "Average", "Δ DeAR: this code − paper") == ["-25.94", "-18.99",
+            "-22.72"]
 
 
 def test_missing_cells_stay_missing(tmp_path):
@@ -92,25 +108,34 @@ def test_missing_cells_stay_missing(tmp_path):
     put(tmp_path, "fewshot", "dtd", [("dtd", "all", 50.0)], shots=4)
     md = tables.build(str(tmp_path))
     assert row(md, "Table 1", "ImageNet", tables.OURS_DEAR) == ["–", "–", "–"]
-    assert row(md, "Table 1", "Average", tables.OURS_DEAR) == ["–", "–", "–"]  # 10 of 11 datasets have no run
+    # 10 of 11 datasets have no run
+    assert row(md, "Table 1", "Average", tables.OURS_DEAR) == ["–", "–", "–"]
     assert row(md, "Table 1", "DTD", tables.OURS_CLIP) == ["–", "–", "–"]
     assert row(md, "Table 1", "DTD", tables.PAPER_DEAR) == ["83.9 [p]", "–", "–"]
-    assert row(md, "Table 4", "DeAR 8-shot (this code)") == ["–", "–", "–", "–", "–", "–", "–", "–", "–", "–", "–", "–"]
-    assert row(md, "Table 4", "DeAR 4-shot (this code)")[8] == "50.00 ± 0.00 (n=1)"  # DTD, 9th of the 11
+    assert row(md, "Table 4", "DeAR 8-shot (this code)") == ["–", "–", "–", "–", "–", "–", "–", "–",
+            "–", "–", "–", "–"]
+    # DTD, 9th of the 11
+    assert row(md, "Table 4", "DeAR 4-shot (this code)")[8] == "50.00 ± 0.00 (n=1)"
 
 
 def test_backbones_have_their_own_cells_and_only_vit_b16_its_published_numbers(tmp_path):
     b2n(tmp_path, "eurosat", 80.0, 60.0, seed=1)
-    b2n(tmp_path, "eurosat", 90.0, 70.0, seed=1, backbone="ViT-B/32", changed={"backbone": "ViT-B/32"})
-    b2n(tmp_path, "eurosat", 50.0, 40.0, seed=2, backbone="ViT-B/32", changed={"backbone": "ViT-B/32"})
-    b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot", changed={"backbone": "ViT-L/14"})
+    b2n(tmp_path, "eurosat", 90.0, 70.0, seed=1, backbone="ViT-B/32",
+        changed={"backbone": "ViT-B/32"})
+    b2n(tmp_path, "eurosat", 50.0, 40.0, seed=2, backbone="ViT-B/32",
+        changed={"backbone": "ViT-B/32"})
+    b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot",
+        changed={"backbone": "ViT-L/14"})
     md = tables.build(str(tmp_path))
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "80.00 ± 0.00 (n=1)"
-    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR, where="ViT-B/32")[0] == "70.00 ± 20.00 (n=2)"
-    assert row(md, "Table 1", "EuroSAT", tables.OURS_CLIP, where="ViT-L/14")[0] == "55.00 ± 0.00 (n=1)"
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR,
+               where="ViT-B/32")[0] == "70.00 ± 20.00 (n=2)"
+    assert row(md, "Table 1", "EuroSAT", tables.OURS_CLIP,
+               where="ViT-L/14")[0] == "55.00 ± 0.00 (n=1)"
     assert row(md, "Table 1", "EuroSAT", tables.CLIP_PUB)[0] == "56.48 [r]"
     for other in ("ViT-B/32", "ViT-L/14"):  # no published rows, no Δ rows
-        assert not [w for w in ("(published)", "(paper)", "Δ") if w in section(md, "Table 1", other)]
+        assert not [w for w in ("(published)", "(paper)", "Δ") if w in section(md, "Table 1",
+                other)]
 
 
 def test_ablations_average_their_own_datasets(tmp_path):
@@ -120,9 +145,10 @@ def test_ablations_average_their_own_datasets(tmp_path):
         b2n(tmp_path, ds, base, novel, changed={"mask": "none"}, mask="none")
     md = tables.build(str(tmp_path))
     assert "## Table 5. Ablations (base-to-novel, averaged over DTD, EuroSAT) [ViT-B/16]" in md
-    full, ablated = tables.hm(85.0, 60.0), tables.hm(87.0, 50.0)  # over DTD and EuroSAT, not ImageNet
-    assert row(md, "Table 5", "DeAR (full, defaults)")[:4] == ["85.00 ± 0.00 (n=1)", "60.00 ± 0.00 (n=1)",
-                                                               f"{full:.2f} ± 0.00 (n=1)", "–"]  # fmt: skip
+    # over DTD and EuroSAT, not ImageNet
+    full, ablated = (tables.hm(85.0, 60.0), tables.hm(87.0, 50.0))
+    assert row(md, "Table 5", "DeAR (full, defaults)")[:4] == ["85.00 ± 0.00 (n=1)",
+            "60.00 ± 0.00 (n=1)", f"{full:.2f} ± 0.00 (n=1)", "–"]
     hms = [f"{h:.2f} ± 0.00 (n=1)" for h in (ablated, tables.hm(84, 40), tables.hm(90, 60))]
     assert row(md, "Table 5", "mask = none")[2:] == [hms[0], f"{ablated - full:+.2f}", *hms[1:]]
 
@@ -131,17 +157,19 @@ def test_env_differences_in_a_cell_are_warned_and_noted(tmp_path, capsys):
     b2n(tmp_path, "eurosat", 80.0, 60.0, seed=1)
     b2n(tmp_path, "eurosat", 82.0, 62.0, seed=2, env=dict(torch="2.5.0", git_dirty=True))
     b2n(tmp_path, "dtd", 80.0, 60.0, seed=1, method="zeroshot")
-    b2n(tmp_path, "dtd", 80.0, 60.0, seed=2, method="zeroshot", env=dict(device="NVIDIA H100"))  # the same env
+    # the same env
+    b2n(tmp_path, "dtd", 80.0, 60.0, seed=2, method="zeroshot", env=dict(device="NVIDIA H100"))
     md = tables.build(str(tmp_path))
     err = capsys.readouterr().err
     assert "EuroSAT / DeAR (this code) / Base (git_dirty, torch) differ in env" in err
     assert "EuroSAT / DeAR (this code) / HM (git_dirty, torch)" in err
     assert "DTD / CLIP" not in err and "Average / CLIP" not in err
-    note = [line for line in md.splitlines() if line.startswith("- The runs of these cells differ in env")]
+    note = [line for line in md.splitlines() if line.startswith("- The runs of these cells differ")]
     assert len(note) == 1 and "EuroSAT / DeAR (this code) / Novel (git_dirty, torch)" in note[0]
 
 
-# Restated from the old tables.py (its PUBLISHED, _B2N_REFERENCE, _B2N_SOURCE and DG rows, SOURCES' letters):
+# Restated from the old tables.py (its PUBLISHED, _B2N_REFERENCE, _B2N_SOURCE and DG rows, SOURCES'
+# letters):
 # table | row | dataset | metric | the number as printed | source letter
 OLD = """
 b2n | DeAR (paper) | average | base | 85.94 | p
@@ -169,40 +197,54 @@ def test_published_csv_keeps_each_old_number_and_source(line):
 
 
 def test_every_published_row_parses():
-    with open(os.path.join(os.path.dirname(tables.__file__), "assets", "published.csv"), encoding="utf-8") as f:
+    with open(os.path.join(os.path.dirname(tables.__file__), "assets", "published.csv"),
+              encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(tables.PUBLISHED) == 93  # 91 of the old tables.py + its 2 derived DG averages
+    # 91 of the old tables.py, its 2 derived DG averages, 5 of the strongest peers (VaMP, Promise)
+    assert len(rows) == len(tables.PUBLISHED) == 98
     for r in rows:
         assert r["source"] in tables.SOURCES and r["table"] in ("b2n", "dg", "xd"), r
-        assert r["value"] == f"{float(r['value']):.{len(r['value'].partition('.')[2])}f}", r  # a number, as printed
+        # a number, as printed
+        assert r["value"] == f"{float(r['value']):.{len(r['value'].partition('.')[2])}f}", r
         assert r["source"] != "d" or r["remark"], r  # a derived number says how
-    assert tables.PUBLISHED[("dg", "CLIP (published)", "average", "acc")].text == "57.18"  # (60.83+46.15+47.77+73.96)/4
+    # (60.83+46.15+47.77+73.96)/4
+    assert tables.PUBLISHED[("dg", "CLIP (published)", "average", "acc")].text == "57.18"
 
 
 def test_toy_tables_from_toyworld_runs(tmp_path, capsys):
     out, toy = str(tmp_path), dict(backbone="toy")
-    for seed in (1, 2):  # b2n and ablations on the toy schedule (--epochs 10), transfer and few-shot on the default
+    # b2n and ablations on the toy schedule (--epochs 10), transfer and few-shot on the default
+    for seed in (1, 2):
         b2n(out, "toyworld", 80.0 + seed, 60.0, seed=seed, changed={"epochs": 10}, epochs=10, **toy)
-        b2n(out, "toyworld", 70.0, 50.0, seed=seed, changed={"J": 2, "epochs": 10}, epochs=10, J=2, **toy)
-        b2n(out, "toyworld", 75.0, 40.0, seed=seed, changed={"roles_control": "oracle", "epochs": 10}, epochs=10, **toy)
-        put(out, "xd", "toyworld", [("toyworld", "all", 85.0), ("folder:/data/toyworld-transfer/noisy", "all", 60.0)],
-            seed=seed, **toy)  # fmt: skip
+        b2n(out, "toyworld", 70.0, 50.0, seed=seed, changed={"J": 2, "epochs": 10}, epochs=10, J=2,
+            **toy)
+        b2n(out, "toyworld", 75.0, 40.0, seed=seed,
+            changed={"roles_control": "oracle", "epochs": 10}, epochs=10, **toy)
+        put(out, "xd", "toyworld", [("toyworld", "all", 85.0),
+                                    ("folder:/data/toyworld-transfer/noisy", "all", 60.0)],
+            seed=seed, **toy)
         put(out, "fewshot", "toyworld", [("toyworld", "all", 65.0)], shots=2, seed=seed, **toy)
-    put(out, "xd", "toyworld", [("toyworld", "all", 5.0)], eval_only=True, **toy)  # a re-evaluation: not a run
+    # a re-evaluation: not a run
+    put(out, "xd", "toyworld", [("toyworld", "all", 5.0)], eval_only=True, **toy)
     b2n(out, "toyworld", 78.0, 55.0, method="zeroshot", **toy)
     os.makedirs(tmp_path / "roles" / "J3")
     (tmp_path / "roles" / "J3" / "roles.md").write_text("| L3 H0 | color |")
     assert tables.main(["--out", out]) == 0
     md = open(tmp_path / "tables" / "tables.md").read()
     assert capsys.readouterr().out.strip() == md.strip()
-    toy10 = "toy, schedule epochs-10"  # b2n and ablations on the toy's schedule, under their own title
+    # b2n and ablations on the toy's schedule, under their own title
+    toy10 = "toy, schedule epochs-10"
     assert row(md, "Table 1", "ToyWorld", tables.OURS_DEAR, where=toy10)[0] == "81.50 ± 0.50 (n=2)"
     assert row(md, "Table 1", "ToyWorld", tables.OURS_CLIP, where=toy10)[0] == "78.00 ± 0.00 (n=1)"
-    assert "## Table 5. Ablations (base-to-novel, averaged over ToyWorld) [toy, schedule epochs-10]" in md
+    title = ("## Table 5. Ablations (base-to-novel, averaged over ToyWorld) [toy, schedule "
+             "epochs-10]")
+    assert title in md
     assert row(md, "Table 5", "J = 2", where=toy10)[0] == "70.00 ± 0.00 (n=2)"
     assert row(md, "Table 5", "roles_control = oracle", where=toy10)[1] == "40.00 ± 0.00 (n=2)"
-    assert "| Method | ToyWorld (source) | folder noisy | Average |" in section(md, "Table 3", "toy")
-    assert row(md, "Table 3", tables.OURS_DEAR, where="toy") == ["85.00 ± 0.00 (n=2)"] + ["60.00 ± 0.00 (n=2)"] * 2
+    assert "| Method | ToyWorld (source) | folder noisy | Average |" in section(md, "Table 3",
+            "toy")
+    assert row(md, "Table 3", tables.OURS_DEAR,
+               where="toy") == ["85.00 ± 0.00 (n=2)"] + ["60.00 ± 0.00 (n=2)"] * 2
     assert row(md, "Table 4", "DeAR 2-shot (this code)", where="toy") == ["65.00 ± 0.00 (n=2)"] * 2
     assert "Table 2" not in md and "(published) |" not in md and "| L3 H0 | color |" in md
     lines = open(tmp_path / "tables" / "table1_b2n_epochs-10.csv").read().splitlines()
@@ -211,12 +253,31 @@ def test_toy_tables_from_toyworld_runs(tmp_path, capsys):
     assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("broken", [True, False])
-def test_a_malformed_or_copied_results_json_raises_with_its_path(tmp_path, broken):
+BAD = {"truncated": lambda text: text[: len(text) // 2],
+       "not UTF-8": lambda text: "\udcff".encode(errors="surrogateescape"),
+       "older version": lambda text: json.dumps({k: v for k,
+        v in json.loads(text).items() if k != "changed"}),
+       "accuracy 150": lambda text: text.replace('"accuracy": 81.0', '"accuracy": 150.0'),
+       "accuracy -7": lambda text: text.replace('"accuracy": 81.0', '"accuracy": -7'),
+       "shots as a string": lambda text: text.replace('"shots": 16', '"shots": "16"'),
+       "a copy": lambda text: text}
+WHY = {"truncated": ": not a JSON file", "not UTF-8": ": not a JSON file",
+       "older version": "lacks 'changed'", "accuracy 150": "= 150.0 is not a number in [0, 100]",
+       "accuracy -7": "= -7 is not a number in [0, 100]",
+       "shots as a string": "['shots'] = \"16\" is not a whole number", "a copy": "the same run as"}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_an_unusable_results_json_is_skipped_with_its_reason_and_the_rest_is_built(tmp_path, capsys,
+        kind):
     b2n(tmp_path, "dtd", 80.0, 60.0)
-    bad = b2n(tmp_path, "dtd", 81.0, 60.0)  # a copy of the run (one seed twice in a cell), or a malformed file
-    if broken:
-        open(bad, "w").write(json.dumps({"variant": "default", "evals": []}))
-    with pytest.raises(KeyError if broken else ValueError) as e:
-        tables.build(str(tmp_path))
-    assert bad in str(e.value) + "".join(getattr(e.value, "__notes__", []))
+    bad = b2n(tmp_path, "dtd", 81.0, 60.0, seed=2)
+    text = open(bad).read().replace('"seed": 2',
+                                    '"seed": 1') if kind == "a copy" else open(bad).read()
+    open(bad, "wb" if kind == "not UTF-8" else "w").write(BAD[kind](text))
+    md = tables.build(str(tmp_path))
+    err = capsys.readouterr().err
+    # the usable run is shown
+    assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[0] == "80.00 ± 0.00 (n=1)"
+    assert f"tables.py: skipped {bad}: " in err and WHY[kind] in err and err.count("\n") == 1, err
+    assert md.split("## Files skipped")[1].strip().startswith(f"- {bad}: ")

@@ -1,5 +1,5 @@
-"""The toy world by hand: the drawing's geometry and colours, captions, the dataset and transfer sets on
-disk, and the toy CLIP's pretraining (loss, schedule, two-tower step, determinism)."""
+"""The toy world by hand: the drawing's geometry and colours, captions, the dataset and transfer
+sets on disk, and the toy CLIP's pretraining (loss, schedule, two-tower step, determinism)."""
 
 import copy
 import hashlib
@@ -21,7 +21,8 @@ import toyworld as T
 
 
 def object_mask(shape="circle", texture="solid", location="top left", seed=0, **kw):
-    """The object's pixels: where the same image drawn in another colour differs (the same draws)."""
+    """The object's pixels: where the same image drawn in another colour differs (the same
+    draws)."""
     a, b = (T.render(c, shape, texture, location, seed, noise=0.0, **kw) for c in ("red", "blue"))
     return (a != b).any(-1)  # [H, W]
 
@@ -42,17 +43,19 @@ def test_shapes_have_their_geometric_areas(shape):
     assert mask.sum() == pytest.approx(AREAS[shape], rel=0.01)
     rows = mask.any(1).nonzero()[0]
     if shape == "triangle":  # apex up at cy - r, base at cy + 0.8 r
-        assert (rows.min(), rows.max()) == (pytest.approx(CY - R, abs=1), pytest.approx(CY + 0.8 * R, abs=1))
+        assert (rows.min(), rows.max()) == (pytest.approx(CY - R, abs=1),
+                                            pytest.approx(CY + 0.8 * R, abs=1))
         assert mask[rows.min() + 2].sum() < mask[rows.max() - 2].sum()
 
 
 def test_stripes_run_diagonally_and_dots_repeat_every_five_32nds():
-    """Stripes: constant along x + y, half dark. Dots: period 5/32 of the image in x and y, each covering
-    pi 0.28^2 of its cell. Solid: nothing dark."""
+    """Stripes: constant along x + y, half dark. Dots: period 5/32 of the image in x and y, each
+    covering pi 0.28^2 of its cell. Solid: nothing dark."""
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:320, 0:320].astype(np.float64) + 0.5
     stripes = T.texture_mask("striped", x, y, 320, rng)
-    assert (stripes[1:, :-1] == stripes[:-1, 1:]).all() and stripes.mean() == pytest.approx(0.5, abs=0.01)
+    assert (stripes[1:, :-1] == stripes[:-1, 1:]).all() and stripes.mean() == pytest.approx(0.5,
+            abs=0.01)
     y, x = np.mgrid[0:32, 0:32].astype(np.float64) + 0.5
     dots = T.texture_mask("dotted", x, y, 32, rng)
     assert (dots[5:] == dots[:-5]).all() and (dots[:, 5:] == dots[:, :-5]).all() and dots.any()
@@ -63,9 +66,10 @@ def test_stripes_run_diagonally_and_dots_repeat_every_five_32nds():
 
 
 @pytest.mark.parametrize("location, centre", [("top left", (8, 8)), ("top right", (8, 24)),
-                                              ("bottom left", (24, 8)), ("bottom right", (24, 24))])  # fmt: skip
+                                              ("bottom left", (24, 8)), ("bottom right", (24, 24))])
 def test_the_object_sits_in_its_quadrant(location, centre):
-    """A circle's centroid (row, column) is its quadrant's centre, up to the jitter of 0.04 of the image."""
+    """A circle's centroid (row, column) is its quadrant's centre, up to the jitter of 0.04 of
+    the image."""
     for seed in range(5):
         ys, xs = object_mask(location=location, seed=seed).nonzero()
         assert abs(ys.mean() - centre[0]) < 1.8 and abs(xs.mean() - centre[1]) < 1.8, seed
@@ -73,23 +77,25 @@ def test_the_object_sits_in_its_quadrant(location, centre):
 
 @pytest.mark.parametrize("color", T.COLORS)
 def test_objects_are_pale_palette_colours_and_textures_darken_them(color):
-    """Solid, without noise: every object pixel is the palette colour pulled to 25% of its distance from
-    its own grey, times a brightness in [0.88, 1], plus at most 0.03 per channel. Striped: the dark
-    pixels are DARK (0.35) times the bright ones."""
+    """Solid, without noise: every object pixel is the palette colour pulled to 25% of its
+    distance from its own grey, times a brightness in [0.88, 1], plus at most 0.03 per channel.
+    Striped: the dark pixels are DARK (0.35) times the bright ones."""
     rgb = np.array(T.PALETTE[color])
     pale = rgb.mean() + 0.25 * (rgb - rgb.mean())
     for seed in range(5):
         a = T.render(color, "square", "solid", "top left", seed, noise=0.0)
         pixels = a[object_mask("square", seed=seed)] / 255  # [N, 3]
         assert (pixels == pixels[0]).all()
-        assert (pixels[0] >= 0.88 * pale - 0.03 - 1 / 255).all() and (pixels[0] <= pale + 0.03 + 1 / 255).all()
+        assert (pixels[0] >= 0.88 * pale - 0.03 - 1 / 255).all()
+        assert (pixels[0] <= pale + 0.03 + 1 / 255).all()
         a = T.render(color, "square", "striped", "top left", seed, noise=0.0).astype(float)
         light = a[object_mask("square", "striped", seed=seed)].sum(-1)  # [N]
         assert light.min() / light.max() == pytest.approx(0.35, abs=0.02)
 
 
 def test_the_transfer_shifts_shrink_the_object_and_add_noise():
-    """scale 0.6 leaves 0.36 of the object's area; noise is the std of what it adds to each channel."""
+    """scale 0.6 leaves 0.36 of the object's area; noise is the std of what it adds to each
+    channel."""
     for seed in range(3):
         small, big = (object_mask(seed=seed, size=256, scale=s).sum() for s in (0.6, 1.0))
         assert small / big == pytest.approx(0.36, abs=0.01)
@@ -98,13 +104,13 @@ def test_the_transfer_shifts_shrink_the_object_and_add_noise():
         assert added.std() / 255 == pytest.approx(0.08, rel=0.1)
 
 
-@pytest.mark.parametrize("named, text", [
-    (("red", "circle", "striped", "top left"), "a red striped circle in the top left"),
-    ((None, None, "striped", None), "a striped object"),
-    ((None, "circle", None, None), "a circle"),
-    (("orange", None, None, None), "a orange object"),
-    ((None, None, None, "bottom right"), "a object in the bottom right"),
-])  # fmt: skip
+@pytest.mark.parametrize("named, text", [(("red", "circle", "striped", "top left"),
+                                          "a red striped circle in the top left"),
+                                         ((None, None, "striped", None), "a striped object"),
+                                         ((None, "circle", None, None), "a circle"),
+                                         (("orange", None, None, None), "a orange object"),
+                                         ((None, None, None, "bottom right"),
+        "a object in the bottom right")])
 def test_captions_name_their_factors(named, text):
     assert T.caption(*named) == text
 
@@ -114,16 +120,20 @@ def test_the_text_pool_describes_each_factor_value_six_ways():
     assert Counter(c for _, c in pool) == {"color": 36, "shape": 24, "texture": 18, "location": 24}
     for text, concept in pool:
         assert sum(w in text for w in T.FACTORS[concept]) == 1, text
-        assert not any(w in text for c, words in T.FACTORS.items() if c != concept for w in words), text
-    assert hashlib.sha256(json.dumps(pool).encode()).hexdigest()[:16] == "8b7e930309c381f9", "the roles change"
+        assert not any(w in text for c,
+                       words in T.FACTORS.items() if c != concept for w in words), text
+    digest = hashlib.sha256(json.dumps(pool).encode()).hexdigest()[:16]
+    assert digest == "8b7e930309c381f9", "the roles change"
 
 
 def test_the_pixels_of_recipe_v2_are_pinned():
-    """Every dataset image, hashed: a change to the drawing must come with a new RECIPE (stale files)."""
+    """Every dataset image, hashed: a change to the drawing must come with a new RECIPE (stale
+    files)."""
     h = hashlib.sha256()
     for _, _, _, factors, seed in T.dataset_items():
         h.update(T.render(*factors, seed).tobytes())
-    assert T.RECIPE == "v2" and h.hexdigest()[:16] == "a7509941a0b61cad", "the drawing changed: bump toyworld.RECIPE"
+    assert T.RECIPE == "v2"
+    assert h.hexdigest()[:16] == "a7509941a0b61cad", "the drawing changed: bump toyworld.RECIPE"
 
 
 @pytest.fixture(scope="module")
@@ -134,19 +144,24 @@ def root(tmp_path_factory):
 
 
 def test_ensure_dataset_writes_the_split_data_py_reads(root):
-    """24 classes, the base half first: a checkerboard over colour x shape (each half holds every colour
-    and every shape), 24 / 8 / 32 images a class; texture and location vary inside a class."""
+    """24 classes, the base half first: a checkerboard over colour x shape (each half holds every
+    colour and every shape), 24 / 8 / 32 images a class; texture and location vary inside a
+    class."""
     ds = data.build_dataset("toyworld", str(root))
-    names = [f"{c} {s}" for i, c in enumerate(T.COLORS) for j, s in enumerate(T.SHAPES) if (i + j) % 2 == 0]
-    names += [f"{c} {s}" for i, c in enumerate(T.COLORS) for j, s in enumerate(T.SHAPES) if (i + j) % 2 == 1]
+    names = [f"{c} {s}" for i, c in enumerate(T.COLORS) for j,
+             s in enumerate(T.SHAPES) if (i + j) % 2 == 0]
+    names += [f"{c} {s}" for i, c in enumerate(T.COLORS) for j,
+              s in enumerate(T.SHAPES) if (i + j) % 2 == 1]
     assert ds.classnames == names
     for split, n in (("train", 24), ("val", 8), ("test", 32)):
-        assert Counter(label for _, label, _ in getattr(ds, split)) == {label: n for label in range(24)}
+        assert Counter(label for _, label, _ in getattr(ds,
+                                                        split)) == {label: n for label in range(24)}
     assert data.build_dataset("toyworld", str(root), subsample="novel").classnames == names[12:]
     labels = T.factor_labels([p for p, label, _ in ds.train if label == 5])
     assert {T.TEXTURES[k] for k in labels["texture"]} == set(T.TEXTURES)
     assert {T.LOCATIONS[k] for k in labels["location"]} == set(T.LOCATIONS)
-    assert {f"{T.COLORS[c]} {T.SHAPES[s]}" for c, s in zip(labels["color"], labels["shape"])} == {names[5]}
+    assert {f"{T.COLORS[c]} {T.SHAPES[s]}" for c, s in zip(labels["color"],
+            labels["shape"])} == {names[5]}
 
 
 def test_the_dataset_is_written_once_and_its_images_are_their_factors(root, capsys):
@@ -156,29 +171,35 @@ def test_the_dataset_is_written_once_and_its_images_are_their_factors(root, caps
     assert (file, label, classname) == ("green_cross/test_004.png", 3, "green_cross")
     labels = T.factor_labels([str(folder / "images" / file)])
     factors = [vocab[int(labels[name][0])] for name, vocab in T.FACTORS.items()]
-    assert factors == ["green", "cross", "striped", "bottom left"]  # (4 + 3) % 12 = 7: texture 1, location 2
+    # (4 + 3) % 12 = 7: texture 1, location 2
+    assert factors == ["green", "cross", "striped", "bottom left"]
     seed = 1_000_000 * 3 + 1000 * label + 4  # test split: the third
-    assert np.array_equal(np.asarray(Image.open(folder / "images" / file)), T.render(*factors, seed))
+    assert np.array_equal(np.asarray(Image.open(folder / "images" / file)),
+                          T.render(*factors, seed))
     stamp = os.path.getmtime(folder / T.SPLIT_FILE)
-    assert T.ensure_dataset(str(root)) == str(folder) and os.path.getmtime(folder / T.SPLIT_FILE) == stamp
+    assert T.ensure_dataset(str(root)) == str(folder)
+    assert os.path.getmtime(folder / T.SPLIT_FILE) == stamp
     os.rename(folder / "recipe-v2", folder / "recipe-v1")  # another recipe's images: never reused
     try:
-        with pytest.raises(data.UserError, match="is not toy world v2: delete it"):
+        with pytest.raises(data.UserError, match="not toy world v2; delete it"):
             T.ensure_dataset(str(root))
-        assert T.main(["dataset", "--root", str(root)]) == 2
-        assert capsys.readouterr().err.count("\n") == 1
+        with pytest.raises(SystemExit) as e:
+            T.main(["dataset", "--root", str(root)])
+        assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     finally:
         os.rename(folder / "recipe-v1", folder / "recipe-v2")
 
 
-@pytest.mark.parametrize("index, name, cls, i, factors, seed, shift", [
-    (0, "noisy", "red_cross", 7, ("red", "cross", "striped", "bottom left"), 10_003_007, dict(noise=0.08)),
-    (1, "small", "green_square", 0, ("green", "square", "solid", "top left"), 20_005_000, dict(scale=0.6)),
-    (2, "textures", "red_dotted", 5, ("red", "square", "dotted", "top right"), 30_002_005, {}),
-])  # fmt: skip
-def test_transfer_sets_are_folders_of_shifted_classes(root, index, name, cls, i, factors, seed, shift):
-    """Each set: a folder:PATH dataset of 40 images a class; the classes pair colour with shape (24) or
-    texture (18), the other factors cycle; seeds 10,000,000 x (set + 1) + 1000 x label + image."""
+@pytest.mark.parametrize("index, name, cls, i, factors, seed, shift",
+                         [(0, "noisy", "red_cross", 7, ("red", "cross", "striped", "bottom left"),
+        10_003_007, dict(noise=0.08)), (1, "small", "green_square", 0, ("green", "square", "solid",
+        "top left"), 20_005_000, dict(scale=0.6)),
+        (2, "textures", "red_dotted", 5, ("red", "square", "dotted", "top right"), 30_002_005, {})])
+def test_transfer_sets_are_folders_of_shifted_classes(root, index, name, cls, i, factors, seed,
+                                                      shift):
+    """Each set: a folder:PATH dataset of 40 images a class; the classes pair colour with shape
+    (24) or texture (18), the other factors cycle; seeds 10,000,000 x (set + 1) + 1000 x label +
+    image."""
     names = T.ensure_transfer(str(root))
     assert names[index] == f"folder:{root}/toyworld-transfer/{name}"
     folder = names[index][len("folder:") :]
@@ -255,7 +276,8 @@ def test_the_two_tower_step_equals_one_backward_bit_for_bit():
         got, then = T.tower_step(ours, images, tokens, truth, worker, then=lambda: "next batch")
     assert then == "next batch" and torch.equal(got, loss.detach())
     for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad,
+                q.grad)), name
 
 
 def test_pretraining_is_deterministic_for_any_thread_count():
@@ -264,7 +286,8 @@ def test_pretraining_is_deterministic_for_any_thread_count():
         for n, seed in ((1, 3), (2, 3), (1, 4)):
             torch.set_num_threads(n)
             buffer = io.BytesIO()
-            torch.save(T.pretrain(steps=2, seed=seed, batch_size=32, log=lambda line: None).state_dict(), buffer)
+            torch.save(T.pretrain(steps=2, seed=seed, batch_size=32,
+                                  log=lambda line: None).state_dict(), buffer)
             runs[n, seed] = hashlib.sha256(buffer.getvalue()).hexdigest()
             assert torch.get_num_threads() == n
     finally:
@@ -272,28 +295,42 @@ def test_pretraining_is_deterministic_for_any_thread_count():
     assert runs[1, 3] == runs[2, 3] != runs[1, 4]
 
 
-def test_ensure_pretrained_saves_a_clip_checkpoint_once_and_load_clip_names_it_toy(tmp_path, monkeypatch):
+def test_ensure_pretrained_saves_a_clip_checkpoint_once_with_its_record(tmp_path, monkeypatch):
+    """Pretrained once; the record beside it holds its SHA256 and head counts; a file that
+    disagrees with its record (or has none) is pretrained again, never used."""
     lines = []
     path = T.ensure_pretrained(str(tmp_path), log=lines.append, steps=2)
-    assert path == str(tmp_path / "toy-clip-v2-steps2.pt") and os.listdir(tmp_path) == ["toy-clip-v2-steps2.pt"]
-    assert "step 2/2" in lines[-1]
-    monkeypatch.setattr(T, "pretrain", lambda *a, **k: pytest.fail("pretrained again"))
-    assert T.ensure_pretrained(str(tmp_path), steps=2) == path
-    monkeypatch.setattr(T, "ensure_pretrained", lambda cache, log: path)
-    model, _ = T.load_clip("toy")
-    assert model.name == "toy" and model.visual.transformer.heads == model.transformer.heads == 4
-    assert T.load_clip(path)[0].name == path
+    assert path == str(tmp_path / "toy-clip-v2-steps2.pt") and "step 2/2" in lines[-1]
+    assert sorted(os.listdir(tmp_path)) == ["toy-clip-v2-steps2.json", "toy-clip-v2-steps2.pt"]
+    record = json.loads((tmp_path / "toy-clip-v2-steps2.json").read_text())
+    assert record == {"sha256": hashlib.sha256(open(path, "rb").read()).hexdigest(),
+                      "vision_heads": 4, "text_heads": 4}
+    model, _ = clip.load(path)
+    assert model.visual.transformer.heads == model.transformer.heads == 4
+    calls, real = [], T.pretrain
+    monkeypatch.setattr(T, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # kept: not pretrained again
+    assert T.ensure_pretrained(str(tmp_path), steps=2) == path and not calls
+    for n, spoil in enumerate((lambda: open(path, "ab").write(b"x"),
+                               lambda: os.remove(path[:-3] + ".json"))):
+        spoil()  # a file that is not what was recorded, or one without a record: pretrained again
+        T.ensure_pretrained(str(tmp_path), steps=2, log=lines.append)
+        sha = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        assert len(calls) == n + 1
+        assert json.loads((tmp_path / "toy-clip-v2-steps2.json").read_text())["sha256"] == sha
 
 
 def test_the_default_toy_clip_beats_chance_zero_shot(toy_cache):
     """Recipe v2, seed 0, measured: base 81.3%, novel 80.5% (chance 8.3%); room left for DeAR."""
     model, _ = clip.load(os.path.join(toy_cache, T.checkpoint_name()))
     prompts = [T.TEMPLATE.format(f"{c} {s}") for c, s in T.class_list()]
-    test = [(label, T.render(*f, seed)) for split, label, _, f, seed in T.dataset_items() if split == "test"]
+    test = [(label, T.render(*f, seed)) for split, label, _, f,
+            seed in T.dataset_items() if split == "test"]
     labels = torch.tensor([label for label, _ in test])
     with torch.no_grad():
         text = model.encode_text(clip.tokenize(prompts, context_length=16))
-        sims = model.similarity(model.encode_image(T.to_tensor([a for _, a in test])), text)  # [N, 24]
+        # [N, 24]
+        sims = model.similarity(model.encode_image(T.to_tensor([a for _, a in test])), text)
     for lo, hi in ((0, 12), (12, 24)):  # base, novel: each among its own classes
         keep = (labels >= lo) & (labels < hi)
         accuracy = (sims[keep, lo:hi].argmax(1) + lo == labels[keep]).float().mean().item()
