@@ -12,24 +12,17 @@ What it measures, and how (the Markdown file ends with these notes):
   memory: torch.cuda.max_memory_allocated over one call).
 - FLOPs: torch.utils.flop_counter.FlopCounterMode, 2 per multiply-add of every matmul and
   convolution, backward included (attention through the math kernel, whose matmuls it sees). Ratios:
-  b against a, c against zero-shot.
+  b against a.
 - a: CLIP.forward of the vendored CLIP (which too computes only the rows read and runs prompts in
   length groups). b: dear.train's step: the forward with f^0 under autocast, dear_loss in fp32,
-  backward, AdamW (lr 0, so every call sees the same weights; no GradScaler). c: per image, the
-  class features computed once, as dear.evaluate.
+  backward, AdamW (lr 0, so every call sees the same weights; no GradScaler). An evaluation is the
+  forward of a on the images alone: the class features are computed once per evaluation.
 - Shortcuts, each against the plain computation it replaces, written here on the CLIP seams
   (run_blocks, run_text_blocks). rows read: the last block of both towers computes only the rows
   read (CLS and the K tokens; EOT), not every row. past: the prompt start shared by all classes
   (SOT, the template's first words, the K tokens) runs once a block, not once a prompt. length
   groups: prompts run in groups of similar length (clip.model.length_buckets, which on a GPU mostly
   picks one group), not all padded to the longest.
-- Memory: estimated, not measured: frozen weights 4 bytes a value (fp32); trainable values 16
-  (value, gradient, AdamW's two moments); kept for the backward, in the n = L - J + 1 blocks of each
-  tower with tokens: SAVED_BYTES = 32 bytes per token, block and unit of width (fp16 autocast) for B
-  (1 + K + P) image tokens and 1000 prompts of their mean length + K (the last block, which keeps
-  less, counted whole), and the fp16 casts of the blocks' frozen weights that autocast makes at
-  every call (the text blocks' twice: prompts, shared start); the role masks, fp32 and an fp16 copy,
-  n H (1 + K + P)^2. Not counted: one block's temporaries (a few hundred MiB), the CUDA context.
 """
 
 import contextlib
@@ -59,8 +52,7 @@ def vit(resolution, layers, width, patch, text_width):
                 transformer_layers=12)
 
 
-BACKBONES = {"ViT-B/32": vit(224, 12, 768, 32, 512), "ViT-B/16": vit(224, 12, 768, 16, 512),
-             "ViT-L/14": vit(224, 24, 1024, 14, 768), "ViT-L/14@336px": vit(336, 24, 1024, 14, 768)}
+VIT_B16 = vit(224, 12, 768, 16, 512)
 # the tests' tiny CLIP (tests/conftest.py)
 TINY = dict(vit(32, 4, 64, 8, 64), embed_dim=32, transformer_layers=2, transformer_heads=4,
             vision_heads=4)
@@ -70,11 +62,6 @@ TEMPLATE = "a photo of a {}."
 WORDS = ("red green blue yellow black white brown grey orange purple".split(),
          "round long flat tall small large spotted striped curly pointed".split(),
          "bird dog car flower boat chair lamp shoe fish house".split())
-# What autograd keeps per token and block of the towers from J, per unit of width, under fp16
-# autocast: the two LayerNorm inputs in fp32 (8 bytes), q, k, v and the attention output (8), the
-# MLP's hidden layer twice (16); a frozen matmul keeps its weight, not its input. Counted with
-# torch.autograd.graph.saved_tensors_hooks (the tests)
-SAVED_BYTES = 32
 
 
 def classnames(n):
@@ -215,7 +202,7 @@ def without(model, names, shortcut):
 
 
 def bench_setting(clip_model, roles, J, C, B, device, min_time):
-    """Rows a-c of one setting (C classes, a batch of B), and the shortcut rows (d)."""
+    """Rows a and b of one setting (C classes, a batch of B), and the shortcut rows."""
     names, R, where = classnames(C), clip_model.visual.input_resolution, f"{C} classes, batch {B}"
     tokens = clip.tokenize([TEMPLATE.format(c) for c in names]).to(device)
     images, labels = torch.randn(B, 3, R, R, device=device), torch.arange(B, device=device) % C
@@ -229,13 +216,6 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         what = f"b. DeAR training step, --tokens {kind}, vs a."
         rows.append((what, where, step, base, trainable))
-    t = no_grad(model.encode_classes, device)()  # once per evaluation, as dear.evaluate
-    ours = measure(no_grad(lambda: model(images, t=t)["fused"], device), device, min_time)
-    zero_shot = lambda: clip_model.similarity(clip_model.encode_image(images), model.t0)
-    zero_shot = measure(no_grad(zero_shot, device), device, min_time)
-    ours, zero_shot = ({**r, "s": r["s"] / B, "flops": r["flops"] / B} for r in (ours, zero_shot))
-    rows += [("c. zero-shot CLIP evaluation, per image", where, zero_shot, zero_shot, 0),
-             ("c. DeAR evaluation, per image, vs zero-shot", where, ours, zero_shot, 0)]
     shortcuts = []
     for shortcut in ("rows read", "past", "length groups", "all three"):
         print(f"{where}: a step without {shortcut}", flush=True)
@@ -245,37 +225,16 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
     return rows, shortcuts
 
 
-def memory_estimate(name, sizes, prompt_length, batch=32, classes=1000):
-    """(backbone, J of L, trainable values mmrlpp / mmrl, GiB: frozen weights, AdamW,
-    activations, masks, sum)."""
-    L, D, W = sizes["vision_layers"], sizes["vision_width"], sizes["transformer_width"]
-    J, trainable = dear.default_J(L), []
-    for kind in ("mmrlpp", "mmrl"):
-        with torch.device("meta"):  # shapes only
-            model = dear.DeAR(CLIP(**sizes), None, J, mask="none", tokens=kind)
-        trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
-    n = L - J + 1  # blocks with tokens per tower
-    P, H = model.clip.visual.num_patches, model.clip.visual.heads
-    positions = batch * (1 + K + P) * D + classes * (prompt_length + K) * W  # tokens x width
-    copies = 2 * n * 12 * (D * D + 2 * W * W)  # fp16 casts of frozen weights (text: twice)
-    parts = [4 * sum(p.numel() for p in model.clip.parameters()), 16 * trainable[0],
-             SAVED_BYTES * n * positions + copies, 6 * n * H * (1 + K + P) ** 2]
-    return (name, f"{J} of {L}", *trainable, *(x / 2**30 for x in parts), sum(parts) / 2**30)
-
-
 def run(device, tiny=False):
     torch.manual_seed(0)
     with torch.device(device):
-        clip_model = CLIP(**(TINY if tiny else BACKBONES["ViT-B/16"])).eval().requires_grad_(False)
+        clip_model = CLIP(**(TINY if tiny else VIT_B16)).eval().requires_grad_(False)
     L, H = clip_model.visual.transformer.layers, clip_model.visual.transformer.heads
     J, roles = dear.default_J(L), made_up_roles(L, H)
     per = [bench_setting(clip_model, roles, J, C, B, device, 0.05 if tiny else 1.0)
            for C, B in SETTINGS]
     costs, shortcuts = ([r for part in per for r in part[i]] for i in (0, 1))
-    tokens = clip.tokenize([TEMPLATE.format(c) for c in classnames(1000)])
-    length = float(tokens.argmax(-1).float().mean()) + 1
-    memory = [memory_estimate(*backbone, length) for backbone in BACKBONES.items()]
-    return {"J": J, "costs": costs, "shortcuts": shortcuts, "memory": memory}
+    return {"J": J, "costs": costs, "shortcuts": shortcuts}
 
 
 def table(header, rows):
@@ -303,12 +262,6 @@ def markdown(res, device, argv, tiny, elapsed):
               "loss without / with - 1")
     lines += table(header, [(s, where, g(a), g(b), f"{1 - a / b:.1%} of a step", f"{d:.0e}")
                             for s, where, a, b, d in res["shortcuts"]])
-    lines += ["", "Training memory per backbone, estimated (batch 32, 1000 classes, J = "
-              "dear.default_J):", ""]
-    header = ("backbone", "J", "trainable mmrlpp", "trainable mmrl", "frozen weights", "AdamW",
-              "for backward", "masks", "estimate")
-    lines += table(header, [(*r[:2], f"{r[2]:,}", f"{r[3]:,}", *(f"{x:.2f} GiB" for x in r[4:]))
-                            for r in res["memory"]])
     return "\n".join(lines + ["", __doc__.split("\n\n", 3)[3]])
 
 

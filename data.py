@@ -8,6 +8,7 @@ same seed, cached in <dataset>/split_fewshot/; base/novel classes are CoOp's.
 
 import argparse
 import collections
+import csv
 import errno
 import hashlib
 import json
@@ -211,15 +212,10 @@ def mismatch(value, schema, at="the document"):
         ok = number and math.isfinite(value)
     else:
         ok = isinstance(value, schema) and (schema is not int or not isinstance(value, bool))
-    return "" if ok else f"{at} = {json.dumps(value)[:40]} is not {describe(schema)}"
-
-
-def describe(schema):
-    if isinstance(schema, slice):
-        return f"a number in [{schema.start}, {schema.stop}]"
     names = {None: "null", float: "a finite number", int: "a whole number", str: "a string",
              bool: "true or false", dict: "an object", list: "a list"}
-    return names.get(schema, f"a {getattr(schema, '__name__', schema)}")
+    span = isinstance(schema, slice) and f"a number in [{schema.start}, {schema.stop}]"
+    return "" if ok else f"{at} = {json.dumps(value)[:40]} is not {span or names[schema]}"
 
 
 def read_torch(path, fix, schema=None):
@@ -397,8 +393,7 @@ def read_fgvc(spec, folder, fix):
         rows = [line.split(" ", 1) for line in read_text(path, fix)]
         bad = [" ".join(r) for r in rows if len(r) < 2 or r[1] not in label]
         if bad:
-            raise UserError(f"{path}: {bad[0]!r} is not '<image id> <a variant of variants.txt>'; "
-                            f"{fix}")
+            raise UserError(f"{path}: {bad[0]!r} is not '<image id> <variant>'; {fix}")
         split[s] = [(f"{image}.jpg", label[v], v) for image, v in rows]
     return os.path.join(folder, "images"), split
 
@@ -479,16 +474,11 @@ def read_folder(spec, folder, fix):
         rng.shuffle(images)
         n_train = max(1, round(0.5 * len(images)))
         n_val = min(round(0.2 * len(images)), len(images) - n_train - 1)
-        parts = {"train": images[:n_train], "val": images[n_train : n_train + n_val],
-                 "test": images[n_train + n_val :]}
+        cut = n_train + n_val
+        parts = {"train": images[:n_train], "val": images[n_train:cut], "test": images[cut:]}
         for s, part in parts.items():
             split[s] += [(p, label, c) for p in part]
     return folder, keep(path, split)
-
-
-def nested_images(class_dir):
-    """How many images lie in a class folder's sub-folders, which read_folder does not read."""
-    return sum(len(list_images(d)) for d, _, _ in os.walk(class_dir) if d != class_dir)
 
 
 READERS = {"json": read_coop, "fgvc": read_fgvc, "imagenet": read_imagenet, "variant": read_variant,
@@ -598,9 +588,10 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     ds = Dataset(name, train, val, test, list(names.values()), spec.template)
     if spec.reader not in CLIP_NAMES:
         check_prompts(ds.classnames, ds.template)
-    nested = 0
-    if spec.reader == "folder":
-        nested = sum(nested_images(os.path.join(folder, c)) for c in list_dirs(folder))
+    nested = 0  # images in a class folder's sub-folders, which read_folder does not read
+    for c in list_dirs(folder) if spec.reader == "folder" else []:
+        below = list(os.walk(os.path.join(folder, c)))[1:]  # its sub-folders, at any depth
+        nested += sum(len(list_images(d)) for d, _, _ in below)
     ds.warnings = dataset_warnings(ds, shots, spec.reader in TEST_ONLY, nested)
     for w in ds.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -658,15 +649,6 @@ def train_transform(size=224, min_scale=0.5):
     return T.Compose([crop, flip, T.ToTensor(), T.Normalize(clip.MEAN, clip.STD)])
 
 
-def test_transform(size=224):
-    """CLIP's preprocess, on an RGB image."""
-    import clip
-    from torchvision import transforms as T
-
-    resize = T.Resize(size, interpolation=T.InterpolationMode.BICUBIC)
-    return T.Compose([resize, T.CenterCrop(size), T.ToTensor(), T.Normalize(clip.MEAN, clip.STD)])
-
-
 class ImageList:
     """(path, label, ...) items -> (transform(RGB image), label): a map-style dataset for torch's
     DataLoader."""
@@ -685,72 +667,14 @@ class ImageList:
 
 # ------------------------------------------------------------------------------ downloads
 
-VGG = "https://www.robots.ox.ac.uk/~vgg/data"
-HF = "https://huggingface.co/datasets/torchgeo/eurosat/resolve/"
-HF += "c877bcd43f099cd0196738f714544e355477f3fd"
-BERKELEY = "https://people.eecs.berkeley.edu/~hendrycks"
+# assets/downloads.csv, a row per file: dataset, URL (drive:ID: Google Drive, CoOp's DATASETS.md),
+# MD5 (torchvision's tables) or "", saved as, done when this exists ("": the file itself); or, for
+# images without a stable public URL, what to fetch by hand. An archive is unpacked where it is
+# saved, then deleted.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "downloads.csv"),
+          encoding="utf-8") as f:
+    SOURCES = [tuple(row.values()) for row in csv.DictReader(f)]
 DRIVE = "https://drive.usercontent.google.com/download?export=download&confirm=t&id="
-NAMES = "drive:1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF"  # CoOp's imagenet/classnames.txt (CLIP's names)
-# (dataset, URL or drive:ID, MD5 (torchvision's tables) or "", saved as, done when this exists ("":
-# the file itself)). An archive is unpacked where it is saved, then deleted. Drive IDs: CoOp's
-# DATASETS.md.
-SOURCES = [
-    ("eurosat", f"{HF}/EuroSAT.zip", "c8fa014336c82ac7804f0398fcb19387", "eurosat/EuroSAT.zip",
-     "eurosat/2750"),
-    ("dtd", f"{VGG}/dtd/download/dtd-r1.0.1.tar.gz", "fff73e5086ae6bdbea199a49dfb8a4c1",
-     "dtd-r1.0.1.tar.gz", "dtd/images"),
-    ("oxford_pets", f"{VGG}/pets/data/images.tar.gz", "5c4f3ee8e5d25df40f4fd59a7f44e54c",
-     "oxford_pets/images.tar.gz", "oxford_pets/images"),
-    ("oxford_pets", f"{VGG}/pets/data/annotations.tar.gz", "95a8c909bbe2e81eed6a22bccdf3f68f",
-     "oxford_pets/annotations.tar.gz", "oxford_pets/annotations"),
-    ("oxford_flowers", f"{VGG}/flowers/102/102flowers.tgz", "52808999861908f626f3c1f4e79d11fa",
-     "oxford_flowers/102flowers.tgz", "oxford_flowers/jpg"),
-    ("oxford_flowers", f"{VGG}/flowers/102/imagelabels.mat", "e0620be6f572b9609742df49c70aed4d",
-     "oxford_flowers/imagelabels.mat", ""),
-    ("oxford_flowers", "drive:1AkcxCXeK_RCGCEC_GvmWxjcjaNhu-at0", "",
-     "oxford_flowers/cat_to_name.json", ""),
-    ("food101", "http://data.vision.ee.ethz.ch/cvl/food-101.tar.gz",
-     "85eeb15f3717b99a5da872d97d918f87", "food-101.tar.gz", "food-101/images"),
-    ("fgvc_aircraft", f"{VGG}/fgvc-aircraft/archives/fgvc-aircraft-2013b.tar.gz", "",
-     "fgvc-aircraft-2013b.tar.gz", "fgvc_aircraft/variants.txt"),
-    ("sun397", "http://vision.princeton.edu/projects/2010/SUN/SUN397.tar.gz",
-     "8ca2778205c41d23104230ba66911c7a", "sun397/SUN397.tar.gz", "sun397/SUN397"),
-    ("ucf101", "drive:10Jqome3vtUA2keJkNanAiFpgbyC9Hc2O", "", "ucf101/UCF-101-midframes.zip",
-     "ucf101/UCF-101-midframes"),
-    ("imagenet", NAMES, "", "imagenet/classnames.txt", ""),
-    ("imagenetv2", "https://s3-us-west-2.amazonaws.com/imagenetv2public/"
-     "imagenetv2-matched-frequency.tar.gz", "", "imagenetv2/imagenetv2-matched-frequency.tar.gz",
-     f"imagenetv2/{V2}"),
-    ("imagenetv2", NAMES, "", "imagenetv2/classnames.txt", ""),
-    ("imagenet_sketch", NAMES, "", "imagenet-sketch/classnames.txt", ""),
-    ("imagenet_a", f"{BERKELEY}/imagenet-a.tar", "", "imagenet-adversarial/imagenet-a.tar",
-     "imagenet-adversarial/imagenet-a"),
-    ("imagenet_a", NAMES, "", "imagenet-adversarial/classnames.txt", ""),
-    ("imagenet_r", f"{BERKELEY}/imagenet-r.tar", "", "imagenet-rendition/imagenet-r.tar",
-     "imagenet-rendition/imagenet-r"),
-    ("imagenet_r", NAMES, "", "imagenet-rendition/classnames.txt", ""),
-]
-SPLITS = {  # Drive IDs of CoOp's split files (DATASETS.md)
-    "caltech101": "1hyarUivQE36mY6jSomru6Fjd-JzwcCzN",
-    "oxford_pets": "1501r8Ber4nNKvmlFVQZ8SeUHTcdTTEqs",
-    "stanford_cars": "1ObCFbaAgVu0I-k_Au-gIUcefirdAuizT",
-    "oxford_flowers": "1Pp0sRXzZFZq15zVOzKjKBu4A9i01nozT",
-    "food101": "1QK0tGi096I0Ba6kggatX1ee6dJFIcEJl",
-    "sun397": "1y2RD81BYuiyvebdN-JymPfyWYcd8_MUq",
-    "dtd": "1u3_QfB467jqHgNXC00UIzbLZRQCg2S7x",
-    "eurosat": "1Ip7yaCWFi0eaOFUGga0lUdVi_DDQth1o",
-    "ucf101": "1I0S0q91hJfsV9Gf4xDIjgDq4AqBNJb1y",
-}
-MANUAL = {  # images without a stable public URL
-    "imagenet": "ImageNet from https://image-net.org into imagenet/images/{train,val}/<wnid>/",
-    "imagenet_sketch": "https://github.com/HaohanWang/ImageNet-Sketch into "
-                       "imagenet-sketch/images/<wnid>/",
-    "caltech101": "101_ObjectCategories.tar.gz (in caltech-101.zip of https://data.caltech.edu/"
-                  "records/mzrjq-6wc02) into caltech-101/101_ObjectCategories/",
-    "stanford_cars": "cars_train/, cars_test/ into stanford_cars/ (the original links are dead: "
-                     "KaiyangZhou/CoOp#61)",
-    "toyworld": "python toyworld.py dataset --root DATA",
-}
 ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz")
 
 
@@ -772,12 +696,11 @@ def fetch(url, md5, path):
         atomic_write(path, get)
         return True
     except RuntimeError:  # download_url's MD5 check
-        raise UserError(f"{path}: the download does not have the MD5 {md5} of {url}; run the "
-                        "command again") from None
+        raise UserError(f"{path}: not the MD5 {md5} of {url}; run the command again") from None
     except OSError:
         if not drive:
             raise
-    print(f"fetch by hand: https://drive.google.com/file/d/{url[6:]}/view and save it as {path}",
+    print(f"fetch by hand: https://drive.google.com/file/d/{url[6:]}/view, as {path}",
           file=sys.stderr)
     return False
 
@@ -811,11 +734,10 @@ def download(name, root):
     if name not in DATASETS:
         raise UserError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     root = os.path.abspath(os.path.expanduser(root))
-    spec = DATASETS[name]
-    rows = [s[1:] for s in SOURCES if s[0] == name]
-    if name in SPLITS:
-        rows.append((f"drive:{SPLITS[name]}", "", f"{spec.folder}/split_zhou_{spec.coop}.json", ""))
-    for url, md5, path, done in rows:
+    for _, url, md5, path, done, by_hand in [s for s in SOURCES if s[0] == name]:
+        if by_hand:
+            print(f"by hand: {by_hand} (under {root})", file=sys.stderr)
+            continue
         path = os.path.join(root, path)
         done = os.path.join(root, done or path)
         unpacking = done != path and os.path.exists(path)  # an archive whose unpacking was cut off
@@ -830,8 +752,6 @@ def download(name, root):
         if name == "fgvc_aircraft":  # the archive's fgvc-aircraft-2013b/data: CoOp's fgvc_aircraft/
             unpacked = os.path.join(root, "fgvc-aircraft-2013b", "data")
             os.replace(unpacked, os.path.join(root, "fgvc_aircraft"))
-    if name in MANUAL:
-        print(f"by hand: {MANUAL[name]} (under {root})", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -855,20 +775,18 @@ POSITIVE = number(int, lambda v: v >= 1, "a whole number >= 1")
 
 def check_or_download(argv):
     epilog = f"datasets: {', '.join(DATASETS)}, or folder:PATH (one sub-folder per class)"
-    parser = Parser(description="Check or download the CoOp datasets (DATASETS.md layout).",
+    parser = Parser(description="Check or download the CoOp datasets, in CoOp's layout.",
                     epilog=epilog)
     sub = parser.add_subparsers(dest="command", required=True)
     check_p = sub.add_parser("check", help="read datasets and print a summary of each")
-    check_p.add_argument("--shots", type=POSITIVE, default=-1, help="training images per class "
-                         "(default: all)")
+    check_p.add_argument("--shots", type=POSITIVE, default=-1, help="per class (default: all)")
     check_p.add_argument("--seed", type=POSITIVE, default=1)
     check_p.add_argument("--subsample", choices=["all", "base", "novel"], default="all")
     check_p.add_argument("--open", action="store_true", help="also open every image")
     down_p = sub.add_parser("download", help="download datasets into --root")
     for p in (check_p, down_p):
         p.add_argument("names", nargs="+", metavar="NAME")
-        p.add_argument("--root", default=DEFAULT_ROOT, help="the datasets' folder (default: $DATA, "
-                       "else data)")
+        p.add_argument("--root", default=DEFAULT_ROOT, help="the datasets ($DATA, else data)")
     args = parser.parse_args(argv)
     failed = False
     for name in args.names:  # each dataset's error on its line: one call names all that is missing

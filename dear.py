@@ -7,6 +7,13 @@ Read top to bottom: 1. the attribute tokens, 2. the role-based mask, 3. the DeAR
 Blocks count from 1 in the paper (J = 9: the tokens enter block 9 of 12), in the flags and in the
 roles files, and from 0 in the code. DeAR.__init__ converts once: self.blocks = range(J - 1, L) are
 the vision blocks that hold the tokens, and self.roles[i] the head roles of the i-th of them.
+
+examples:
+  python dear.py --dataset toyworld                  # offline, a tiny CLIP, minutes on a CPU
+  python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16
+  python dear.py predict --load RUN a.jpg --explain x.png   # classify and explain your own images
+environment: DATA (default --root), CLIP_CACHE (checkpoints, the toy CLIP, head roles; default
+  ~/.cache/clip)
 """
 
 import argparse
@@ -127,11 +134,11 @@ def role_mask(head_roles, num_patches, variant="role"):
 
 # 3. The DeAR module
 #
-# The text side, stated plainly (DeAR.text_features_plain): every prompt runs whole; from block J
-# the K tokens sit right after SOT (inserted at J, mixed after it, as in the image tower); the
-# causal mask grows by K, so the tokens see SOT and the words see the tokens; each prompt is read at
-# its EOT, now K positions later. encode_classes computes exactly that, faster (the tests compare
-# the two; BENCH.md gives each shortcut's share of a training step's FLOPs):
+# The text side, stated plainly (tests/test_dear.py, hand_text, writes it out): every prompt runs
+# whole; from block J the K tokens sit right after SOT (inserted at J, mixed after it, as in the
+# image tower); the causal mask grows by K, so the tokens see SOT and the words see the tokens; each
+# prompt is read at its EOT, now K positions later. encode_classes computes exactly that, faster
+# (the tests compare the two; BENCH.md gives each shortcut's share of a training step's FLOPs):
 # - blocks 1..J-1 and t^0 run once per class list (set_classes), not once per step;
 # - the prompts' shared start (SOT and the template's first words) runs once per block: causal, it
 #   sees only itself, so its states are equal in every prompt;
@@ -152,7 +159,6 @@ class PromptGroup(NamedTuple):
 class Prompts(NamedTuple):
     """What set_classes computes once for a class list."""
 
-    tokens: torch.Tensor  # [C, T]: the tokenized prompts
     shared: torch.Tensor  # [1, S, W]: block J's input at the first S positions, the same in each
     groups: list  # [PromptGroup]
     order: torch.Tensor  # [C]: the groups' prompts back in class order
@@ -242,8 +248,7 @@ class DeAR(nn.Module):
         fused = fuse(logits, self.alpha())  # [B, C]  sum_k alpha_k logits_k
         f0 = None if f0 is None else f0.float()
         f_attr = feats[:, 1:]
-        return {"logits": logits, "fused": fused, "f_cls": feats[:, 0], "f_attr": f_attr, "f0": f0,
-                "t": t}
+        return dict(logits=logits, fused=fused, f_cls=feats[:, 0], f_attr=f_attr, f0=f0, t=t)
 
     def frozen_prefix(self, images):
         """Blocks 1..J-1, without autograd: [B, 3, R, R] -> [B, 1+P, D]."""
@@ -299,11 +304,11 @@ class DeAR(nn.Module):
                 t0.append(m.text_head(frozen, pick))  # [c, E]
                 groups.append(PromptGroup(x[:, S:], rows - S, pick, idx))
         order = torch.cat([g.classes for g in groups]).argsort()
-        self.prompts = Prompts(tokens, x[:1, :S], groups, order)
+        self.prompts = Prompts(x[:1, :S], groups, order)
         self.t0 = F.normalize(torch.cat(t0)[order], dim=-1)  # [C, E]
 
     def encode_classes(self):
-        """t [C, E]: text_features_plain's result, from set_classes' Prompts."""
+        """t [C, E]: the text side stated above, from set_classes' Prompts."""
         if not self.use_tokens:
             return self.t0
         m, p = self.clip, self.prompts
@@ -319,20 +324,6 @@ class DeAR(nn.Module):
                 shared = m.run_text_blocks(shared, b, b + 1)
         t = torch.cat([m.text_head(x, g.pick) for x, g in zip(states, p.groups)])  # group order
         return F.normalize(t[p.order], dim=-1)  # [C, E]
-
-    def text_features_plain(self):
-        """t [C, E] as the text side is stated (encode_classes gives the same, faster): every prompt
-        whole, the K tokens right after SOT from block J on, the causal mask over T + K positions,
-        each prompt read at its EOT + K."""
-        m, tokens = self.clip, self.prompts.tokens
-        x = m.embed_text(tokens)  # [C, T, W]
-        for b in range(m.transformer.layers):
-            if b in self.text_blocks:
-                i = b - self.text_blocks.start
-                fresh = self.F_t(self.R, i)  # [K, W]
-                x = insert(x, fresh) if i == 0 else mix(x, fresh, self.beta)  # [C, T + K, W]
-            x = m.run_text_blocks(x, b, b + 1)
-        return F.normalize(m.text_head(x, tokens.argmax(-1) + K), dim=-1)
 
     def attention_maps(self, images):
         """What CLS (every head) and each attribute token (its expert heads; the mixed heads where
@@ -446,36 +437,27 @@ class Config:
     root: str = opt(data.DEFAULT_ROOT, "the datasets' folder ($DATA, else data)", kind="place")
     protocol: str = opt("b2n", "base-to-novel, few-shot, or cross-dataset (train, then --targets)",
                         choices=("b2n", "fewshot", "xd"), kind="run")
-    method: str = opt("dear", "zeroshot: frozen CLIP through the same code",
-                      choices=("dear", "zeroshot"), kind="run")
+    method: str = opt("dear", "or zero-shot CLIP", choices=("dear", "zeroshot"), kind="run")
     shots: int = opt(16, "training images per class", POSITIVE, kind="run")
     seed: int = opt(1, "seed of the few-shot subset and the run", SEED, kind="run")
-    backbone: str = opt(None, "ViT-B/32, ViT-B/16, ViT-L/14, ViT-L/14@336px, toy, or a file "
-                        "(default: ViT-B/16; toyworld: toy)")
+    backbone: str = opt(None, "ViT-B/16 (default; toyworld: toy), -B/32, -L/14(@336px), a file")
     targets: list = opt(None, "xd targets, comma-separated or repeated (default: ImageNet's 4 "
                         "variants and the other 10 datasets)", action="append", kind="run")
     out: str = opt("runs", "output root; every run gets its own folder", kind="place")
     J: int = opt(None, "tokens enter block J, from 1 (default: the last third: 9 of 12)", POSITIVE)
     beta: float = opt(None, "token mixing (default: MMRL++'s table, else 0.9)", UNIT)
-    lambda_reg: float = opt(None, "self-regularisation (default: MMRL++'s table, else 1.0; xd "
-                            "source 0.1)", NONNEG)
+    lambda_reg: float = opt(None, "default: MMRL++'s table, else 1.0; xd source 0.1", NONNEG)
     lambda_fusion: float = opt(1.0, "weight of -log alpha_cls", NONNEG)
     alpha_cls: float = opt(0.7, "initial alpha_cls (each token: (1 - alpha_cls) / 5)", OPEN)
     rep_dim: int = opt(512, "width of the shared token matrix R", POSITIVE)
-    tokens: str = opt("mmrlpp", "MMRL++'s token parameters (a shared aligner + rank-4 residuals, "
-                      "P_attr = proj + rank 64) or MMRL's (a full aligner per block and P_attr)",
-                      choices=("mmrlpp", "mmrl"))
-    mask: str = opt("role", "per-head mask or an ablation",
-                    choices=("role", "generalization-only", "none"))
-    attr_tokens: bool = opt(True, "ablation: no attribute tokens (frozen CLIP)",
-                            flag="--no-attr-tokens")
-    novel_logits: str = opt("fused", "novel classes, xd targets (cls: MMRL's)",
-                            choices=("fused", "cls"))
-    target_beta: str = opt("table", "xd targets: MMRL++'s beta or the source's",
-                           choices=("table", "source"))
+    tokens: str = opt("mmrlpp", "MMRL++'s (a shared aligner + rank-4 residuals, P_attr = proj + "
+                      "rank 64) or MMRL's (full ones)", choices=("mmrlpp", "mmrl"))
+    mask: str = opt("role", "per-head mask", choices=("role", "generalization-only", "none"))
+    attr_tokens: bool = opt(True, "no attribute tokens (frozen CLIP)", flag="--no-attr-tokens")
+    novel_logits: str = opt("fused", "novel, xd targets (cls: MMRL's)", choices=("fused", "cls"))
+    target_beta: str = opt("table", "xd targets: MMRL++'s beta", choices=("table", "source"))
     roles: str = opt(None, "roles JSON written by entropy.py (default: computed once, cached)")
-    roles_control: str = opt("none", "random: each block's roles shuffled (by --seed); oracle: the "
-                             "toy's ground truth", choices=("none", "random", "oracle"))
+    roles_control: str = opt("none", "random: each block's shuffled", choices=("none", "random"))
     epochs: int = opt(None, "default: b2n 10 (ImageNet 5, toy 20), fewshot 100 (ImageNet 5, toy "
                       "50), xd 1", POSITIVE)
     batch_size: int = opt(None, "default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)", POSITIVE)
@@ -485,19 +467,17 @@ class Config:
     weight_decay: float = opt(5e-4, "AdamW weight decay", NONNEG)
     crop_scale: float = opt(None, "smallest area of a training crop (default 0.5, toy 1)", CROP)
     eval_batch_size: int = opt(100, "evaluation batch size", POSITIVE, kind="place")
-    workers: int = opt(None, "data-loading processes (default: up to 4); no result depends on it",
-                       COUNT, kind="place")
+    workers: int = opt(None, "loader processes (default: up to 4)", COUNT, kind="place")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N", kind="place")
     precision: str = opt("amp", "amp: fp16 + GradScaler on CUDA, fp32 on a CPU (MMRL's); the head "
                          "and the loss in fp32 always", choices=("amp", "fp16", "bf16", "fp32"))
     eval_precision: str = opt("fp32", "as MMRL's test()", choices=("fp32", "fp16", "bf16"))
-    eval_only: bool = opt(False, "evaluate the run of --load on --dataset / --protocol, into "
-                          "RUN/eval/<protocol>-<dataset>/", kind="run")
+    eval_only: bool = opt(False, "evaluate --load's run, into RUN/eval/<protocol>-<dataset>/",
+                          kind="run")
     load: str = opt(None, "a finished run folder", kind="place")
     resume: bool = opt(False, "continue an interrupted run from its last epoch", kind="place")
     force: bool = opt(False, "redo a finished run, or restart an interrupted one", kind="place")
-    roles_only: bool = opt(False, "only compute (or find) the head roles, into OUT/roles/J<J>/",
-                           kind="place")
+    roles_only: bool = opt(False, "only the head roles, into OUT/roles/J<J>/", kind="place")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -515,8 +495,7 @@ READS = {
                   "load", "force", *PLACE],
     "roles-only": ["dataset", "backbone", "J", "out", "roles_only", *PLACE],
 }
-CALLS = {"dear": "a DeAR run", "zeroshot": "--method zeroshot", "eval-only": "--eval-only",
-         "roles-only": "--roles-only"}
+CALLS = {"dear": "a DeAR run", "zeroshot": "--method zeroshot"}  # the others: their flags
 
 
 def flag(name):
@@ -525,7 +504,8 @@ def flag(name):
 
 def parse_args(argv=None) -> Config:
     parser = data.Parser(description="DeAR: adapt CLIP with attribute tokens and role-based masks.",
-                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=__doc__[__doc__.index("examples:") :])
     group = parser.add_argument_group("what to run")
     for name, f in FIELDS.items():
         m = {k: v for k, v in f.metadata.items() if k not in ("flag", "kind")}
@@ -541,29 +521,17 @@ def parse_args(argv=None) -> Config:
     return Config(**vars(parser.parse_args(argv)))
 
 
-EXAMPLES = """examples:
-  python dear.py --dataset toyworld                  # offline, a tiny CLIP, minutes on a CPU
-  python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16
-  python dear.py predict --load RUN a.jpg --explain x.png   # classify and explain your own images
-environment: DATA (default --root), CLIP_CACHE (checkpoints, the toy CLIP, head roles; default
-  ~/.cache/clip)"""
-
-
-def mode(c: Config):
-    """What a call does: "dear" (train, then evaluate), "zeroshot", "eval-only" or "roles-only"."""
-    return "roles-only" if c.roles_only else "eval-only" if c.eval_only else c.method
-
-
 def refuse_unread(cfg: Config):
-    """Refuse each flag that the call sets and does not read (READS)."""
-    call = mode(cfg)
+    """Refuse each flag that the call sets and does not read (READS): a call is "dear" (train, then
+    evaluate), "zeroshot", "eval-only" or "roles-only"."""
+    call = "roles-only" if cfg.roles_only else "eval-only" if cfg.eval_only else cfg.method
     for name, f in FIELDS.items():
         if getattr(cfg, name) == f.default:
             continue
         if name not in READS[call]:
             carried = call == "eval-only" and name in RECORDED
             why = "it takes the run's own" if carried else "drop it"
-            raise UserError(f"{flag(name)} is not read by {CALLS[call]}: {why}")
+            raise UserError(f"{flag(name)} is not read by {CALLS.get(call, '--' + call)}: {why}")
         if name in ("targets", "target_beta") and cfg.protocol != "xd":
             raise UserError(f"{flag(name)} is read by --protocol xd only: drop it, or add it")
 
@@ -625,15 +593,13 @@ def resolve_device(c: Config):
     """auto: CUDA where there is one, else the CPU; a device this machine lacks is refused here."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", c.device):
         raise UserError(f"--device {c.device!r}: choose auto, cpu, cuda or cuda:N")
-    cuda = torch.cuda.is_available()
-    device = ("cuda" if cuda else "cpu") if c.device == "auto" else c.device
-    if device.startswith("cuda"):
-        if not cuda:
-            raise UserError(f"--device {device}: CUDA is not available here")
-        if (torch.device(device).index or 0) >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: {torch.cuda.device_count()} CUDA devices here")
-        if "bf16" in (c.precision, c.eval_precision) and not torch.cuda.is_bf16_supported():
-            raise UserError("--precision bf16: this GPU has no bfloat16; use fp16")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ("cuda" if count else "cpu") if c.device == "auto" else c.device
+    if device.startswith("cuda") and (torch.device(device).index or 0) >= count:
+        raise UserError(f"--device {device}: this machine has {count} CUDA devices")
+    bf16 = "bf16" in (c.precision, c.eval_precision)
+    if bf16 and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise UserError("--precision bf16: this GPU has no bfloat16; use fp16")
     return device
 
 
@@ -715,8 +681,8 @@ def train(model, ds, c: Config, ckpt, log):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
         batches = [[(i, seed * 2**24 + i) for i in order[s * c.batch_size : (s + 1) * c.batch_size]]
                    for s in range(steps)]
-        loader = torch.utils.data.DataLoader(images, batch_sampler=batches, num_workers=c.workers,
-                                             pin_memory=cuda)
+        loader = torch.utils.data.DataLoader(images, batch_sampler=batches,
+                                             num_workers=c.workers, pin_memory=cuda)
         model.train()
         for step, (x, y) in enumerate(loader):
             x = x.to(device, non_blocking=True)
@@ -757,8 +723,7 @@ def resume(ckpt, model, opt, scaler, c: Config):
     fix = "--force starts the run again"
     state = data.read_torch(ckpt, fix, CHECKPOINT)
     if state["precision"] != c.precision:
-        raise UserError(f"{ckpt}: written with --precision {state['precision']}; resume with it, "
-                        "or --force")
+        raise UserError(f"{ckpt}: of --precision {state['precision']}; resume with it, or --force")
     if not 1 <= state["epoch"] <= c.epochs:
         raise UserError(f"{ckpt}: holds epoch {state['epoch']}, not one of 1..{c.epochs}; {fix}")
     model.load_trainable(state["model"], ckpt)
@@ -776,7 +741,7 @@ def evaluate(model, items, classnames, template, c: Config, rule="fused", log=pr
     device = torch.device(c.device)
     model.eval().set_classes(classnames, template)
     amp = AMP[c.eval_precision]
-    images = data.ImageList(items, data.test_transform(model.clip.visual.input_resolution))
+    images = data.ImageList(items, clip.transform(model.clip.visual.input_resolution))
     loader = torch.utils.data.DataLoader(images, batch_size=c.eval_batch_size,
                                          num_workers=c.workers, pin_memory=device.type == "cuda")
     correct = torch.zeros(len(classnames), dtype=torch.long, device=device)  # per true class
@@ -839,8 +804,7 @@ def run_dir(c: Config):
     <variant>-shots<K>-seed<S>/, the variant `default` or the flags that differ from the dataset's
     defaults (`mask-none_J-7`); a folder:PATH dataset is named by its folder and its path's hash;
     --eval-only: RUN/eval/<protocol>-<dataset>/."""
-    base = resolve(Config(dataset=c.dataset, protocol=c.protocol, backbone=c.backbone,
-                          device=c.device))
+    base = resolve(Config(c.dataset, protocol=c.protocol, backbone=c.backbone, device=c.device))
     names = [n for n in READS[c.method] if FIELDS[n].metadata["kind"] == "variant"]
     changed = {n: getattr(c, n) for n in names if getattr(c, n) != getattr(base, n)}
     if c.backbone != resolve(Config(dataset=c.dataset)).backbone:
@@ -901,8 +865,7 @@ class RunFolder:
         done = os.path.exists(self.file("results.json"))
         interrupted = os.path.exists(self.file("checkpoint.pt"))
         if interrupted and not (done or self.c.resume):
-            raise UserError(f"{self.path} holds an interrupted run: --resume continues it, --force "
-                            "starts it again")
+            raise UserError(f"{self.path}: an interrupted run; --resume goes on, --force restarts")
         if not (done or (interrupted and self.c.resume)):
             return None
         docs = [read_config(self.path)]
@@ -1034,8 +997,8 @@ def run(cfg: Config, echo=True):
             entropy.write_report(entropy.read_roles(folder.file("roles.json")), path)
         classes = [k for ds, split, _ in evals if ds is train_set or split == "novel"
                    for k in ds.classnames]  # base and novel
-        data.write_json(folder.file("config.json"),
-                        {**record, "classes": classes, "template": train_set.template})
+        record_run = {**record, "classes": classes, "template": train_set.template}
+        data.write_json(folder.file("config.json"), record_run)
 
         t0 = time.time()
         stats = None
@@ -1054,8 +1017,8 @@ def run(cfg: Config, echo=True):
                    "train_shots": train_set.shots_per_class, "warnings": warnings}
         for ds, split, rule in evals:
             model.beta = eval_beta(c, ds.name)  # xd targets: MMRL++'s test-time beta
-            r = evaluate(model, ds.test, ds.classnames, ds.template, c, rule, folder.log,
-                         f"{ds.name}/{split}")
+            what = f"{ds.name}/{split}"
+            r = evaluate(model, ds.test, ds.classnames, ds.template, c, rule, folder.log, what)
             beta = model.beta if model.use_tokens else None  # zero-shot CLIP has no tokens to mix
             results["evals"].append({"dataset": ds.name, "split": split, "beta": beta, **r})
             how = f"{rule} logits, beta {beta}" if model.use_tokens else "zero-shot CLIP"
@@ -1090,8 +1053,11 @@ def draw_explain(rows, path, size=160):
     """The --explain sheet, a row per image: its title (file, prediction), the image, then a tile
     per map: the image in grey under the map's heat (each patch's share of the attention, on the
     scale at the row's end). rows: (title, image, maps [1+K, P], labels, heads per map)."""
-    sheets = []
-    for title, image, maps, labels, heads in rows:
+    height = size + 44
+    scale = Image.fromarray(heat(np.linspace(1, 0, size)[:, None].repeat(24, 1)))  # 1 at the top
+    page = Image.new("RGB", (size * (2 + K) + 90, height * len(rows)), "white")
+    draw = ImageDraw.Draw(page)
+    for y, (title, image, maps, labels, heads) in zip(range(0, page.height, height), rows):
         grey = np.asarray(image.convert("L").resize((size, size)), dtype=float)[..., None]
         top = float(maps.max().clamp_min(1e-12))
         g = int(maps.shape[-1] ** 0.5)
@@ -1099,33 +1065,25 @@ def draw_explain(rows, path, size=160):
         for m, hs in zip(maps, heads):
             share = Image.fromarray((m.view(g, g) / top).numpy().astype(np.float32))
             share = np.asarray(share.resize((size, size), Image.BICUBIC)).clip(0, 1)
-            tile = Image.fromarray((0.35 * grey + 0.65 * heat(share)).astype(np.uint8))
-            if not hs:
-                tile = Image.new("RGB", (size, size), "white")
+            tiles.append(Image.fromarray((0.35 * grey + 0.65 * heat(share)).astype(np.uint8)))
+            if not hs:  # no head lets this token see the patches: say so
+                tiles[-1] = Image.new("RGB", (size, size), "white")
                 note = "no head of the last\nblock lets it see\nthe patches"
-                ImageDraw.Draw(tile).text((6, size // 2 - 18), note, fill="black")
-            tiles.append(tile)
-        sheet = Image.new("RGB", (size * len(tiles) + 90, size + 44), "white")
-        draw = ImageDraw.Draw(sheet)
-        draw.text((4, 2), title, fill="black")
+                ImageDraw.Draw(tiles[-1]).text((6, size // 2 - 18), note, fill="black")
+        draw.text((4, y + 2), title, fill="black")
         for i, (tile, label) in enumerate(zip(tiles, ["image"] + labels)):
-            sheet.paste(tile, (i * size, 44))
-            draw.text((i * size + 2, 18), label, fill="black")
+            page.paste(tile, (i * size, y + 44))
+            draw.text((i * size + 2, y + 18), label, fill="black")
         x = size * len(tiles) + 8
-        sheet.paste(Image.fromarray(heat(np.linspace(1, 0, size)[:, None].repeat(24, 1))), (x, 44))
-        draw.text((x, 18), "attention\nper patch", fill="black")
-        draw.text((x + 28, 44), f"{100 * top:.1f}%", fill="black")
-        draw.text((x + 28, 32 + size), "0%", fill="black")
-        sheets.append(sheet)
-    page = Image.new("RGB", (sheets[0].width, sum(s.height for s in sheets)), "white")
-    for i, sheet in enumerate(sheets):
-        page.paste(sheet, (0, i * sheet.height))
+        page.paste(scale, (x, y + 44))
+        draw.text((x, y + 18), "attention\nper patch", fill="black")
+        draw.text((x + 28, y + 44), f"{100 * top:.1f}%", fill="black")
+        draw.text((x + 28, y + 32 + size), "0%", fill="black")
     data.atomic_write(path, lambda tmp: page.save(tmp, format="PNG"))
 
 
 def predict(argv):
-    parser = data.Parser(prog="dear.py predict", description="Classify (and explain) your images "
-                         "with a finished run.")
+    parser = data.Parser(prog="dear.py predict", description="Classify (and explain) images.")
     parser.add_argument("images", nargs="+", help="image files")
     parser.add_argument("--load", required=True, help="a finished run folder")
     parser.add_argument("--classes", help="a file of class names, one a line (default: the run's)")
@@ -1148,7 +1106,7 @@ def predict(argv):
     data.check_prompts(names, template)
     model.eval().set_classes(names, template)
     images = [data.open_image(f) for f in a.images]
-    preprocess = data.test_transform(model.clip.visual.input_resolution)
+    preprocess = clip.transform(model.clip.visual.input_resolution)
     x = torch.stack([preprocess(im) for im in images]).to(c.device)
     with torch.no_grad():
         out = model(x)

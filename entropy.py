@@ -49,8 +49,7 @@ def read_pool(path):
             pool.append((text.strip(), concept.strip() or None))
     unknown = {c for _, c in pool} - {None, *CONCEPTS}
     if unknown:
-        raise data.UserError(f"{path}: unknown concepts {sorted(unknown)}; use "
-                             f"{', '.join(CONCEPTS)}")
+        raise data.UserError(f"{path}: unknown concepts {sorted(unknown)}; use {CONCEPTS}")
     if not pool:
         raise data.UserError(f"{path}: no descriptions; write one a line")
     return pool
@@ -196,13 +195,6 @@ class GramStatistics:
         return self.count, self.mean[index], self.scatter[index]
 
 
-def textspan(contributions, text_embeddings, n=20, rank=80):
-    """TextSpan for one head from its stored contributions [N, E]."""
-    stats = GramStatistics((), contributions.shape[-1], contributions.device)
-    stats.add(contributions)
-    return textspan_from_statistics(*stats.head(()), text_embeddings, n, rank)
-
-
 def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=80):
     """TextSpan's greedy picks for one head (`replace_with_iterative_removal`): the indices of the
     n texts [T, E] that best span its contributions C across images, in pick order.
@@ -224,8 +216,7 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
         j = int(((texts @ K) * texts).sum(-1).argmax())
         norm = texts[j].norm()
         if norm < 1e-12:
-            raise data.UserError(f"the texts span only {len(picks)} directions of a head, fewer "
-                                 f"than --n {n}")
+            raise data.UserError(f"the texts span {len(picks)} directions of a head, not --n {n}")
         picks.append(j)
         u = texts[j] / norm  # [E]
         Ku = K @ u
@@ -268,7 +259,7 @@ def assign_role(entropy, P, low, high):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. Ground truth (the toy world): what each head's contribution encodes, and the controls
+# 5. Ground truth (the toy world): what each head's contribution encodes; the random control
 
 
 def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
@@ -314,44 +305,23 @@ def best_factor(skills):
 
 
 def control_roles(roles, control, seed):
-    """The roles DeAR masks with under --roles-control; roles {block: [head dicts]}.
-
-    "random": each block's roles shuffled (seeded by seed and block): its counts of each role and
-    attribute are kept, only which head holds which is chance. "oracle": the heads of all blocks
-    ranked by the lead of their best-decoded factor (the toy world's "skill"); the top ones become
-    attribute heads of that factor, the bottom ones generalization heads, the rest mixed, in the
-    numbers of the given roles (specialists count as generalization: DeAR masks them alike)."""
+    """The roles DeAR masks with under --roles-control; roles {block: [head dicts]}. "random":
+    each block's roles shuffled (seeded by seed and block): its counts of each role and attribute
+    are kept, only which head holds which is chance."""
     if control == "none":
         return roles
-    if control == "random":
-        out = {}
-        for b, heads in roles.items():
-            g = torch.Generator().manual_seed(1000 * seed + b)
-            out[b] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
-        return out
-    heads = [(b, h, e) for b, entries in roles.items() for h, e in enumerate(entries)]
-    if control != "oracle" or not all(e.get("skill") for _, _, e in heads):
-        raise data.UserError(f"--roles-control {control} needs roles with the toy world's "
-                             "ground-truth skills")
-    n_attr = sum(e["role"] == "attribute" for _, _, e in heads)
-    n_gen = sum(e["role"] in ("generalization", "specialist") for _, _, e in heads)
-    out = {b: list(entries) for b, entries in roles.items()}
-    ranked = sorted(heads, key=lambda t: -best_factor(t[2]["skill"])[1])
-    for rank, (b, h, e) in enumerate(ranked):
-        if rank < n_attr:
-            role = {"role": "attribute", "attribute": best_factor(e["skill"])[0]}
-        else:
-            role = {"role": "generalization" if rank >= len(heads) - n_gen else "mixed",
-                    "attribute": None}
-        out[b][h] = {**e, **role}
+    out = {}
+    for b, heads in roles.items():
+        g = torch.Generator().manual_seed(1000 * seed + b)
+        out[b] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
     return out
 
 
 # ------------------------------------------------------------------------------------------------
 # 6. The roles file and its report
 
-HEAD = {"layer": int, "head": int, "role": str, "attribute": (str, None), "entropy": float,
-        "P": dict, "texts": [str]}
+HEAD = dict(layer=int, head=int, role=str, attribute=(str, None), entropy=float, P=dict,
+            texts=[str])
 ROLES_DOC = {"format": str, "model": str, "checkpoint_sha256": str, "num_layers": int,
              "num_heads": int, "layers": [int], "texts_per_head": int, "rank": int,
              "thresholds": {"low": float, "high": float},
@@ -424,8 +394,7 @@ def ties(doc):
     for name, role in (("low", "specialists"), ("high", "generalization heads")):
         k = sum(e["entropy"] == t[name] for e in doc["heads"])
         if k > 1:
-            said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits) and all "
-                        f"become {role}")
+            said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits): {role}")
     if not said:
         return ""
     counts = ", ".join(f"{sum(e['role'] == r for e in doc['heads'])} {r}" for r in ROLES)
@@ -458,8 +427,8 @@ def write_report(doc, out_dir):
         for e in doc["heads"]:
             best, lead = best_factor(e["skill"])
             accuracy = " | ".join(f"{100 * e['decoding'][f]:.0f}" for f in chance)
-            md.append(f"| {e['layer']} | {e['head']} | {short_role(e)} | {accuracy} | {best} "
-                      f"(+{lead:.2f}) |")
+            head = f"| {e['layer']} | {e['head']} | {short_role(e)} |"
+            md.append(f"{head} {accuracy} | {best} (+{lead:.2f}) |")
     md += ["", "## Heads", ""]
     for e in doc["heads"]:
         ranked = sorted(e["P"].items(), key=lambda kv: -kv[1])
@@ -553,8 +522,8 @@ def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, fa
             li, h = divmod(i, visual.heads)
             e["decoding"] = {f: truth["accuracy"][f][li][h] for f in factors}
             e["skill"] = {f: truth["skill"][f][li][h] for f in factors}
-        doc["decoding"] = {"probe": "ridge least squares, 2-fold cross-validation",
-                           "chance": truth["chance"]}
+        probe = "ridge least squares, 2-fold cross-validation"
+        doc["decoding"] = {"probe": probe, "chance": truth["chance"]}
     return {**doc, "heads": heads}
 
 
@@ -609,9 +578,9 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
         chosen = random.Random(o["seed"]).sample(range(len(items)), o["max_images"])
         items = [items[i] for i in sorted(chosen)]
     texts, concepts = label_pool(model, builtin, user)
-    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images of {dataset}, "
-        f"{len(texts)} texts")
-    images = data.ImageList(items, data.test_transform(model.visual.input_resolution))
+    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images, {len(texts)} "
+        "texts")
+    images = data.ImageList(items, clip.transform(model.visual.input_resolution))
     loader = torch.utils.data.DataLoader(images, o["batch_size"], num_workers=o["workers"])
     factors = toyworld.factor_labels([p for p, _, _ in items]) if dataset == "toyworld" else None
     doc = compute_roles(model, loader, texts, concepts, layers, n, o["rank"], o["low"], o["high"],
@@ -640,30 +609,22 @@ def load_backbone(name, device):
 
 
 def roles_of(argv):
-    p = data.Parser(description="Concept Entropy: the roles of CLIP's attention heads "
-                    "(roles.json, roles.md, roles.png)")
+    p = data.Parser(description="Concept Entropy: the roles of CLIP's attention heads.")
     count = data.number(int, lambda v: v >= 0, "a count >= 0")
     bits = data.number(float, lambda v: True, "a finite number")
     p.add_argument("--backbone", default="ViT-B/16", help="a CLIP name, a checkpoint file or toy")
     p.add_argument("--dataset", required=True, help="probe dataset: a data.py name or folder:PATH")
-    p.add_argument("--root", default=data.DEFAULT_ROOT, help="the datasets' folder ($DATA, else "
-                   "data)")
+    p.add_argument("--root", default=data.DEFAULT_ROOT, help="the datasets ($DATA, else data)")
     p.add_argument("--split", default="test", choices=("test", "train"), help="probe split (test: "
                    "ImageNet val, as TextSpan)")
-    p.add_argument("--layers", type=parse_blocks, help="blocks from 1, e.g. 9-12 (default: the "
-                   "last four)")
-    p.add_argument("--max-images", type=data.POSITIVE, help="a seeded sample of this many images "
-                   "(default: all)")
+    p.add_argument("--layers", type=parse_blocks, help="blocks from 1, e.g. 9-12 (default: last 4)")
+    p.add_argument("--max-images", type=data.POSITIVE, help="a sample of this many (default: all)")
     p.add_argument("--seed", type=count, default=0, help="seed of that sample")
     p.add_argument("--n", type=data.POSITIVE, help="TextSpan's texts per head (default 20; toy: 5)")
     p.add_argument("--rank", type=data.POSITIVE, default=80, help="TextSpan's SVD rank")
-    p.add_argument("--low", type=bits, help="H <= low bits: specialist (default: the 1/3 quantile)")
-    p.add_argument("--high", type=bits, help="H >= high bits: generalization (default: the 2/3 "
-                   "quantile)")
-    p.add_argument("--pool", choices=("default", "toy"), help="built-in pool (default: toy for the "
-                   "toy CLIP)")
-    p.add_argument("--texts", help="your pool: a description per line, labelled by the nearest "
-                   "--pool concept")
+    p.add_argument("--low", type=bits, help="H <= low bits: specialist (default: 1/3 quantile)")
+    p.add_argument("--high", type=bits, help="H >= high bits: generalization (2/3 quantile)")
+    p.add_argument("--texts", help="your pool: a description a line (concepts: the nearest)")
     p.add_argument("--out", help="output folder (default: in the CLIP cache, named by the inputs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=data.POSITIVE, default=64)
@@ -671,7 +632,7 @@ def roles_of(argv):
     args = p.parse_args(argv)
     if None not in (args.low, args.high) and args.low > args.high:
         raise data.UserError("--low must not exceed --high")
-    options = {k: getattr(args, k) for k in OPTIONS}
+    options = {k: v for k, v in vars(args).items() if k in OPTIONS}
     model = load_backbone(args.backbone, args.device)
     lines = []
 

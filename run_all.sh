@@ -38,7 +38,7 @@ want() { [[ ,$STAGES, == *,$1,* && ,$SKIP, != *,$1,* ]]; }
 # variants, the ablations on three small datasets. J = 9 is the full model; the J ablation needs roles at 7, 11.
 B2N=(imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
 DG=(imagenetv2 imagenet_sketch imagenet_a imagenet_r)
-SHOTS=(1 2 4 8 16) ABL_DATA=(dtd eurosat oxford_flowers) J=9 ABL_J=(7 11) MORE=() SHORT=() TRAIN=()
+SHOTS=(1 2 4 8 16) ABL_DATA=(dtd eurosat oxford_flowers) J=9 ABL_J=(7 11) SHORT=() TRAIN=()
 OUT=${OUT:-runs${PRESET:+-$PRESET}}
 BACKBONE=(--backbone ViT-B/16)
 if [[ -n $PRESET ]]; then # the toy world: 24 classes, a 4-block CLIP pretrained on them (J = 3 of 4), CPU
@@ -47,13 +47,13 @@ if [[ -n $PRESET ]]; then # the toy world: 24 classes, a 4-block CLIP pretrained
 fi
 if [[ $PRESET == smoke ]]; then # one seed, one epoch, the fewest jobs that fill every table
     SEEDS=1 SHOTS=(1) ABL_J=() TRAIN=(--epochs 1)
-elif [[ $PRESET == toy ]]; then # b2n and ablations 10 of the toy's 20 epochs; the oracle roles control too
-    SEEDS=${SEEDS:-1 2 3 4 5} MORE=("--roles-control oracle") SHORT=(--epochs 10)
+elif [[ $PRESET == toy ]]; then # b2n and ablations 10 of the toy's 20 epochs
+    SEEDS=${SEEDS:-1 2 3 4 5} SHORT=(--epochs 10)
 fi
 ROOT=${ROOT:-data} && COMMON=(--root "$ROOT" --out "$OUT" "${BACKBONE[@]}")
 read -ra SEED <<< "${SEEDS:-1 2 3}"
 ABLATIONS=("--mask generalization-only" "--mask none" "--no-attr-tokens" "--lambda-fusion 0" "--beta 0.5"
-    "--beta 0.7" "--beta 0.9" "--novel-logits cls" "--roles-control random" "--tokens mmrl" "${MORE[@]}")
+    "--beta 0.7" "--beta 0.9" "--novel-logits cls" "--roles-control random" "--tokens mmrl")
 for j in "${ABL_J[@]}"; do ABLATIONS+=("--J $j"); done
 [[ $PRESET != smoke ]] || ABLATIONS=("--mask none")
 ROLES_J=("$J") && want ablations && ROLES_J+=("${ABL_J[@]}")

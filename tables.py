@@ -26,12 +26,10 @@ from data import B2N_DATASETS, DG_TARGETS
 
 PAPER_BACKBONE = "ViT-B/16"  # the published numbers were measured on it: shown beside its runs only
 SCHEDULE = ("epochs", "batch_size", "lr", "warmup_epochs", "warmup_lr", "weight_decay")
-PRETTY = dict(imagenet="ImageNet", caltech101="Caltech101", oxford_pets="OxfordPets",
-              stanford_cars="StanfordCars", oxford_flowers="Flowers102", food101="Food101",
-              fgvc_aircraft="FGVCAircraft", sun397="SUN397", dtd="DTD", eurosat="EuroSAT",
-              ucf101="UCF101", imagenetv2="ImageNet-V2", imagenet_sketch="ImageNet-Sketch",
-              imagenet_a="ImageNet-A", imagenet_r="ImageNet-R", toyworld="ToyWorld",
-              average="Average")
+PRETTY = {name: spec.coop for name, spec in data.DATASETS.items()}  # CoOp's names, but these:
+PRETTY |= dict(oxford_flowers="Flowers102", dtd="DTD", imagenetv2="ImageNet-V2",
+               imagenet_sketch="ImageNet-Sketch", imagenet_a="ImageNet-A", imagenet_r="ImageNet-R",
+               average="Average")
 OURS_CLIP = "CLIP (zero-shot, this code)"
 OURS_DEAR = "DeAR (this code)"
 CLIP_PUB = "CLIP (published)"
@@ -39,25 +37,6 @@ MMRL_PUB = "MMRL (published)"
 PAPER_DEAR = "DeAR (paper)"
 PEERS = ["VaMP (published)", "Promise (published)"]  # the strongest published peers at ViT-B/16
 DELTA = {CLIP_PUB: "Δ CLIP: this code − published", PAPER_DEAR: "Δ DeAR: this code − paper"}
-
-# what each source letter of a published number means, printed under the tables that use it
-SOURCES = {
-    "p": "DeAR's own results table, as extracted on wizwand.com's page for the paper (the paper's "
-         "tables themselves could not be read)",
-    "s": "public summaries of the DeAR paper; not confirmed against its tables, which could not be "
-         "read",
-    "m": "published average, reprinted in the MaPLe and PromptSRC READMEs",
-    "i": "MMRL's published EuroSAT row, as quoted in yunncheng/MMRL issue #14",
-    "l": "recalled from the CoCoOp/MaPLe papers and confirmed by a benchmark listing",
-    "c": "recalled from the MMRL paper and checked against public summaries (of the DeAR and VaMP "
-         "papers)",
-    "r": "recalled from the CoCoOp, MaPLe and MMRL papers, not re-read; in base-to-novel, each "
-         "row's 11 datasets average to its published base and novel averages",
-    "g": "as read in a digest of that paper (VaMP, NeurIPS 2025; Promise, ICLR 2026): a summary "
-         "until the paper's own table is at hand",
-    "d": "derived here from other reference numbers, printed nowhere (how: below)",
-}
-
 
 class Ref(NamedTuple):
     """A published number, kept as its source prints it (so with its precision)."""
@@ -69,19 +48,20 @@ class Ref(NamedTuple):
     mean = property(lambda self: float(self.text))
 
 
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "published.csv"),
-          encoding="utf-8") as f:
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+with open(os.path.join(ASSETS, "published.csv"), encoding="utf-8") as f:
     PUBLISHED = {(r["table"], r["row"], r["dataset"], r["metric"]):
                  Ref(r["value"], r["source"], r["remark"]) for r in csv.DictReader(f)}
+with open(os.path.join(ASSETS, "sources.csv"), encoding="utf-8") as f:  # what a source letter means
+    SOURCES = {r["letter"]: r["meaning"] for r in csv.DictReader(f)}
 
 
-class Cell:
+class Cell(NamedTuple):
     """Ours: `mean` and the per-seed values `by_seed` its std and n come from; `runs` behind it."""
 
-    def __init__(self, mean, by_seed, runs):
-        self.mean = mean
-        self.by_seed = by_seed
-        self.runs = runs
+    mean: float
+    by_seed: dict
+    runs: list
 
     std = property(lambda self: mean_std(list(self.by_seed.values()))[1] if self.by_seed else 0.0)
     n = property(lambda self: len(self.by_seed))
@@ -168,8 +148,7 @@ def load_runs(out):
             continue
         if run["eval_only"]:
             continue
-        same = tuple(run[k] for k in ("backbone", "protocol", "method", "dataset", "shots", "seed",
-                                      "schedule", "key"))
+        same = tuple(v for k, v in run.items() if k not in ("path", "evals", "env"))
         if same in seen:
             skipped.append(f"{path}: the same run as {seen[same]} (a copy?); move one of them away")
             continue
@@ -265,8 +244,8 @@ def table_transfer(runs, show, kind):
         rs = select(runs, "xd", "dear", key=key)  # e.g. --novel-logits cls (the ablations stage)
         label = f"DeAR, {key.replace('-', ' = ', 1)} (this code)"
         rows.append(["", label, *[cell(rs, d, "all") for d in sources], *with_average(rs, cols)])
-    header = ["", "Method", *[f"{pretty(s)} (source)" for s in sources], *map(pretty, cols),
-              "Average"]
+    header = ["", "Method"] + [f"{pretty(s)} (source)" for s in sources]
+    header += [*map(pretty, cols), "Average"]
     notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a "
              "result.", "The DeAR model is trained once per seed on the source (16 shots, all "
              "classes) and evaluated on every target without further training."]
@@ -376,19 +355,12 @@ def markdown(title, header, rows, notes):
 
 
 def roles_section(out):
-    """Table 6: the roles.md files entropy.py wrote under OUT/roles, each with its roles.png."""
-    lines = ["## Table 6. Head roles (Concept Entropy)", ""]
+    """Table 6: links to the roles.md and roles.png files of OUT/roles (dear.py --roles-only)."""
     pattern = os.path.join(glob.escape(out), "roles", "**", "roles.md")
-    for md in sorted(glob.glob(pattern, recursive=True)):
-        folder = os.path.dirname(md)
-        png = os.path.join(folder, "roles.png")
-        with open(md, encoding="utf-8") as f:
-            lines += [f"### {os.path.relpath(folder, out)}", "", f.read().strip(), ""]
-        if os.path.exists(png):
-            lines += [f"![head roles]({os.path.relpath(png, os.path.join(out, 'tables'))})", ""]
-    if len(lines) == 2:
-        lines += [f"– (no roles.md under {out}/roles; run the roles stage)", ""]
-    return "\n".join(lines)
+    found = sorted(glob.glob(pattern, recursive=True))
+    links = [f"- [{os.path.relpath(md, out)}](../{os.path.relpath(md, out)}), beside it roles.png"
+             for md in found] or [f"– (no roles.md under {out}/roles; run the roles stage)"]
+    return "\n".join(["## Table 6. Head roles (Concept Entropy)", "", *links, ""])
 
 
 CSV_HEADER = ["backbone", "row", "group", "column", "mean", "std", "n_seeds", "source"]  # per cell

@@ -16,8 +16,8 @@ dataset. The transfer sets are read as folder:PATH datasets: `noisy` (four times
 and `small` (objects at 60% of their size) shift the domain of the 24 classes; `textures` has 18 new
 classes, colour + texture ("red striped"), the shape varying.
 
-    python toyworld.py dataset --root DATA [--transfer]   DATA/toyworld/, DATA/toyworld-transfer/
-    python toyworld.py pretrain [--out DIR] [--steps N]   into $CLIP_CACHE, else ~/.cache/clip
+    toyworld.ensure_dataset(DATA), ensure_transfer(DATA)   DATA/toyworld/, DATA/toyworld-transfer/
+    toyworld.ensure_pretrained(clip.cache_dir())         the toy CLIP, into $CLIP_CACHE
 
 The toy CLIP is clip/model.py with 4 blocks of width 128 and 4 heads in each tower, patch 8 (a 4x4
 grid, 2x2 patches per quadrant) and a text context of 16. It is pretrained contrastively (400 steps
@@ -43,7 +43,6 @@ import functools
 import json
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,7 +77,7 @@ DARK = 0.35  # stripes and dots: the object's colour times DARK
 SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}  # images per class; 16-shot training needs >= 16
 SPLIT_FILE = "split_zhou_ToyWorld.json"
 # name: (the factor paired with colour in a class, the drawing's shift)
-TRANSFER = {"noisy": ("shape", dict(noise=0.08)), "small": ("shape", dict(scale=0.6)),
+TRANSFER = {"noisy": ("shape", {"noise": 0.08}), "small": ("shape", {"scale": 0.6}),
             "textures": ("texture", {})}
 TRANSFER_IMAGES = 40  # per class; data.py's folder reader keeps 30% (12) as the test split
 
@@ -197,8 +196,8 @@ def factor_labels(paths):
     parts."""
     by_file = {file: factors for _, _, file, factors, _ in dataset_items()}
     rows = [by_file["/".join(os.path.normpath(p).split(os.sep)[-2:])] for p in paths]
-    return {name: torch.tensor([vocab.index(f[k]) for f in rows]) for k,
-            (name, vocab) in enumerate(FACTORS.items())}
+    factors = enumerate(FACTORS.items())
+    return {name: torch.tensor([vocab.index(f[k]) for f in rows]) for k, (name, vocab) in factors}
 
 
 def write_folder(folder, images, files=()):
@@ -232,8 +231,8 @@ def ensure_dataset(root):
     """<root>/toyworld/{images/<class>/*.png, split_zhou_ToyWorld.json}, written once; returns
     the folder."""
     items = dataset_items()
-    split = {s: [[file, label, file.split("/")[0]] for s2, label, file, _,
-                 _ in items if s2 == s] for s in SPLIT_SIZES}
+    split = {s: [[file, label, file.split("/")[0]] for s2, label, file, _, _ in items if s2 == s]
+             for s in SPLIT_SIZES}
     images = ((f"images/{file}", render(*factors, seed)) for _, _, file, factors, seed in items)
     folder = os.path.join(os.path.abspath(os.path.expanduser(root)), "toyworld")
     return write_folder(folder, images, [(SPLIT_FILE, json.dumps(split, indent=4))])
@@ -305,8 +304,8 @@ def pretraining_batch(n, g):
     """(images [n, 3, 32, 32], tokens [n, 16], truth [n, n]): truth[i, j] = caption j is true of
     image i."""
     img_f, cap_f, texts, seeds = sample_batch(n, g)
-    images = [render(*(v[k] for v, k in zip(FACTORS.values(), f)), seed) for f,
-              seed in zip(img_f.tolist(), seeds)]
+    images = [render(*(v[k] for v, k in zip(FACTORS.values(), f)), seed)
+              for f, seed in zip(img_f.tolist(), seeds)]
     truth = ((cap_f[None] == img_f[:, None]) | (cap_f[None] < 0)).all(-1)  # [n, n]
     return to_tensor(images), torch.stack([tokens_of(t) for t in texts]), truth
 
@@ -364,8 +363,8 @@ def pretrain(steps=STEPS, seed=0, batch_size=128, lr=1e-3, log=print):
     rest = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
     adam = dict(lr=lr, betas=(0.9, 0.98), eps=1e-6)
     groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
-    opts = [torch.optim.AdamW(groups, **adam),
-            torch.optim.SparseAdam([model.token_embedding.weight], **adam)]
+    sparse = [model.token_embedding.weight]
+    opts = [torch.optim.AdamW(groups, **adam), torch.optim.SparseAdam(sparse, **adam)]
     n_warm, t0, avg = max(1, int(0.05 * steps)), time.time(), None
     threads = torch.get_num_threads()
     # one thread per tower, for any OMP_NUM_THREADS: two would sum floats otherwise
@@ -407,8 +406,8 @@ def ensure_pretrained(cache_dir, log=print, steps=STEPS):
     disagrees with it is pretrained again."""
     path = os.path.join(os.path.expanduser(cache_dir), checkpoint_name(steps))
     record = path.removesuffix(".pt") + ".json"
-    heads = {"vision_heads": TOY_CONFIG["vision_heads"],
-             "text_heads": TOY_CONFIG["transformer_heads"]}
+    heads = {"vision_heads": TOY_CONFIG["vision_heads"]}
+    heads["text_heads"] = TOY_CONFIG["transformer_heads"]
     try:
         made = {"sha256": data.sha256_file(path), **heads}
         if data.read_json(record, {"sha256": str}, "") == made:
@@ -423,31 +422,3 @@ def ensure_pretrained(cache_dir, log=print, steps=STEPS):
     data.atomic_write(path, lambda tmp: torch.save(state, tmp))
     data.write_json(record, {"sha256": data.sha256_file(path), **heads})
     return path
-
-
-def make(argv):
-    p = data.Parser(description="The toy world: its dataset and its tiny CLIP.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("dataset", help="write ROOT/toyworld (once)")
-    d.add_argument("--root", default=data.DEFAULT_ROOT,
-                   help="the data root, as dear.py --root ($DATA, else data)")
-    d.add_argument("--transfer", action="store_true",
-                   help="also ROOT/toyworld-transfer: " + ", ".join(TRANSFER))
-    t = sub.add_parser("pretrain", help="pretrain the toy CLIP (once)")
-    t.add_argument("--out", help="folder (default: $CLIP_CACHE, else ~/.cache/clip)")
-    t.add_argument("--steps", type=data.POSITIVE, default=STEPS)
-    args = p.parse_args(argv)
-    if args.cmd == "dataset":
-        print(ensure_dataset(args.root), *(ensure_transfer(args.root) if args.transfer else []),
-              sep="\n")
-    else:
-        print(ensure_pretrained(clip.cache_dir(args.out), steps=args.steps))
-    return 0
-
-
-def main(argv=None):
-    return data.guarded(make, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ from torchvision.transforms import ToTensor
 from .model import CLIP, build_model
 from .tokenizer import tokenize
 
-__all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP"]
+__all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP", "transform"]
 
 # the SHA256 of OpenAI's checkpoint files, which their URLs hold (and _download checks)
 SHA256 = {
@@ -68,7 +68,9 @@ def _convert_image_to_rgb(image):
     return image.convert("RGB")
 
 
-def _transform(n_px):
+def transform(n_px):
+    """OpenAI's preprocess: the shorter side to n_px (bicubic), the centre n_px x n_px, CLIP's
+    mean and std."""
     return Compose([Resize(n_px, interpolation=InterpolationMode.BICUBIC), CenterCrop(n_px),
                     _convert_image_to_rgb, ToTensor(), Normalize(MEAN, STD)])
 
@@ -90,4 +92,4 @@ def load(name_or_path, device="cpu", download_root=None):
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     model = build_model(state_dict).to(device)
     model.name, model.sha256 = name_or_path, sha256
-    return model, _transform(model.visual.input_resolution)
+    return model, transform(model.visual.input_resolution)

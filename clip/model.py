@@ -184,10 +184,6 @@ class CLIP(nn.Module):
                 nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
         nn.init.normal_(self.text_projection, std=self.transformer.width**-0.5)
 
-    @property
-    def dtype(self):
-        return self.visual.conv1.weight.dtype
-
     def causal_mask(self, n, past=0):
         """[n, past + n]: -inf above the diagonal (a token sees only its past); the first `past`
         keys, shared positions before the text, are all visible."""

@@ -103,13 +103,18 @@ COMMANDS = {
 }
 
 
+def pretrain_command(folder):
+    return [sys.executable, "-c", "import sys, toyworld; toyworld.ensure_pretrained(sys.argv[1])",
+            folder]
+
+
 def start_pretraining():
     folder = toy_dir()
     if os.path.exists(os.path.join(folder, "done")) or PRETRAIN:
         return
     log = open(os.path.join(folder, "pretrain.log"), "w")
-    cmd = [sys.executable, os.path.join(ROOT, "toyworld.py"), "pretrain", "--out", folder]
-    PRETRAIN["proc"] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    PRETRAIN["proc"] = subprocess.Popen(pretrain_command(folder), stdout=log,
+                                        stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def start_background():
@@ -143,8 +148,7 @@ def toy_cache():
             pytest.fail(open(os.path.join(folder, "pretrain.log")).read()[-2000:])
         open(os.path.join(folder, "done"), "w").close()
     elif not os.path.exists(os.path.join(folder, "done")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "toyworld.py"), "pretrain", "--out",
-                        folder], check=True)
+        subprocess.run(pretrain_command(folder), check=True, cwd=ROOT)
         open(os.path.join(folder, "done"), "w").close()
     return folder
 

@@ -148,8 +148,9 @@ def test_textspan_picks_what_textspans_iterative_removal_picks(N, E, n, rank):
     for seed in range(6):
         contributions, texts = skewed(seed, N=N, E=E)
         want = textspan_by_hand(contributions, texts, n, rank)
-        assert entropy.textspan(torch.tensor(contributions), torch.tensor(texts), n,
-                                rank) == want, seed
+        stats = stream(torch.tensor(contributions), [N])  # from all contributions at once
+        assert entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n,
+                                                rank) == want, seed
         # the same from statistics streamed in uneven batches
         stats = stream(torch.tensor(contributions), [3, 1, 5])
         assert entropy.textspan_from_statistics(*stats.head(()), torch.tensor(texts), n,
@@ -324,34 +325,6 @@ def test_random_roles_shuffle_each_block_on_its_own():
             "random", 8)
 
 
-def test_oracle_roles_rank_every_head_by_the_lead_of_its_best_factor():
-    """2 attribute, 2 generalization, 1 specialist and 3 mixed heads. Ranked together by the lead
-    of their best-decoded factor: the top 2 become attribute heads of it, the bottom 3 (specialists
-    are masked as generalization) generalization, the rest mixed."""
-
-    def skills(best, lead):
-        return {f: 0.2 + (lead if f == best else 0) for f in ("color", "shape", "texture",
-                "location")}
-
-    roles = {3: [head("attribute", "color", skills("color", 0.3)),
-                 head("specialist", None, skills("shape", 0.05)),
-                 head("mixed", None, skills("texture", 0.2)),
-                 head("attribute", "location", skills("location", 0.1))],
-             4: [head("mixed", None, skills("texture", 0.7)),
-            head("generalization", None, skills("location", 0.6)),
-            head("generalization", None, skills("color", 0.0)),
-            head("mixed", None, skills("shape", 0.4))]}
-    out = entropy.control_roles(roles, "oracle", 1)
-    assert {b: [(e["role"], e["attribute"]) for e in heads] for b, heads in out.items()} == {
-        3: [("mixed", None), ("generalization", None), ("mixed", None), ("generalization", None)],
-        4: [("attribute", "texture"), ("attribute", "location"), ("generalization", None),
-            ("mixed", None)],
-    }
-    assert out[3][1]["skill"] == roles[3][1]["skill"]  # the ground truth travels with the head
-    with pytest.raises(data.UserError, match="ground-truth skills"):
-        entropy.control_roles({4: [head("mixed")]}, "oracle", 1)
-
-
 # -------------------------------------------------------------------------- roles file, report
 
 
@@ -493,7 +466,7 @@ def test_the_cache_is_reused_only_for_equal_inputs(world):
 def test_the_toy_world_gets_its_pool_and_ground_truth(world, monkeypatch):
     """The toy CLIP: the toy pool and toyworld.TEXTS_PER_HEAD texts per head; the toy world's
     images (a sample of 12 of 14 by seed, in their order): every head's held-out decoding of the
-    known factors, which the oracle control reads."""
+    known factors."""
     toy, seen = perturbed(), []
     toy.name = "toy"
     pool = [(f"{c} {j}", c) for j in range(4) for c in ("color", "shape", "texture", "location")]
@@ -510,8 +483,6 @@ def test_the_toy_world_gets_its_pool_and_ground_truth(world, monkeypatch):
     assert doc["decoding"]["chance"] == {"color": 0.6667}
     assert all(set(e["texts"]) <= {t for t, _ in pool} for e in doc["heads"])
     assert all(set(e["skill"]) == {"color"} for e in doc["heads"])
-    oracle = entropy.control_roles(entropy.load_roles(path), "oracle", 0)
-    assert sorted(e["role"] for e in oracle[4]) == sorted(e["role"] for e in doc["heads"])
 
 
 def test_cli_writes_roles_and_refuses_in_one_line(world, capsys):
