@@ -108,10 +108,6 @@ def autocast(device):  # --precision amp
     return torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda")
 
 
-def no_grad(fn, device):
-    return torch.no_grad()(autocast(device)(fn))
-
-
 def training_step(model, images, labels):
     """dear.train's step: forward under autocast, the loss in fp32, backward, AdamW (lr 0, so
     every call sees the same weights; on CUDA without the GradScaler, whose few extra operations
@@ -206,7 +202,8 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
     names, R, where = classnames(C), clip_model.visual.input_resolution, f"{C} classes, batch {B}"
     tokens = clip.tokenize([TEMPLATE.format(c) for c in names]).to(device)
     images, labels = torch.randn(B, 3, R, R, device=device), torch.arange(B, device=device) % C
-    base = measure(no_grad(lambda: clip_model(images, tokens)[0], device), device, min_time)
+    forward = torch.no_grad()(autocast(device)(lambda: clip_model(images, tokens)[0]))
+    base = measure(forward, device, min_time)
     rows = [("a. CLIP forward (frozen): the images and every class prompt", where, base, base, 0)]
     for kind in ("mmrl", "mmrlpp"):  # the default last: its model and step go on below
         print(f"{where}: DeAR step, {kind}", flush=True)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import random
 import shutil
 import stat
@@ -90,8 +91,7 @@ NEXT_STEP = {
     errno.EDQUOT: "free some of your quota there, or write elsewhere, and run it again",
     errno.EROFS: "it is read-only: write elsewhere (--out, CLIP_CACHE)",
     errno.EACCES: "choose a place you may use (--out, --root, CLIP_CACHE)",
-    errno.ELOOP: "a symbolic link is not followed there: remove it",
-}
+    errno.ELOOP: "a symbolic link is not followed there: remove it"}
 
 
 def os_error(e):
@@ -126,11 +126,7 @@ def atomic_write(path, write):
 
 
 def write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    return atomic_write(path, write)
+    return atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def write_json(path, doc):
@@ -283,8 +279,7 @@ DATASETS = {
     "imagenet_sketch": Spec("ImageNetSketch", "imagenet-sketch", "images", "variant", PHOTO),
     "imagenet_a": Spec("ImageNetA", "imagenet-adversarial", "imagenet-a", "variant", PHOTO),
     "imagenet_r": Spec("ImageNetR", "imagenet-rendition", "imagenet-r", "variant", PHOTO),
-    "toyworld": Spec("ToyWorld", "toyworld", "images", "json", PHOTO),
-}
+    "toyworld": Spec("ToyWorld", "toyworld", "images", "json", PHOTO)}
 FOLDER = Spec("folder", "", "", "folder", PHOTO)
 B2N_DATASETS = ("imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers",
                 "food101", "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101")
@@ -301,8 +296,7 @@ RENAMES = {
                 "HerbaceousVegetation": "Herbaceous Vegetation Land",
                 "Industrial": "Industrial Buildings", "Pasture": "Pasture Land",
                 "PermanentCrop": "Permanent Crop Land", "Residential": "Residential Buildings",
-                "SeaLake": "Sea or Lake"},
-}
+                "SeaLake": "Sea or Lake"}}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 FEWSHOT_DIR = "split_fewshot"  # CoOp's; hidden in a folder:PATH dataset (.split_fewshot)
 FEWSHOT_FORMAT = "dear-fewshot/1"  # the caches' formats, kept from earlier versions
@@ -343,10 +337,6 @@ def list_images(folder):
     """Image file names, sorted (os.listdir's order differs between machines)."""
     names = [f for f in os.listdir(folder) if not f.startswith(".")]
     return sorted(f for f in names if f.lower().endswith(IMAGE_EXTENSIONS))
-
-
-def sha256_json(obj):
-    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
 
 
 def cached(path, key, schema, make):
@@ -504,7 +494,7 @@ def fewshot_split(cache, split, shots, seed, sample_val=True):
     lists, shots and seed."""
     source = {"train": split["train"], "val": split["val"] if sample_val else []}
     key = {"format": FEWSHOT_FORMAT, "shots": shots, "seed": seed}
-    key["split_sha256"] = sha256_json(source)
+    key["split_sha256"] = hashlib.sha256(json.dumps(source).encode()).hexdigest()
 
     def make():
         rng = random.Random(seed)
@@ -548,7 +538,7 @@ def dataset_folder(name, root):
 def how_to_get(name, root):
     """What to do about a missing or unusable file of a dataset."""
     if name == "toyworld":
-        return f"delete {dataset_folder(name, root)}: dear.py writes the toy world anew"
+        return "dear.py --dataset toyworld writes it (delete a damaged one first)"
     if name in DATASETS:
         return f"get it with: python data.py download {name} --root {root}"
     return "a folder dataset holds one folder of images per class"

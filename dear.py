@@ -239,16 +239,14 @@ class DeAR(nn.Module):
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]
         if not self.use_tokens:  # zero-shot CLIP
             logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
-            f0 = f0.float()
-            return {"logits": logits, "fused": logits[:, 0], "f_cls": feats[:, 0], "f0": f0, "t": t}
+            return dict(logits=logits, fused=logits[:, 0], f_cls=feats[:, 0], f0=f0.float(), t=t)
         x = self.token_blocks(x)  # [B, 1+K, D]  tokens from J, role masks
         f_cls, f_attr = self.image_features(x)  # [B, E], [B, K, E]
         feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
         logits, feats, t = cosine_logits(feats, t, scale)  # [B, 1+K, C]  six logit sets
         fused = fuse(logits, self.alpha())  # [B, C]  sum_k alpha_k logits_k
         f0 = None if f0 is None else f0.float()
-        f_attr = feats[:, 1:]
-        return dict(logits=logits, fused=fused, f_cls=feats[:, 0], f_attr=f_attr, f0=f0, t=t)
+        return dict(logits=logits, fused=fused, f_cls=feats[:, 0], f_attr=feats[:, 1:], f0=f0, t=t)
 
     def frozen_prefix(self, images):
         """Blocks 1..J-1, without autograd: [B, 3, R, R] -> [B, 1+P, D]."""
@@ -289,7 +287,10 @@ class DeAR(nn.Module):
         """Once per class list: Prompts (the prompts' states at block J's input) and t^0 [C, E]
         (frozen CLIP's class features)."""
         m = self.clip
-        tokens = clip.tokenize([template.format(c) for c in classnames], m.context_length)
+        try:
+            tokens = clip.tokenize([template.format(c) for c in classnames], m.context_length)
+        except RuntimeError as e:  # OpenAI's error for a prompt longer than the context
+            raise UserError(f"{e}: shorten the class name or the template") from None
         tokens = tokens.to(self.w.device)  # [C, T]
         eot = tokens.argmax(-1)  # [C]: EOT has the largest id
         same = (tokens == tokens[:1]).all(0).long().cumprod(0)  # [T]: 1 while every prompt agrees
@@ -387,15 +388,13 @@ DATASET_DEFAULTS = {
     "imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": (0.9, 3.0), "dtd": (0.9, 7.0),
     "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0), "caltech101": (0.6, 3.0),
     "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0), "eurosat": (0.2, 0.01),
-    "food101": (0.1, 1.0),
-}
+    "food101": (0.1, 1.0)}
 XD_DEFAULTS = (0.9, 0.1)  # the ImageNet source of xd and domain generalisation (MMRL++, task CD)
 # MMRL++'s test-time beta per xd target (task CD); --target-beta source uses the source's instead
 XD_TARGET_BETA = {
     "imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
     "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6, "caltech101": 0.6,
-    "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3,
-}
+    "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}
 # (epochs, batch, warm-up epochs, lr), a published config per row: b2n MMRL's vit_b16 (ImageNet:
 # vit_b16_imagenet); fewshot MMRL++'s vit_b16_few_shot, tuned with the table above; xd MMRL's
 # vit_b16_cross_datasets; the toy world: the epochs that fit it
@@ -406,8 +405,7 @@ SCHEDULES = {
     "fewshot": (100, 32, 1, 2e-3),
     ("fewshot", "imagenet"): (5, 32, 1, 1e-3),
     ("fewshot", "toyworld"): (50, 32, 1, 1e-3),
-    "xd": (1, 32, 0, 1e-3),
-}
+    "xd": (1, 32, 0, 1e-3)}
 # vision blocks of OpenAI's ViTs (openai/CLIP model-card.md): J's default before a checkpoint loads
 DEPTHS = {"ViT-B/32": 12, "ViT-B/16": 12, "ViT-L/14": 24, "ViT-L/14@336px": 24}
 
@@ -493,9 +491,7 @@ READS = {
                  "resume", "force", *PLACE],
     "eval-only": ["dataset", "protocol", "targets", "target_beta", "eval_precision", "eval_only",
                   "load", "force", *PLACE],
-    "roles-only": ["dataset", "backbone", "J", "out", "roles_only", *PLACE],
-}
-CALLS = {"dear": "a DeAR run", "zeroshot": "--method zeroshot"}  # the others: their flags
+    "roles-only": ["dataset", "backbone", "J", "out", "roles_only", *PLACE]}
 
 
 def flag(name):
@@ -531,7 +527,8 @@ def refuse_unread(cfg: Config):
         if name not in READS[call]:
             carried = call == "eval-only" and name in RECORDED
             why = "it takes the run's own" if carried else "drop it"
-            raise UserError(f"{flag(name)} is not read by {CALLS.get(call, '--' + call)}: {why}")
+            what = {"dear": "a DeAR run", "zeroshot": "--method zeroshot"}.get(call, "--" + call)
+            raise UserError(f"{flag(name)} is not read by {what}: {why}")
         if name in ("targets", "target_beta") and cfg.protocol != "xd":
             raise UserError(f"{flag(name)} is read by --protocol xd only: drop it, or add it")
 
@@ -548,22 +545,8 @@ def with_run_settings(cfg: Config):
 def resolve(cfg: Config) -> Config:
     """The final config: every value checked (a Config built in code too), every None filled from
     the tables, J from the backbone's depth, the device and amp's precision from this machine."""
-    for name, f in FIELDS.items():
-        value = getattr(cfg, name)
-        parse = f.metadata["type"]
-        choices = f.metadata["choices"]
-        want = (int, float) if f.type is float else f.type
-        if value is None:
-            continue
-        if not isinstance(value, want) or isinstance(value, bool) != (f.type is bool):
-            raise UserError(f"{flag(name)}: {value!r} is not a {f.type.__name__}")
-        try:
-            if f.type in (int, float) and parse(str(value)) != value:
-                raise argparse.ArgumentTypeError(f"{value!r} is not a {f.type.__name__}")
-        except argparse.ArgumentTypeError as e:
-            raise UserError(f"{flag(name)}: {e}") from None
-        if choices and value not in choices:
-            raise UserError(f"{flag(name)} {value!r}: choose from {', '.join(choices)}")
+    for name in FIELDS:
+        check_value(name, getattr(cfg, name))
     c = dataclasses.replace(cfg)
     c.backbone = c.backbone or ("toy" if c.dataset == "toyworld" else "ViT-B/16")
     beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
@@ -587,6 +570,26 @@ def resolve(cfg: Config) -> Config:
     if c.precision == "amp":  # MMRL's PREC "amp": fp16 with a GradScaler on CUDA, fp32 on a CPU
         c.precision = "fp16" if c.device.startswith("cuda") else "fp32"
     return c
+
+
+def check_value(name, value):
+    """A field's value, checked as its flag's: the type, the range, the choices (None: the
+    default)."""
+    f = FIELDS[name]
+    parse = f.metadata["type"]
+    choices = f.metadata["choices"]
+    want = (int, float) if f.type is float else f.type
+    if value is None:
+        return
+    if not isinstance(value, want) or isinstance(value, bool) != (f.type is bool):
+        raise UserError(f"{flag(name)}: {value!r} is not a {f.type.__name__}")
+    try:
+        if f.type in (int, float) and parse(str(value)) != value:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a {f.type.__name__}")
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"{flag(name)}: {e}") from None
+    if choices and value not in choices:
+        raise UserError(f"{flag(name)} {value!r}: choose from {', '.join(choices)}")
 
 
 def resolve_device(c: Config):
@@ -658,6 +661,9 @@ def train(model, ds, c: Config, ckpt, log):
     if not params:
         log("no trainable parameters (no attribute tokens): the model is frozen CLIP")
         return {"steps": 0, "trainable": 0}
+    log(f"train: {len(ds.train)} images, {len(ds.classnames)} classes, {c.epochs} epochs, batch "
+        f"{c.batch_size}, beta {c.beta}, lambda_reg {c.lambda_reg}, J {c.J}, tokens {c.tokens}: "
+        f"{sum(p.numel() for p in params):,} trainable values")
     model.set_classes(ds.classnames, ds.template)
     amp = AMP[c.precision]
     cuda = device.type == "cuda"
@@ -758,8 +764,7 @@ def evaluate(model, items, classnames, template, c: Config, rule="fused", log=pr
             if (i + 1) % 50 == 0:
                 eta = (time.time() - t_start) / (i + 1) * (len(loader) - i - 1)
                 log(f"  eval {name}: {i + 1}/{len(loader)} batches, eta {eta:.0f}s")
-    correct = correct.tolist()
-    count = count.tolist()
+    correct, count = correct.tolist(), count.tolist()
     per_class = [{"class": k, "accuracy": 100.0 * a / max(1, n), "n": n}
                  for k, a, n in zip(classnames, correct, count)]
     accuracy = 100.0 * sum(correct) / max(1, sum(count))
@@ -789,14 +794,27 @@ def sha256_text(text):
 
 
 def read_config(run):
-    """A run folder's config.json, checked."""
+    """A run folder's config.json, checked: every setting as its flag's."""
     path = os.path.join(run, "config.json")
-    return data.read_json(path, RECORD, f"{run} holds no whole run: give a finished run folder")
+    fix = f"{run} holds no whole run: give a finished run folder"
+    return checked_config(path, data.read_json(path, RECORD, fix), fix)
 
 
 def read_results(path):
-    """A results.json, checked: every accuracy in 0..100."""
-    return data.read_json(path, RESULTS, "--force redoes the run")
+    """A results.json, checked: every accuracy in 0..100, every setting as its flag's."""
+    return checked_config(path, data.read_json(path, RESULTS, "--force redoes the run"),
+                          "--force redoes the run")
+
+
+def checked_config(path, doc, fix):
+    for name, value in doc["config"].items():
+        try:
+            if name not in RECORDED:
+                raise UserError(f"{name!r} is not a recorded setting of this version")
+            check_value(name, value)
+        except UserError as e:
+            raise UserError(f"{path}: config {e}; {fix}") from None
+    return doc
 
 
 def run_dir(c: Config):
@@ -812,6 +830,8 @@ def run_dir(c: Config):
     parts = [f"{k}-{v}" for k, v in changed.items()]  # a long one (a path): cut, and hashed
     short = [p if len(p) < 40 else p[:20] + sha256_text(p)[:8] for p in parts]
     variant = "_".join(short).replace("/", "-") or "default"
+    if len(variant) > 120:  # a folder name has at most 255 bytes: cut, and hashed
+        variant = variant[:111] + "_" + sha256_text(variant)[:8]
     tag = c.dataset
     if c.dataset.startswith("folder:"):
         path = data.dataset_folder(c.dataset, c.root)
@@ -906,13 +926,20 @@ def environment():
 def load_backbone(name, device, log=print):
     """A frozen CLIP: clip.load for OpenAI's names and checkpoint files; "toy": the toy world's tiny
     CLIP, pretrained into the CLIP cache on first use."""
-    path = toyworld.ensure_pretrained(clip.cache_dir(), log) if name == toyworld.BACKBONE else name
+    fix = "pass ViT-B/32, ViT-B/16, ViT-L/14, ViT-L/14@336px, toy or a ViT CLIP checkpoint file"
+    if name == toyworld.BACKBONE:
+        path = toyworld.ensure_pretrained(clip.cache_dir(), log)
+    else:
+        path = name if name in clip.MODELS else data.regular(name, fix)
     try:
         model, _ = clip.load(path, device=device)
     except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
         why = str(e).strip().splitlines()[0][:100]
-        raise UserError(f"{path}: not a ViT CLIP checkpoint ({why}); pass ViT-B/32, ViT-B/16, "
-                        "ViT-L/14, ViT-L/14@336px, toy or a ViT CLIP checkpoint file") from None
+        raise UserError(f"{path}: not a ViT CLIP checkpoint ({why}); {fix}") from None
+    try:
+        clip.tokenizer.get_tokenizer()  # the BPE vocabulary, checked before any work
+    except ValueError as e:
+        raise UserError(f"{e}; restore clip/ from the repository") from None
     model.name = name
     return model
 
@@ -968,6 +995,36 @@ def read_datasets(c: Config):
     return source, [(source, "all", "fused")] + targets
 
 
+def open_run(folder, c: Config, train_set, evals):
+    """The bookkeeping before work: the model and the roles it masks with (the run's own on
+    --eval-only and --resume), the record (config, inputs, env), checked against what the folder
+    holds; a new run's roles.json, roles.md and config.json. Returns (model, record, the results of
+    a finished run of this record, else None)."""
+    env = environment()
+    where = " ".join(f"{k} {v}" for k, v in env.items())
+    folder.log(f"{c.method} {c.protocol} {c.dataset} -> {folder.path} | {where}")
+    own = os.path.join(c.load if c.eval_only else folder.path, "roles.json")
+    own = own if (c.eval_only or c.resume) and os.path.exists(own) else None
+    trained = os.path.join(c.load, "model.pt") if c.eval_only and c.method == "dear" else None
+    model, roles = build(c, folder.log, own, trained)
+    inputs = {"dataset_folder": os.path.realpath(data.dataset_folder(c.dataset, c.root)),
+              "backbone_sha256": model.clip.sha256,
+              "roles_sha256": roles and data.sha256_file(roles)}
+    record = {"config": {n: getattr(c, n) for n in RECORDED}, "inputs": inputs, "env": env}
+    done = folder.finished(record)
+    if done:
+        return model, record, done
+    if roles and os.path.realpath(roles) != os.path.realpath(folder.file("roles.json")):
+        data.atomic_write(folder.file("roles.json"), functools.partial(shutil.copyfile, roles))
+    if roles:
+        entropy.write_report(entropy.read_roles(folder.file("roles.json")), folder.path)
+    classes = [k for ds, split, _ in evals if ds is train_set or split == "novel"
+               for k in ds.classnames]  # base and novel
+    data.write_json(folder.file("config.json"),
+                    {**record, "classes": classes, "template": train_set.template})
+    return model, record, None
+
+
 def run(cfg: Config, echo=True):
     """One run: train (unless zero-shot or --eval-only), evaluate each split, write results.json;
     returns the results."""
@@ -976,38 +1033,13 @@ def run(cfg: Config, echo=True):
     train_set, evals = read_datasets(c)
     path, variant, changed = run_dir(c)
     with RunFolder(path, c, echo) as folder:
-        env = environment()
-        where = " ".join(f"{k} {v}" for k, v in env.items())
-        folder.log(f"{c.method} {c.protocol} {c.dataset} -> {path} | {where}")
-        own = os.path.join(c.load if c.eval_only else path, "roles.json")  # what it masked with
-        own = own if (c.eval_only or c.resume) and os.path.exists(own) else None
-        trained = os.path.join(c.load, "model.pt") if c.eval_only and c.method == "dear" else None
-        model, roles = build(c, folder.log, own, trained)
-        inputs = {"dataset_folder": os.path.realpath(data.dataset_folder(c.dataset, c.root)),
-                  "backbone_sha256": model.clip.sha256,
-                  "roles_sha256": roles and data.sha256_file(roles)}
-        record = {"config": {n: getattr(c, n) for n in RECORDED}, "inputs": inputs, "env": env}
-        done = folder.finished(record)
+        model, record, done = open_run(folder, c, train_set, evals)
         if done:
             print(f"done already: {folder.file('results.json')} (--force redoes it)")
             return done
-        if roles and os.path.realpath(roles) != os.path.realpath(folder.file("roles.json")):
-            data.atomic_write(folder.file("roles.json"), functools.partial(shutil.copyfile, roles))
-        if roles:
-            entropy.write_report(entropy.read_roles(folder.file("roles.json")), path)
-        classes = [k for ds, split, _ in evals if ds is train_set or split == "novel"
-                   for k in ds.classnames]  # base and novel
-        record_run = {**record, "classes": classes, "template": train_set.template}
-        data.write_json(folder.file("config.json"), record_run)
-
         t0 = time.time()
         stats = None
         if c.method == "dear" and not c.eval_only:
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            folder.log(f"train: {len(train_set.train)} images, {len(train_set.classnames)} "
-                       f"classes, {c.epochs} epochs, batch {c.batch_size}, beta {c.beta}, "
-                       f"lambda_reg {c.lambda_reg}, J {c.J}, tokens {c.tokens}: {trainable:,} "
-                       "trainable values")
             stats = train(model, train_set, c, folder.file("checkpoint.pt"), folder.log)
             state = model.trainable_state()
             data.atomic_write(folder.file("model.pt"), functools.partial(torch.save, state))

@@ -394,11 +394,12 @@ def ties(doc):
     for name, role in (("low", "specialists"), ("high", "generalization heads")):
         k = sum(e["entropy"] == t[name] for e in doc["heads"])
         if k > 1:
-            said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits): {role}")
+            said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits), all "
+                        f"counted as {role}")
     if not said:
         return ""
     counts = ", ".join(f"{sum(e['role'] == r for e in doc['heads'])} {r}" for r in ROLES)
-    return "; ".join(said) + f": of the {len(doc['heads'])} heads, {counts}, not thirds."
+    return "; ".join(said) + f"; so of the {len(doc['heads'])} heads: {counts} (not thirds)."
 
 
 def write_report(doc, out_dir):
@@ -600,14 +601,6 @@ def parse_blocks(text):
     return sorted(out)
 
 
-def load_backbone(name, device):
-    """clip.load, and "toy": the toy world's CLIP, pretrained into the CLIP cache on first use."""
-    path = toyworld.ensure_pretrained(clip.cache_dir()) if name == toyworld.BACKBONE else name
-    model, _ = clip.load(path, device)
-    model.name = name
-    return model
-
-
 def roles_of(argv):
     p = data.Parser(description="Concept Entropy: the roles of CLIP's attention heads.")
     count = data.number(int, lambda v: v >= 0, "a count >= 0")
@@ -633,7 +626,9 @@ def roles_of(argv):
     if None not in (args.low, args.high) and args.low > args.high:
         raise data.UserError("--low must not exceed --high")
     options = {k: v for k, v in vars(args).items() if k in OPTIONS}
-    model = load_backbone(args.backbone, args.device)
+    import dear  # the one backbone loader (imported here: dear.py imports this file)
+
+    model = dear.load_backbone(args.backbone, args.device)
     lines = []
 
     def log(line):  # printed, and kept: the last line says whether the roles were found or written

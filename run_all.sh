@@ -97,7 +97,7 @@ jobs_of() { # jobs_of STAGE: its dear.py command lines, shell-quoted
         ablations) for ds in "${ABL_DATA[@]}"; do for f in "${ABLATIONS[@]}"; do read -ra fl <<< "$f"
             for s in "${SEED[@]}"; do dear --dataset "$ds" --protocol b2n --seed "$s" "${SHORT[@]}" "${fl[@]}"; done
         done; done # and MMRL's class-only logits on the xd targets, where fused vs class differs from MMRL most
-            for s in "${SEED[@]}"; do dear "${XD[@]}" "${TARGETS[@]}" --seed "$s" --novel-logits cls; done ;;
+            [[ $PRESET == smoke ]] || for s in "${SEED[@]}"; do dear "${XD[@]}" "${TARGETS[@]}" --seed "$s" --novel-logits cls; done ;;
     esac
 }
 STAGE_LIST=() && for s in roles b2n xd fewshot ablations; do want $s && STAGE_LIST+=("$s"); done

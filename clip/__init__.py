@@ -27,8 +27,7 @@ SHA256 = {
     "ViT-B/32": "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af",
     "ViT-B/16": "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f",
     "ViT-L/14": "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836",
-    "ViT-L/14@336px": "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02",
-}
+    "ViT-L/14@336px": "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02"}
 BASE = "https://openaipublic.azureedge.net/clip/models"
 MODELS = {name: f"{BASE}/{sha}/{re.sub('[/@]', '-', name)}.pt" for name, sha in SHA256.items()}
 

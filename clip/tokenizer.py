@@ -150,8 +150,8 @@ def tokenize(texts: Union[str, List[str]], context_length: int = 77,
         ids = [tok.sot_token] + tok.encode(text) + [tok.eot_token]
         if len(ids) > context_length:
             if not truncate:
-                raise ValueError(f"{text!r} is longer than the context length {context_length}; "
-                                 "truncate=True cuts it")
+                raise RuntimeError(f"Input {text!r} is too long for context length "
+                                   f"{context_length}")  # OpenAI's type and words
             ids = ids[:context_length]
             ids[-1] = tok.eot_token
         result[i, : len(ids)] = torch.tensor(ids, dtype=torch.int)

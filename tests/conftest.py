@@ -8,18 +8,21 @@ the collected tests are known to need it, and runs beside the other tests; it is
 """
 
 import hashlib
+import http.server
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 # the tests' models are tiny: a second thread adds CPU time only
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -63,11 +66,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+
+    def late(item):  # waits for the toy CLIP (1), or for a command run beside the others (2)
+        names = set(getattr(item, "fixturenames", ()))
+        return ("toy_cache" in names) + 2 * bool({"smoke", "quick_start"} & names)
+
+    items.sort(key=late)  # those last: until then this process runs the rest
     wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
     BACKGROUND.update((k, None) for k in ("smoke", "quick_start") if k in wanted)
     if wanted & {"toy_cache", "smoke", "quick_start"}:
         start_pretraining()
         start_background()
+        # the pretraining and the commands after it are the suite's longest chain: this process
+        # yields the CPU to them and runs its tests in the gaps
+        os.nice(10)
 
 
 def toy_dir():
@@ -180,3 +192,47 @@ def pytest_sessionfinish(session):
         if proc is not None and proc.poll() is None:
             proc.kill()
     shutil.rmtree(WORK, ignore_errors=True)
+
+
+# more than ten folders, names with spaces
+CLASSES = [f"class {i:02d} with spaces" for i in range(12)]
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """A tiny CLIP checkpoint file and a folder dataset of 12 classes whose colour is the class."""
+    root = tmp_path_factory.mktemp("world")
+    torch.save(tiny_state_dict(text_layers=4), root / "tiny.pt")
+    gen = torch.Generator().manual_seed(0)
+    for k, name in enumerate(CLASSES):
+        os.makedirs(root / "shapes" / name)
+        colour = torch.rand(3, generator=gen) * 255
+        for i in range(10):
+            pixels = (colour + torch.randn(32, 32, 3, generator=gen) * 20).clamp(0,
+                    255).byte().numpy()
+            Image.fromarray(pixels).save(root / "shapes" / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def server():
+    """A local HTTP server: routes maps a path (with its query) to the body served."""
+    routes = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = routes.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
+    yield routes, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()

@@ -5,7 +5,6 @@ downloads from a local HTTP server, the CLI.
 
 import collections
 import hashlib
-import http.server
 import io
 import json
 import os
@@ -13,15 +12,12 @@ import pathlib
 import random
 import re
 import tarfile
-import threading
 import zipfile
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-import clip
 import data
 
 
@@ -328,23 +324,6 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
 
 
-def test_transforms():
-    train, test = data.train_transform(32, min_scale=0.3), clip.transform(32)
-    crop = train.transforms[0]
-    assert crop.scale == (0.3, 1.0) and crop.size == (32, 32)
-    assert crop.interpolation == crop.interpolation.BICUBIC
-    assert [type(t).__name__ for t in train.transforms[1:]] == ["RandomHorizontalFlip", "ToTensor",
-            "Normalize"]
-    names = [getattr(t, "__name__", type(t).__name__) for t in test.transforms]
-    assert names == ["Resize", "CenterCrop", "_convert_image_to_rgb", "ToTensor", "Normalize"]
-    assert test.transforms[0].interpolation == crop.interpolation.BICUBIC
-    image = Image.new("RGB", (60, 40), color=(128, 0, 255))
-    want = (torch.tensor([128, 0, 255]) / 255 - torch.tensor(clip.MEAN)) / torch.tensor(clip.STD)
-    for t in (train, test):
-        x = t(image)
-        assert x.shape == (3, 32, 32) and torch.allclose(x.mean(dim=(1, 2)), want, atol=1e-5)
-
-
 # ----------------------------------------------------------------------------------------- errors,
 # CLI
 
@@ -405,30 +384,6 @@ def test_cli_check(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------
 # downloads
-
-
-@pytest.fixture
-def server():
-    """A local HTTP server: routes maps a path (with its query) to the body served."""
-    routes = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = routes.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01},
-                     daemon=True).start()
-    yield routes, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
 
 
 def zip_bytes(files):

@@ -68,6 +68,17 @@ def test_masked_attention_weights_follow_the_roles():
     assert torch.equal(w[0] > 0, mask == 0)
 
 
+def test_masks_and_attention_maps_take_the_roles_of_their_block_counted_from_1():
+    """Roles files count blocks from 1, DeAR.blocks from 0: with J = 3 of 4, masks[0] is block 3's
+    layout and masks[-1] block 4's, and attention_maps' heads are block 4's experts (location:
+    head 0, object: head 2, the others: the mixed head 3); block 2's or 3's would differ."""
+    model = DeAR(tiny_clip(), roles_of(LAYOUTS), J=3)
+    assert torch.equal(model.masks[0], role_mask(roles_of(LAYOUTS)[3], P))
+    assert torch.equal(model.masks[-1], role_mask(roles_of(LAYOUTS)[4], P))
+    _, heads = model.attention_maps(torch.randn(1, 3, 32, 32))
+    assert heads == [[0, 1, 2, 3], [3], [3], [3], [2], [0]]  # CLS, then ATTRIBUTES' order
+
+
 def hand_block(block, x, allowed=None):
     """One pre-LN block written out head by head; allowed: [H, n, n] bool or None."""
     attn, D = block.attn, x.shape[-1]
@@ -259,17 +270,65 @@ def test_residual_factors_are_kaiming_uniform_as_mmrlpp():
         assert 0.95 * bound < A.abs().max() <= bound
 
 
-def test_every_trainable_part_gets_a_gradient_and_the_frozen_clip_none():
+# each loss term: the output it reads (the others' are detached to isolate it) and the trainable
+# parameters (name prefixes) it must move; it must leave every other one alone
+FEEDS = {"ce": "fused", "reg_img": "f_cls", "reg_txt": "t", "fusion": "alpha"}
+MOVES = {"ce": ("",), "reg_img": ("R", "F_v."), "reg_txt": ("R", "F_t."), "fusion": ("w",)}
+
+
+def test_each_loss_terms_gradient_is_its_finite_difference_and_reaches_only_its_parameters():
+    """Each term alone (the other terms' inputs detached, lambdas 1): its gradient is nonzero
+    exactly on MOVES' parameters and equals a 4-point central difference (h = 0.1) of dear_loss's
+    value of the term at two coordinates (the largest CE gradient, a random one) of every trainable
+    tensor, within 1e-2 of the term's largest gradient on that tensor. fp32, not fp64: the token
+    stream and dear_loss cast to fp32 (model.double() fails); the fp32 noise is ~3e-3 of it. The
+    total with lambda_reg 0.3, lambda_fusion 2.5, nothing detached: CE + 0.3 (reg_img + reg_txt) +
+    2.5 fusion of those gradients, and none for the frozen CLIP."""
+    torch.manual_seed(0)
     model = trained_looking(DeAR(tiny_clip(text_layers=4), roles_of(LAYOUTS), J=2))
     model.set_classes(["a", "b", "c"], "a photo of a {}.")
-    out = model(torch.randn(2, 3, 32, 32), with_frozen=True)
-    # CE alone
-    dear.dear_loss(out, torch.tensor([0, 2]), model.t0, model.alpha(), 0.0, 0.0)[0].backward()
-    for name, p in model.named_parameters():
-        if name.startswith("clip."):
-            assert p.grad is None, name
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def loss(term=None, lambdas=(1.0, 1.0)):  # term: only its input keeps its graph
+        keep = FEEDS.get(term)
+        out = dict(model(images, with_frozen=True), alpha=model.alpha())
+        out = {k: v if keep in (None, k) else v.detach() for k, v in out.items()}
+        return dear.dear_loss(out, labels, model.t0, out["alpha"], *lambdas)
+
+    grads = {}
+    for term in FEEDS:
+        total = loss(term)[0]  # a term cut from its parameters has no graph at all
+        got = [None] * len(params)
+        if total.requires_grad:
+            got = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+        grads[term] = {n: torch.zeros_like(p) if g is None else g
+                       for (n, p), g in zip(params.items(), got)}
+        for n in params:
+            assert (grads[term][n].abs().max() > 0) == n.startswith(MOVES[term]), (term, n)
+    rng = torch.Generator().manual_seed(0)
+    for n, p in params.items():
+        flat = p.data.view(-1)
+        top = int(grads["ce"][n].abs().argmax())
+        for i in (top, int(torch.randint(p.numel(), (1,), generator=rng))):
+            old, at = flat[i].item(), {}
+            for s in (-2, -1, 1, 2):
+                flat[i] = old + s * 0.1
+                with torch.no_grad():
+                    parts = loss()[1]
+                at[s] = torch.stack([parts[t] for t in FEEDS])
+            flat[i] = old
+            fd = (8 * (at[1] - at[-1]) - (at[2] - at[-2])) / 1.2
+            for j, term in enumerate(FEEDS):
+                g = grads[term][n]
+                assert abs(fd[j] - g.view(-1)[i]) <= 1e-2 * g.abs().max() + 1e-7, (term, n, i)
+    loss(lambdas=(0.3, 2.5))[0].backward()
+    for n, p in model.named_parameters():
+        if n.startswith("clip."):
+            assert p.grad is None, n
         else:
-            assert p.grad is not None and p.grad.abs().max() > 0, name
+            want = sum(w * grads[t][n] for t, w in zip(FEEDS, (1.0, 0.3, 0.3, 2.5)))
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
 
 
 def count_by_hand(kind, n, rep, D, W, E):
@@ -281,31 +340,11 @@ def count_by_hand(kind, n, rep, D, W, E):
 
 
 @pytest.mark.parametrize("kind", ["mmrlpp", "mmrl"])
-@pytest.mark.parametrize(
-    "shape",
-    [
-        dict(
-            vision_width=768,
-            vision_heads=12,
-            text_width=512,
-            text_heads=8,
-            embed_dim=512,
-            vision_layers=4,
-            text_layers=4,
-            J=1,
-        ),  # ViT-B/16 at J = 9
-        dict(
-            vision_width=64,
-            vision_heads=4,
-            text_width=96,
-            text_heads=4,
-            embed_dim=48,
-            vision_layers=4,
-            text_layers=3,
-            J=2,
-        ),
-    ],
-)
+@pytest.mark.parametrize("shape", [
+    dict(vision_width=768, vision_heads=12, text_width=512, text_heads=8, embed_dim=512,
+         vision_layers=4, text_layers=4, J=1),  # ViT-B/16 at J = 9
+    dict(vision_width=64, vision_heads=4, text_width=96, text_heads=4, embed_dim=48,
+         vision_layers=4, text_layers=3, J=2)])
 def test_trainable_values_counted_by_hand(kind, shape):
     shape = dict(shape)
     J = shape.pop("J")

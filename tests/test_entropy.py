@@ -14,6 +14,7 @@ from PIL import Image
 
 import clip
 import data
+import dear
 import entropy
 import toyworld
 from conftest import tiny_clip
@@ -325,6 +326,25 @@ def test_random_roles_shuffle_each_block_on_its_own():
             "random", 8)
 
 
+def test_probe_skill_is_chance_normalised_so_more_values_are_not_penalised():
+    """One-hot features of 4 cells; in each, 7 of 12 images share a colour (4 balanced values,
+    chance 1/4) and 8 of 12 a shape (2 values, chance 1/2). Held-out accuracy ranks shape first
+    (8/12 > 7/12); skill = (accuracy - chance) / (1 - chance) ranks colour first (4/9 > 1/3), and
+    the report's best factor is the colour."""
+    cells, colors, shapes = [], [], []
+    for k in range(4):
+        cells += [k] * 12
+        colors += [k] * 7 + [(k + 1) % 4] * 2 + [(k + 2) % 4] * 2 + [(k + 3) % 4]
+        shapes += [k % 2] * 8 + [1 - k % 2] * 4
+    X = torch.eye(4)[cells * 10].view(480, 1, 1, 4)  # [N, 1 block, 1 head, E]
+    out = entropy.probe_factors(X, {"color": colors * 10, "shape": shapes * 10})
+    assert out["accuracy"] == {"color": [[0.5833]], "shape": [[0.6667]]}
+    assert out["chance"] == {"color": 0.25, "shape": 0.5}
+    assert out["skill"] == {"color": [[0.4444]], "shape": [[0.3333]]}
+    best = entropy.best_factor({f: s[0][0] for f, s in out["skill"].items()})
+    assert best == ("color", pytest.approx(1 / 9, abs=1e-3))
+
+
 # -------------------------------------------------------------------------- roles file, report
 
 
@@ -413,11 +433,11 @@ def test_the_report_names_every_head(tmp_path):
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    """run() on tiny CLIPs (entropy.load_backbone: tiny, other) and 14 images listed as a dataset
+    """run() on tiny CLIPs (dear.load_backbone: tiny, other) and 14 images listed as a dataset
     (data.build_dataset replaced), with the CLIP cache in tmp_path; and a labelled user pool."""
     models = {"tiny": perturbed(blocks=6), "other": perturbed(blocks=6)}
     models["other"].sha256 = "cd" * 32
-    monkeypatch.setattr(entropy, "load_backbone", lambda name, device: models[name])
+    monkeypatch.setattr(dear, "load_backbone", lambda name, device: models[name])
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
     g = np.random.default_rng(0)
     items = []
@@ -433,7 +453,7 @@ def world(tmp_path, monkeypatch):
 
 def test_the_cache_is_reused_only_for_equal_inputs(world):
     base = dict(texts=str(world / "pool.txt"), n=2, rank=8, log=lambda line: None)
-    tiny = entropy.load_backbone("tiny", "cpu")
+    tiny = dear.load_backbone("tiny", "cpu")
     path = entropy.run(tiny, "imagenet", str(world), [3, 4], **base)
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == str(world / "cache" / "roles")
@@ -456,7 +476,7 @@ def test_the_cache_is_reused_only_for_equal_inputs(world):
                 **base, key: value}
         if key == "seed":
             args["max_images"] = 12  # the seed draws the sample
-        paths.add(entropy.run(entropy.load_backbone(args.pop("backbone"), "cpu"), **args))
+        paths.add(entropy.run(dear.load_backbone(args.pop("backbone"), "cpu"), **args))
     (world / "pool.txt").write_text((world / "pool.txt").read_text().replace("text 0", "text zero"))
     # the same file, other texts
     paths.add(entropy.run(tiny, "imagenet", str(world), [3, 4], **base))
@@ -496,12 +516,21 @@ def test_cli_writes_roles_and_refuses_in_one_line(world, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"found {path}: ")
     doc = json.loads((world / "out" / "roles.json").read_text())
     assert doc["layers"] == [3, 4, 5, 6] and len(doc["heads"]) == 16  # the last four by default
+    # thresholds of 0 bits are 0, not "none" (the quantiles): every head above 0 bits generalizes
+    assert entropy.main(args + ["--low", "0", "--high", "0", "--out", str(world / "zero")]) == 0
+    zero = json.loads((world / "zero" / "roles.json").read_text())
+    assert zero["thresholds"] == {"low": 0, "high": 0} == {k: zero["inputs"][k] for k in ("low",
+                                                                                       "high")}
+    assert [e["role"] == "generalization" for e in zero["heads"]] == [e["entropy"] > 0 for e in
+                                                                      zero["heads"]]
+    capsys.readouterr()
     for extra, says in (
         (["--layers", "5-8"], "blocks [5, 6, 7, 8] are not among the backbone's 1..6"),
         # none: not the default
         (["--layers", "5-3"], "blocks [] are not among the backbone's 1..6"),
         (["--n", "14", "--rank", "80"], "TextSpan cannot pick 14 texts per head"),  # 13 directions
         (["--n", "0"], "argument --n: '0' is not a whole number >= 1"),
+        (["--low", "0.5", "--high", "0"], "--low must not exceed --high"),
     ):
         with pytest.raises(SystemExit) as e:
             entropy.main(args + extra)

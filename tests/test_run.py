@@ -1,40 +1,26 @@
 """dear.py's recipe, training loop, run folder and command line, on a tiny CLIP and a small
 folder dataset."""
 
+import collections
 import dataclasses
 import fcntl
 import hashlib
 import json
 import math
 import os
+import pathlib
+import re
 import shlex
+import shutil
 
 import pytest
 import torch
 from PIL import Image
 
+import data
 import dear
-from conftest import tiny_state_dict
-
-# more than ten folders, names with spaces
-CLASSES = [f"class {i:02d} with spaces" for i in range(12)]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A tiny CLIP checkpoint file and a folder dataset of 12 classes whose colour is the class."""
-    root = tmp_path_factory.mktemp("world")
-    torch.save(tiny_state_dict(text_layers=4), root / "tiny.pt")
-    gen = torch.Generator().manual_seed(0)
-    for k, name in enumerate(CLASSES):
-        os.makedirs(root / "shapes" / name)
-        colour = torch.rand(3, generator=gen) * 255
-        for i in range(10):
-            pixels = (colour + torch.randn(32, 32, 3, generator=gen) * 20).clamp(0,
-                    255).byte().numpy()
-            Image.fromarray(pixels).save(root / "shapes" / name / f"{i}.png")
-    return root
-
+import entropy
+from conftest import CLASSES, tiny_state_dict
 
 def argv(world, out, extra=""):
     return ["--dataset", f"folder:{world / 'shapes'}", "--root", str(world), "--backbone",
@@ -92,30 +78,294 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     fails(capsys, "= 150.0 is not a number in [0, 100]", argv(world, tmp_path))
 
 
-def test_settings_reach_the_built_model_and_eval_only_takes_the_runs_own(world, tmp_path,
-        monkeypatch, capsys):
-    built = []
-    real = dear.DeAR
-    monkeypatch.setattr(dear, "DeAR", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-    results, rdir = run(world, tmp_path,
-                        "--tokens mmrl --alpha-cls 0.4 --beta 0.35 --seed 7 --epochs 1")
-    m = built[-1]
-    assert (m.kind, m.beta, m.blocks, m.use_tokens) == ("mmrl", 0.35, range(2, 4), True)
-    assert "tokens-mmrl" in rdir and "beta-0.35" in rdir and "seed" not in results["changed"]
-    assert {"tokens": "mmrl", "alpha_cls": 0.4, "beta": 0.35,
-            "epochs": 1}.items() <= results["changed"].items()
-    trained = torch.load(os.path.join(rdir, "model.pt"))
-    assert results["fusion_weights"]["cls"] == pytest.approx(trained["w"].softmax(0)[0].item())
-    ev = dear.main(eval_argv(world, rdir, "--protocol fewshot"))
-    m = built[-1]
-    assert (m.kind, m.beta, m.use_tokens) == ("mmrl", 0.35, True) and torch.equal(m.w.detach(),
-            trained["w"])
-    assert ev["config"]["seed"] == 7 and os.path.isdir(os.path.join(rdir, "eval"))
-    _, rdir0 = run(world, tmp_path, "--no-attr-tokens")
-    dear.main(eval_argv(world, rdir0))
-    assert not built[-1].use_tokens and not any(p.requires_grad for p in built[-1].parameters())
-    torch.save({"w": torch.zeros(6)}, os.path.join(rdir, "model.pt"))
-    fails(capsys, "does not fit", eval_argv(world, rdir))
+# ------------------------------------------------------------------------------ wiring
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    return watch(monkeypatch)
+
+
+def watch(monkeypatch):
+    """What each run handed its consumers: the built models (and their state when built), the
+    optimiser's group at every step, the loss's weights and beta, every DataLoader, the dtype of
+    the first vision MLP's output in training and evaluation, every evaluation."""
+    seen = collections.defaultdict(list)
+    real_model, real_loss, real_evaluate = dear.DeAR, dear.dear_loss, dear.evaluate
+
+    def model(*args, **kwargs):
+        m = real_model(*args, **kwargs)
+        seen["model"].append(m)
+        seen["init"].append({k: v.clone() for k, v in m.trainable_state().items()})
+        fc = m.clip.visual.transformer.resblocks[0].mlp.c_fc
+        set_classes = m.set_classes
+        m.set_classes = lambda *a: seen["classes"].append(a) or set_classes(*a)
+        fc.register_forward_hook(lambda mod, i, out: seen["dtype", m.training].append(out.dtype))
+        return m
+
+    class AdamW(torch.optim.AdamW):
+        def step(self, *args, **kwargs):
+            seen["step"].append({k: v for k, v in self.param_groups[0].items() if k != "params"})
+            return super().step(*args, **kwargs)
+
+    class DataLoader(torch.utils.data.DataLoader):
+        def __init__(self, dataset, **kwargs):
+            seen["loader"].append((dataset, kwargs))
+            super().__init__(dataset, **kwargs)
+
+    def loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
+        seen["loss"].append((lambda_reg, lambda_fusion, seen["model"][-1].beta))
+        return real_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion)
+
+    def evaluate(model, items, classnames, template, c, rule="fused", *args):
+        seen["eval"].append(dict(rule=rule, beta=model.beta, classes=classnames, items=items,
+                                 template=template))
+        return real_evaluate(model, items, classnames, template, c, rule, *args)
+
+    monkeypatch.setattr(dear, "DeAR", model)
+    monkeypatch.setattr(torch.optim, "AdamW", AdamW)
+    monkeypatch.setattr(torch.utils.data, "DataLoader", DataLoader)
+    monkeypatch.setattr(dear, "dear_loss", loss)
+    monkeypatch.setattr(dear, "evaluate", evaluate)
+    return seen
+
+
+def hand_roles(world, path):
+    """The tiny CLIP's roles file, its heads' roles set by hand: per block an attribute head of
+    colour, a generalization head, an attribute head of shape, a mixed head."""
+    c = dear.resolve(dear.parse_args(argv(world, path.parent)))
+    doc = json.load(open(dear.build(c, lambda line: None)[1]))
+    kinds = [("attribute", "color"), ("generalization", None), ("attribute", "shape"),
+             ("mixed", None)]
+    for e in doc["heads"]:
+        e["role"], e["attribute"] = kinds[e["head"]]
+    path.write_text(json.dumps(doc))
+    return entropy.load_roles(str(path))
+
+
+def loaders(seen, kind):
+    return [(d, k) for d, k in seen["loader"] if type(d) is kind]
+
+
+P = 16  # the tiny CLIP's patches
+TRAIN = ("--shots 3 --seed 7 --J 4 --beta 0.35 --lambda-reg 0.3 --lambda-fusion 0.25 "
+         "--alpha-cls 0.4 --rep-dim 16 --tokens mmrl --mask generalization-only --roles-control "
+         "random --epochs 3 --batch-size 5 --warmup-epochs 2 --lr 0.002 --warmup-lr 0.0003 "
+         "--weight-decay 0.01 --crop-scale 0.7 --eval-batch-size 7 --workers 1 --device cpu "
+         "--precision bf16 --eval-precision bf16 --novel-logits cls")
+# Every field of Config: where its value must arrive, observed there (in the objects the run built
+# and handed on, not in a folder name): the observation, on the run with TRAIN's flags (r: its
+# results, s: what the spy saw, w: the world, roles: the roles file's, by block).
+WIRING = {
+    "dataset": lambda r, s, w, roles: s["eval"][0]["classes"] == CLASSES[:6],
+    "root": "test_a_missing_dataset_is_looked_for_under_root",
+    "protocol": "test_xd_and_zero_shot_runs_read_their_own_flags",
+    "method": "test_xd_and_zero_shot_runs_read_their_own_flags",
+    "shots": lambda r, s, w, roles: len(loaders(s, dear.SeededImages)[0][0]) == 6 * 3,
+    "seed": lambda r, s, w, roles: (
+        sorted(loaders(s, dear.SeededImages)[0][0].items) == sorted(data.build_dataset(
+            f"folder:{w / 'shapes'}", "", 3, 7, "base").train)
+        and torch.equal(s["init"][0]["R"], torch.randn(5, 16, generator=torch.Generator()
+                        .manual_seed(7)) * 0.02)),
+    "backbone": lambda r, s, w, roles: s["model"][0].clip.sha256 == data.sha256_file(
+        w / "tiny.pt"),
+    "targets": "test_xd_and_zero_shot_runs_read_their_own_flags",
+    "out": lambda r, s, w, roles: r["path"].startswith(r["out"]),
+    "J": lambda r, s, w, roles: s["model"][0].blocks == range(3, 4),
+    "beta": lambda r, s, w, roles: {b for _, _, b in s["loss"]} == {0.35},
+    "lambda_reg": lambda r, s, w, roles: {x for x, _, _ in s["loss"]} == {0.3},
+    "lambda_fusion": lambda r, s, w, roles: {x for _, x, _ in s["loss"]} == {0.25},
+    "alpha_cls": lambda r, s, w, roles: abs(s["init"][0]["w"].softmax(0)[0] - 0.4) < 1e-6,
+    "rep_dim": lambda r, s, w, roles: s["model"][0].R.shape == (5, 16),
+    "tokens": lambda r, s, w, roles: s["model"][0].kind == "mmrl" and s["init"][0][
+        "F_v.weight"].dim() == 3,
+    "mask": lambda r, s, w, roles: torch.equal(s["model"][0].masks[0], dear.role_mask(
+        s["model"][0].roles[0], P, "generalization-only")) and not torch.equal(
+        s["model"][0].masks[0], dear.role_mask(s["model"][0].roles[0], P)),
+    "attr_tokens": "test_xd_and_zero_shot_runs_read_their_own_flags",
+    "novel_logits": lambda r, s, w, roles: [e["rule"] for e in s["eval"]] == ["fused", "cls"],
+    "target_beta": "test_xd_and_zero_shot_runs_read_their_own_flags",
+    "roles": lambda r, s, w, roles: sorted(map(str, s["model"][0].roles[0])) == sorted(
+        map(str, roles[4])),
+    "roles_control": lambda r, s, w, roles: s["model"][0].roles[0] == entropy.control_roles(
+        roles, "random", 7)[4] != roles[4],
+    "epochs": lambda r, s, w, roles: len(s["step"]) == 3 * (18 // 5),
+    "batch_size": lambda r, s, w, roles: {len(b) for b in loaders(s, dear.SeededImages)[0][1][
+        "batch_sampler"]} == {5},
+    "warmup_epochs": lambda r, s, w, roles: [g["lr"] for g in s["step"][::3]] == [3e-4, 3e-4,
+                                                                                   2e-3],
+    "lr": lambda r, s, w, roles: s["step"][-1]["lr"] == 2e-3,
+    "warmup_lr": lambda r, s, w, roles: s["step"][0]["lr"] == 3e-4,
+    "weight_decay": lambda r, s, w, roles: {g["weight_decay"] for g in s["step"]} == {0.01},
+    "crop_scale": lambda r, s, w, roles: loaders(s, dear.SeededImages)[0][0].transform.transforms[
+        0].scale == (0.7, 1.0),
+    "eval_batch_size": lambda r, s, w, roles: {k["batch_size"] for _, k in loaders(
+        s, data.ImageList)} == {7},
+    "workers": lambda r, s, w, roles: {k["num_workers"] for _, k in s["loader"]} == {1},
+    "device": lambda r, s, w, roles: s["model"][0].w.device.type == "cpu",
+    "precision": lambda r, s, w, roles: set(s["dtype", True]) == {torch.bfloat16},
+    "eval_precision": lambda r, s, w, roles: set(s["dtype", False]) == {torch.bfloat16},
+    "eval_only": "test_eval_only_and_predict_rebuild_the_run_they_load",
+    "load": "test_eval_only_and_predict_rebuild_the_run_they_load",
+    "resume": "test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers",
+    "force": "test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config",
+    "roles_only": "test_roles_only_writes_the_roles_of_its_J",
+}
+
+
+@pytest.fixture(scope="module")
+def trained(world, tmp_path_factory):
+    """The run with TRAIN's flags and a roles file set by hand: (results, run folder, what the spy
+    saw, the roles file's roles)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    roles = hand_roles(world, tmp / "roles.json")
+    args = argv(world, tmp / "out", f"{TRAIN} --roles {tmp / 'roles.json'}")
+    with pytest.MonkeyPatch.context() as mp:
+        seen = watch(mp)
+        results = dear.main(args)
+    rdir = dear.run_dir(dear.resolve(dear.parse_args(args)))[0]
+    return dict(results, path=rdir, out=str(tmp / "out")), rdir, seen, roles
+
+
+@pytest.mark.parametrize("field", WIRING)
+def test_every_setting_reaches_its_consumer(world, trained, field):
+    """A field without a row fails; a row that names a test points to one that exists."""
+    assert set(WIRING) == set(dear.FIELDS)
+    check = WIRING[field]
+    if isinstance(check, str):
+        assert callable(globals().get(check)), check
+        return
+    results, _, seen, roles = trained
+    assert check(results, seen, world, roles)
+
+
+def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkeypatch):
+    """--protocol xd: the source's "all" split and each --targets, each target at its table beta,
+    or the source's with --target-beta source; --method zeroshot and --no-attr-tokens: frozen
+    CLIP, nothing trained."""
+    os.symlink(world / "shapes", tmp_path / "again")  # the same images, another dataset
+    target = f"folder:{tmp_path / 'again'}"
+    monkeypatch.setitem(dear.XD_TARGET_BETA, target, 0.15)
+    xd = f"--protocol xd --epochs 1 --beta 0.6 --targets {target}"
+    r = dear.main(argv(world, tmp_path, xd))
+    assert [(e["dataset"], e["split"], e["beta"]) for e in r["evals"]] == [
+        (f"folder:{world / 'shapes'}", "all", 0.6), (target, "all", 0.15)]
+    assert [e["beta"] for e in spy["eval"]] == [0.6, 0.15]
+    dear.main(argv(world, tmp_path, xd + " --target-beta source"))
+    assert [e["beta"] for e in spy["eval"][2:]] == [0.6, 0.6]
+    steps = len(spy["step"])
+    for flags in ("--method zeroshot", "--no-attr-tokens"):
+        spy["model"].clear()
+        args = argv(world, tmp_path, flags)
+        if "zeroshot" in flags:  # it reads no training flag
+            args = args[:8] + args[14:16] + args[18:]
+            assert "--epochs" not in args and "--J" not in args
+        r = dear.main(args)
+        assert not spy["model"][0].use_tokens and len(spy["step"]) == steps
+        assert [e["split"] for e in r["evals"]] == ["base", "novel"]
+
+
+def test_a_missing_dataset_is_looked_for_under_root(world, tmp_path, capsys):
+    args = argv(world, tmp_path, f"--dataset eurosat --root {tmp_path / 'elsewhere'}")
+    fails(capsys, str(tmp_path / "elsewhere" / "eurosat"), args)
+
+
+def test_roles_only_writes_the_roles_of_its_J(world, tmp_path, capsys):
+    dear.main(["--roles-only", "--backbone", str(world / "tiny.pt"), "--dataset",
+               f"folder:{world / 'shapes'}", "--out", str(tmp_path), "--J", "4", "--workers", "0"])
+    assert entropy.read_roles(str(tmp_path / "roles" / "J4" / "roles.json"))["layers"] == [4]
+
+
+# every flag a call does not read (dear.READS) is refused, with one line that names it
+MODES = {"dear": "", "zeroshot": "--method zeroshot", "eval-only": "--eval-only --load RUN",
+         "roles-only": "--roles-only"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_call_refuses_every_flag_it_does_not_read(mode):
+    values = dict(shots="3", seed="7", targets="dtd", J="4", beta="0.3", lambda_reg="0.3",
+                  lambda_fusion="0.3", alpha_cls="0.4", rep_dim="16", tokens="mmrl",
+                  mask="none", novel_logits="cls", target_beta="source", roles="r.json",
+                  roles_control="random", epochs="3", batch_size="5", warmup_epochs="2",
+                  lr="0.1", warmup_lr="0.1", weight_decay="0.1", crop_scale="0.7",
+                  eval_batch_size="7", workers="1", device="cpu", precision="bf16",
+                  eval_precision="bf16", protocol="fewshot", method="zeroshot",
+                  dataset="dtd", root="r", backbone="b", out="o", load="RUN")
+    for name, f in dear.FIELDS.items():
+        flag = dear.flag(name)
+        given = [flag] if f.type is bool else [flag, values[name]]
+        args = shlex.split(MODES[mode]) + given
+        if name in ("method", "eval_only", "roles_only"):  # these choose the call
+            continue
+        cfg = dear.parse_args(args)
+        xd = name in ("targets", "target_beta")
+        if name in dear.READS[mode] and not xd:
+            dear.refuse_unread(cfg)
+            continue
+        with pytest.raises(data.UserError, match=re.escape(flag)):
+            dear.refuse_unread(cfg)
+
+
+# what a rebuilt model must carry from the run it loads: (the observation, on the rebuilt model m
+# and the trained one t)
+CARRIED = {
+    "J, tokens, rep_dim": lambda m, t: (m.blocks, m.kind, m.R.shape) == (t.blocks, t.kind,
+                                                                        t.R.shape),
+    "beta": lambda m, t: m.beta == t.beta == 0.35,
+    "roles (file, control, seed)": lambda m, t: m.roles == t.roles,
+    "mask": lambda m, t: torch.equal(m.masks, t.masks),
+    "weights": lambda m, t: all(torch.equal(v, t.trainable_state()[k])
+                                for k, v in m.trainable_state().items()),
+}
+
+
+@pytest.mark.parametrize("mode", ["eval-only", "predict"])
+def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tmp_path, mode):
+    """--eval-only evaluates the run's model with its logits rules on the call's dataset; predict
+    names the run's classes (base and novel) in the run's template."""
+    results, rdir, seen, _ = trained
+    config = json.load(open(os.path.join(rdir, "config.json")))
+    config["template"] = "a blurry photo of a {}."  # not the dataset's: read from the run
+    data.write_json(os.path.join(rdir, "config.json"), config)
+    if mode == "eval-only":
+        dear.main(eval_argv(world, rdir, "--force"))
+        assert [e["rule"] for e in spy["eval"]] == ["fused", "cls"]
+        assert spy["classes"][0][1] == "a photo of a {}."  # the dataset's own
+    else:
+        image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
+        dear.main(["predict", "--load", rdir, image, "--explain", str(tmp_path / "x.png")])
+        assert spy["classes"] == [(CLASSES, "a blurry photo of a {}.")]
+    for what, check in CARRIED.items():
+        assert check(spy["model"][0], seen["model"][0]), what
+
+
+def test_every_recorded_difference_stops_reuse_and_resume(world, trained, tmp_path, capsys):
+    """A finished run is reused, an interrupted one resumed, only if everything recorded in
+    config.json and results.json (config and inputs) equals the call's: each edit below is named
+    in the refusal."""
+    _, rdir, _, _ = trained
+    roles = pathlib.Path(trained[0]["out"]).parent / "roles.json"
+    args = argv(world, tmp_path / "out", f"{TRAIN} --roles {roles}")
+    edits = [("config.json", "config", "beta", 0.5), ("config.json", "config", "seed", 2),
+             ("config.json", "inputs", "dataset_folder", "/elsewhere"),
+             ("config.json", "inputs", "roles_sha256", "0" * 64),
+             ("results.json", "config", "lambda_reg", 9.0),
+             ("results.json", "inputs", "backbone_sha256", "0" * 64)]
+    for state in ("finished", "interrupted"):
+        for file, group, key, value in edits:
+            if state == "interrupted" and file == "results.json":
+                continue
+            copy = tmp_path / "out" / os.path.relpath(rdir, trained[0]["out"])
+            shutil.rmtree(tmp_path / "out", ignore_errors=True)
+            shutil.copytree(rdir, copy)
+            if state == "interrupted":
+                os.remove(copy / "results.json")
+                (copy / "checkpoint.pt").write_bytes(b"")
+            doc = json.load(open(copy / file))
+            doc[group][key] = value
+            data.write_json(copy / file, doc)
+            extra = ["--resume"] if state == "interrupted" else []
+            fails(capsys, f"{group}.{key}: ", args + extra)
 
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers(world, tmp_path,
@@ -173,8 +423,8 @@ def test_a_nonfinite_loss_stops_fp32_and_is_skipped_and_counted_under_fp16(world
                 argv(world, tmp_path / "a", "--epochs 1 --precision fp32"))
     assert "try a lower --lr" in err and not list((tmp_path / "a").rglob("checkpoint.pt"))
     calls.clear()
-    # late in the second epoch, once the scale has settled (fp16 skips its first steps too)
-    poison = 11
+    # the last step: the runs agree on all before it (fp16 skips its first steps too)
+    poison = 12
     results, _ = run(world, tmp_path / "b", "--epochs 2 --precision fp16")
     monkeypatch.setattr(dear, "dear_loss", real)
     clean, _ = run(world, tmp_path / "c", "--epochs 2 --precision fp16")
@@ -208,40 +458,6 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     assert dear.eval_beta(dataclasses.replace(x, target_beta="source"), "dtd") == 0.55
     targets = ["--protocol", "xd", "--targets", "folder:a,b", "--targets", "dtd,eurosat"]
     assert dear.resolve(dear.parse_args(targets)).targets == ["folder:a,b", "dtd", "eurosat"]
-
-
-# MMRL++'s tables (yunncheng/MMRL trainers/config.py), typed again from its per-dataset overrides:
-# (beta, lambda_reg)
-MMRLPP = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2), "ucf101": (0.9, 3), "dtd": (0.9, 7),
-          "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6), "caltech101": (0.6, 3),
-          "sun397": (0.5, 3), "oxford_flowers": (0.4, 7), "eurosat": (0.2, 0.01),
-          "food101": (0.1, 1), "folder:x": (0.9, 1.0)}
-TARGET_BETA = {"imagenetv2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8, "imagenet_sketch": 0.7,
-               "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7, "oxford_pets": 0.6,
-               "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4, "stanford_cars": 0.3,
-               "eurosat": 0.3, "food101": 0.3}
-
-
-@pytest.mark.parametrize("dataset", MMRLPP)
-def test_recipe_rows_restated(dataset):
-    """Every row of the MMRL++ tables and of the schedules (MMRL's vit_b16*, MMRL++'s
-    vit_b16_few_shot)."""
-    imagenet = dataset == "imagenet"
-    b2n, fewshot = (dear.resolve(dear.Config(dataset=dataset, protocol=p)) for p in ("b2n",
-            "fewshot"))
-    assert (b2n.beta, b2n.lambda_reg) == (fewshot.beta, fewshot.lambda_reg) == MMRLPP[dataset]
-    assert (b2n.epochs, b2n.batch_size, b2n.warmup_epochs,
-            b2n.lr) == ((5, 32) if imagenet else (10, 4)) + (1, 1e-3)
-    assert (fewshot.epochs, fewshot.lr) == ((5, 1e-3) if imagenet else (100,
-            2e-3)) and fewshot.batch_size == 32
-    xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd"))
-    assert dear.eval_beta(xd, dataset) == TARGET_BETA.get(dataset, 0.9) or dataset == "imagenet"
-
-
-def test_xd_variants_get_their_test_time_beta():
-    xd = dear.resolve(dear.Config(dataset="imagenet", protocol="xd", beta=0.55))
-    assert {t: dear.eval_beta(xd, t) for t in TARGET_BETA} == TARGET_BETA and dear.eval_beta(xd,
-            "imagenet") == 0.55
 
 
 def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys):
@@ -287,7 +503,9 @@ def test_attention_maps_equal_the_weights_computed_by_hand(world):
 def test_toy_quick_start_beats_zero_shot(quick_start):
     """The README's quick start, offline (run by conftest beside the other tests): DeAR on the
     toy world beats the toy CLIP's zero-shot row by 3 base points and in HM; J = 3 of 4; the
-    roles were computed into the run."""
+    roles were computed into the run. Why 3: seed 1 gives +4.17 (85.42 vs 81.25) here, and another
+    CPU's rounding moved one test image per split (0.26 points of 384), so 3 keeps a margin of
+    about 4 images; seeds 1-5 give +3.9 to +6.3."""
     out, p = quick_start
     assert p.returncode == 0, open(out.parent.parent / "quick_start.log").read()[-3000:]
     deAR = json.load(open(out / "b2n/toyworld/dear-default-shots16-seed1/results.json"))
@@ -296,3 +514,23 @@ def test_toy_quick_start_beats_zero_shot(quick_start):
     assert deAR["evals"][0]["accuracy"] >= zero["evals"][0]["accuracy"] + 3
     assert deAR["hm"] > zero["hm"]
     assert os.path.exists(out / "b2n/toyworld/dear-default-shots16-seed1/roles.png")
+
+
+def test_the_colour_tokens_map_finds_the_object_on_the_quick_start_run(quick_start):
+    """--explain's maps mean something: on the toy test images (the object in one quadrant of a
+    4 x 4 patch grid, toyworld.LOCATIONS) the colour token's map peaks in the object's quadrant
+    far more often than chance (1/4)."""
+    out, p = quick_start
+    assert p.returncode == 0
+    run = out / "b2n/toyworld/dear-default-shots16-seed1"
+    c = dear.resolve(dear.Config(**dear.read_config(run)["config"], device="cpu"))
+    model = dear.build(c, lambda line: None, run / "roles.json", run / "model.pt")[0]
+    ds = data.build_dataset("toyworld", str(out.parent / "data"), subsample="novel")
+    items = ds.test[::4]  # 96 images
+    images = torch.stack([dear.clip.transform(32)(data.open_image(f)) for f, _, _ in items])
+    maps, heads = model.attention_maps(images)  # [B, 1+K, 16]
+    peak = maps[:, 1].argmax(-1)  # the colour token's
+    quadrant = (peak // 4 >= 2) * 2 + (peak % 4 >= 2)  # top left, top right, bottom left, right
+    where = dear.toyworld.factor_labels([f for f, _, _ in items])["location"]
+    assert heads[1] and (quadrant == where).float().mean() > 0.5
+

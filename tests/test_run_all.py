@@ -39,7 +39,8 @@ if args[0] == "-c":  # torch.cuda.is_available(), or the toy world's transfer se
 dear = args[0].endswith("dear.py")
 while dear and "FAKE_WAIT" in env and not os.path.exists(env["FAKE_WAIT"]):
     time.sleep(0.05)
-sys.exit(dear and env.get("FAKE_FAIL") in args)
+check = args[0].endswith("data.py") and "FAKE_CHECK_FAILS" in env  # a dataset is missing
+sys.exit(check or dear and env.get("FAKE_FAIL") in args)
 """
 
 
@@ -138,6 +139,8 @@ def test_toy_transfer_sets_reach_dear_py_as_separate_targets(run):
         assert "--root OUT/data" in job(args)
         assert "--backbone toy" in job(args)
         assert "--device cpu" in job(args)
+    for j in listed(p):  # b2n and its ablations on the toy's schedule, the others on their own
+        assert ("--epochs 10" in j) == ("--protocol b2n" in j and "--method zeroshot" not in j), j
     roles = [j for j in listed(p) if "--roles-only" in j]
     assert sorted(f for j in roles for f in j if f.startswith("--J ")) == ["--J 2", "--J 3",
             "--J 4"]
@@ -183,6 +186,12 @@ def test_a_failed_job_is_named_the_others_go_on_and_the_exit_status_says_so(run)
     assert ran[0].endswith("data.py")  # the datasets are checked before any job
 
 
+def test_a_failed_dataset_check_stops_before_any_job(run):
+    p = run("--stages", "b2n", "--seeds", "1", FAKE_CHECK_FAILS="1")
+    assert p.returncode == 2 and [c["args"][0] for c in p.calls][-1].endswith("data.py")
+    assert not [c for c in p.calls if c["args"][0].endswith("dear.py")]
+
+
 def test_a_second_run_all_on_the_same_out_is_refused(run, tmp_path):
     first = run("--stages", "b2n", "--seeds", "1", wait=False, FAKE_WAIT=str(tmp_path / "go"))
     calls = tmp_path / "calls.jsonl"
@@ -212,6 +221,6 @@ def test_smoke_runs_every_stage_on_the_toy_world(smoke):
     once the toy CLIP is there): every stage, every table."""
     out, p = smoke
     assert p.returncode == 0, open(out.parent / "smoke.log").read()[-3000:]
-    assert len(list(out.glob("*/*/*/results.json"))) == 8  # b2n 2, xd 2, fewshot 2, ablations 2
+    assert len(list(out.glob("*/*/*/results.json"))) == 7  # b2n 2, xd 2, fewshot 2, ablations 1
     assert (out / "roles" / "J3" / "roles.json").exists()
     assert (out / "tables" / "tables.md").exists()
