@@ -275,6 +275,20 @@ def test_user_texts_take_the_concept_of_the_nearest_normalised_centroid():
             "color"]
 
 
+def test_a_users_pool_keeps_its_concepts_and_labels_the_rest_by_the_builtin_pool(monkeypatch):
+    """label_pool: the user's labelled descriptions keep their concept; the others take the
+    nearest built-in centroid, in the model's text space (here a lookup)."""
+    space = {"red": [1.0, 0, 0], "round": [0, 1.0, 0], "crimson": [0.9, 0.1, 0],
+             "ball": [0.1, 0.9, 0.1], "mine": [0, 0, 1.0]}
+    monkeypatch.setattr(entropy, "encode_texts",
+                        lambda model, texts: torch.tensor([space[t] for t in texts]))
+    builtin = [("red", "color"), ("round", "shape")]
+    user = [("crimson", None), ("mine", "scene"), ("ball", None)]
+    assert entropy.label_pool("model", builtin, user) == (["crimson", "mine", "ball"],
+                                                          ["color", "scene", "shape"])
+    assert entropy.label_pool("model", builtin) == (["red", "round"], ["color", "shape"])
+
+
 def test_texts_are_encoded_in_batches_as_clip_encodes_each_alone():
     """Texts of several lengths, one longer than the 16-position text tower (cut, keeping EOT), in
     batches of 2 that do not divide the 5 texts; each normalised on its own."""

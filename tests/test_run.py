@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -76,6 +77,8 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     json.dump(r, open(results_path, "w"))
     json.dump(dict(config, inputs=again["inputs"]), open(os.path.join(rdir, "config.json"), "w"))
     fails(capsys, "= 150.0 is not a number in [0, 100]", argv(world, tmp_path))
+    forced, _ = run(world, tmp_path, "--force")  # clears the folder, and runs again
+    assert "done already" not in capsys.readouterr().out and forced["evals"] == results["evals"]
 
 
 # ------------------------------------------------------------------------------ wiring
@@ -151,7 +154,7 @@ P = 16  # the tiny CLIP's patches
 TRAIN = ("--shots 3 --seed 7 --J 4 --beta 0.35 --lambda-reg 0.3 --lambda-fusion 0.25 "
          "--alpha-cls 0.4 --rep-dim 16 --tokens mmrl --mask generalization-only --roles-control "
          "random --epochs 3 --batch-size 5 --warmup-epochs 2 --lr 0.002 --warmup-lr 0.0003 "
-         "--weight-decay 0.01 --crop-scale 0.7 --eval-batch-size 7 --workers 1 --device cpu "
+         "--weight-decay 0.02 --crop-scale 0.7 --eval-batch-size 7 --workers 1 --device cpu "
          "--precision bf16 --eval-precision bf16 --novel-logits cls")
 # Every field of Config: where its value must arrive, observed there (in the objects the run built
 # and handed on, not in a folder name): the observation, on the run with TRAIN's flags (r: its
@@ -189,14 +192,15 @@ WIRING = {
         map(str, roles[4])),
     "roles_control": lambda r, s, w, roles: s["model"][0].roles[0] == entropy.control_roles(
         roles, "random", 7)[4] != roles[4],
-    "epochs": lambda r, s, w, roles: len(s["step"]) == 3 * (18 // 5),
+    "epochs": lambda r, s, w, roles: len(s["step"]) == 3 * (18 // 5) == r["train"]["steps"]
+    and r["train"]["skipped_steps"] == 0,  # bf16: nothing skips a step
     "batch_size": lambda r, s, w, roles: {len(b) for b in loaders(s, dear.SeededImages)[0][1][
         "batch_sampler"]} == {5},
     "warmup_epochs": lambda r, s, w, roles: [g["lr"] for g in s["step"][::3]] == [3e-4, 3e-4,
                                                                                    2e-3],
     "lr": lambda r, s, w, roles: s["step"][-1]["lr"] == 2e-3,
     "warmup_lr": lambda r, s, w, roles: s["step"][0]["lr"] == 3e-4,
-    "weight_decay": lambda r, s, w, roles: {g["weight_decay"] for g in s["step"]} == {0.01},
+    "weight_decay": lambda r, s, w, roles: {g["weight_decay"] for g in s["step"]} == {0.02},
     "crop_scale": lambda r, s, w, roles: loaders(s, dear.SeededImages)[0][0].transform.transforms[
         0].scale == (0.7, 1.0),
     "eval_batch_size": lambda r, s, w, roles: {k["batch_size"] for _, k in loaders(
@@ -227,16 +231,15 @@ def trained(world, tmp_path_factory):
     return dict(results, path=rdir, out=str(tmp / "out")), rdir, seen, roles
 
 
-@pytest.mark.parametrize("field", WIRING)
-def test_every_setting_reaches_its_consumer(world, trained, field):
-    """A field without a row fails; a row that names a test points to one that exists."""
+def test_every_setting_reaches_its_consumer(world, trained):
+    """Every row of WIRING, in one test (the run is built once); a field without a row fails, a
+    row that names a test points to one that exists."""
     assert set(WIRING) == set(dear.FIELDS)
-    check = WIRING[field]
-    if isinstance(check, str):
-        assert callable(globals().get(check)), check
-        return
     results, _, seen, roles = trained
-    assert check(results, seen, world, roles)
+    missed = [field for field, check in WIRING.items()
+              if not (callable(globals().get(check)) if isinstance(check, str)
+                      else check(results, seen, world, roles))]
+    assert not missed
 
 
 def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkeypatch):
@@ -320,21 +323,45 @@ CARRIED = {
 
 
 @pytest.mark.parametrize("mode", ["eval-only", "predict"])
-def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tmp_path, mode):
+def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tmp_path, capsys,
+        monkeypatch, mode):
     """--eval-only evaluates the run's model with its logits rules on the call's dataset; predict
-    names the run's classes (base and novel) in the run's template."""
+    names the run's classes (base and novel) in the run's template, or --classes; both mask with
+    the run's own roles.json (the file it was given has gone)."""
     results, rdir, seen, _ = trained
     config = json.load(open(os.path.join(rdir, "config.json")))
     config["template"] = "a blurry photo of a {}."  # not the dataset's: read from the run
     data.write_json(os.path.join(rdir, "config.json"), config)
-    if mode == "eval-only":
-        dear.main(eval_argv(world, rdir, "--force"))
-        assert [e["rule"] for e in spy["eval"]] == ["fused", "cls"]
-        assert spy["classes"][0][1] == "a photo of a {}."  # the dataset's own
-    else:
-        image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
-        dear.main(["predict", "--load", rdir, image, "--explain", str(tmp_path / "x.png")])
-        assert spy["classes"] == [(CLASSES, "a blurry photo of a {}.")]
+    os.rename(config["config"]["roles"], tmp_path / "moved.json")
+    try:
+        if mode == "eval-only":
+            dear.main(eval_argv(world, rdir, "--force"))
+            assert [e["rule"] for e in spy["eval"]] == ["fused", "cls"]
+            assert spy["classes"][0][1] == "a photo of a {}."  # the dataset's own
+        else:
+            sheets = []
+            monkeypatch.setattr(dear, "draw_explain", lambda rows, path: sheets.append(rows))
+            image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
+            capsys.readouterr()
+            report = dear.main(["predict", "--load", rdir, image, "--explain", "x.png"])
+            out = capsys.readouterr().out
+            assert spy["classes"] == [(CLASSES, "a blurry photo of a {}.")]
+            assert out.startswith(f"{image}: {report[0]['top5'][0][0]} ") and "wrote x.png" in out
+            assert report[0]["image"] == image and len(report[0]["top5"]) == 5
+            roles = spy["model"][0].roles[-1]  # the explain tiles say whose heads they show
+            mixed = "mixed heads" if any(r["role"] == "mixed" for r in roles) else "no head"
+            heads = {a: [h for h, r in enumerate(roles) if r["attribute"] == a]
+                     for a in dear.ATTRIBUTES}
+            labels = [f"{a} (head {','.join(map(str, hs))})" if hs else f"{a} ({mixed})"
+                      for a, hs in heads.items()]
+            assert sheets[0][0][3][1:] == labels
+            (tmp_path / "names.txt").write_text("red\ngreen\n")
+            again = dear.main(["predict", "--load", rdir, image, "--classes",
+                               str(tmp_path / "names.txt"), "--json"])
+            assert spy["classes"][-1] == (["red", "green"], "a blurry photo of a {}.")
+            assert json.loads(capsys.readouterr().out) == again
+    finally:
+        os.rename(tmp_path / "moved.json", config["config"]["roles"])
     for what, check in CARRIED.items():
         assert check(spy["model"][0], seen["model"][0]), what
 
@@ -462,7 +489,8 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
 
 def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys):
     results, rdir = run(world, tmp_path, "--protocol fewshot")
-    items = dear.data.build_dataset(f"folder:{world / 'shapes'}", str(world)).test[:6]
+    test = dear.data.build_dataset(f"folder:{world / 'shapes'}", str(world)).test
+    items = test[:6]
     report = dear.main(["predict", "--load", rdir, "--explain", str(tmp_path / "x.png"),
                         *[p for p, _, _ in items]])
     c = dear.resolve(dear.Config(**json.load(open(os.path.join(rdir, "config.json")))["config"]))
@@ -472,10 +500,36 @@ def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys
                       dear.resolve(dear.Config(workers=0, device="cpu")))
     right = sum(rep["top5"][0][0] == cls for rep, (_, _, cls) in zip(report, items))
     assert sum(k["accuracy"] * k["n"] for k in r["per_class"]) / 100 == pytest.approx(right)
+    assert r["accuracy"] == pytest.approx(100 * right / len(items))
+    firsts = list({y: (f, y, k) for f, y, k in reversed(test)}.values())  # one image a class
+    r = dear.evaluate(model, firsts, CLASSES, "a photo of a {}.",
+                      dear.resolve(dear.Config(workers=0, device="cpu")))
+    assert 0 < r["accuracy"] == pytest.approx(sum(k["accuracy"] for k in r["per_class"]) / 12)
     assert all(sum(p for _, p in rep["top5"]) <= 1 + 1e-3 for rep in report)
     assert report[0]["evidence"]["cls"]["alpha"] == pytest.approx(results["fusion_weights"]["cls"],
             abs=1e-4)
     assert Image.open(tmp_path / "x.png").size[0] == 7 * 160 + 90
+
+
+def test_the_explain_sheet_draws_each_map_as_heat_over_the_image_in_grey(tmp_path):
+    """A tile is 0.35 grey + 0.65 heat of the patch's share of the row's largest attention
+    (dear.HEAT: pale yellow at the top, black at 0); a token that no head lets see the patches gets
+    a white tile; the scale runs from the top colour down to 0. Here all of CLS's attention is on
+    the top-left patch of a 2 x 2 grid."""
+    image = Image.new("RGB", (32, 32), (128, 128, 128))
+    maps = torch.zeros(2, 4)
+    maps[0, 0] = 0.9
+    dear.draw_explain([("a.png: red 90%", image, maps, ["CLS", "color"], [[0, 1], []])],
+                      tmp_path / "sheet.png")
+    page = np.asarray(Image.open(tmp_path / "sheet.png"), dtype=float)
+    assert page.shape == (44 + 160, 160 * 7 + 90, 3)
+    top, zero = dear.HEAT[-1], dear.HEAT[0]
+    assert np.abs(page[44 + 5, 160 + 5] - (0.35 * 128 + 0.65 * top)).max() <= 1  # CLS tile
+    far = page[44 + 154, 160 + 154] - (0.35 * 128 + 0.65 * zero)  # bicubic rings a little
+    assert np.abs(far).max() <= 5
+    assert (page[44 + 150, 2 * 160 + 150] == 255).all()  # the token without a head: white
+    assert np.abs(page[44, 3 * 160 + 8 + 5] - top).max() <= 1  # the scale, 1 at the top
+    assert np.abs(page[44 + 159, 3 * 160 + 8 + 5] - zero).max() <= 1
 
 
 def test_attention_maps_equal_the_weights_computed_by_hand(world):
@@ -498,6 +552,13 @@ def test_attention_maps_equal_the_weights_computed_by_hand(world):
             w[:, :, 0, 6:].mean(1))
     # masked heads: nothing
     assert w[:, 1, 1:6, 6:].abs().max() == 0 and w[:, 0, 2, 6:].abs().max() == 0
+    # no mixed head: a token without an expert has no head and an empty map; no roles: all mixed
+    roles[4][3] = {"role": "generalization", "attribute": None}
+    clip_model = model.clip
+    maps, heads = dear.DeAR(clip_model, roles, J=3).attention_maps(images)
+    assert heads[3] == [] and maps[:, 3].abs().max() == 0
+    maps, heads = dear.DeAR(clip_model, None, J=3, mask="none").attention_maps(images)
+    assert heads[1:] == [[0, 1, 2, 3]] * 5 and maps.isfinite().all()
 
 
 def test_toy_quick_start_beats_zero_shot(quick_start):

@@ -31,7 +31,7 @@ def put(out, protocol, dataset, evals, method="dear", seed=1, shots=16, changed=
             "roles_sha256": None}, "evals": [{"dataset": d, "split": s, "beta": 0.9, "accuracy": a,
             "n": 100, "logits": "fused", "precision": "fp32", "per_class": []} for d, s,
             a in evals]}
-    folder = os.path.join(out, f"run{next(FOLDER)}")
+    folder = os.path.join(out, "a", f"run{next(FOLDER)}")  # below OUT, at any depth
     os.makedirs(folder)
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(res, f)
@@ -127,6 +127,7 @@ def test_backbones_have_their_own_cells_and_only_vit_b16_its_published_numbers(t
     b2n(tmp_path, "eurosat", 55.0, 45.0, backbone="ViT-L/14", method="zeroshot",
         changed={"backbone": "ViT-L/14"})
     md = tables.build(str(tmp_path))
+    assert "| Dataset | Method | Base | Novel | HM |" in md
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "80.00 ± 0.00 (n=1)"
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR,
                where="ViT-B/32")[0] == "70.00 ± 20.00 (n=2)"
@@ -138,6 +139,41 @@ def test_backbones_have_their_own_cells_and_only_vit_b16_its_published_numbers(t
                 other)]
 
 
+def test_transfer_tables_split_the_targets_and_show_the_published_rows(tmp_path):
+    """Tables 2 and 3 from xd runs: the ImageNet variants in Table 2, the other datasets in Table 3,
+    the source never in an average; zero-shot CLIP and DeAR each with their published rows
+    (assets/published.csv: DeAR's ImageNet-A 51.80 [s], CLIP's 47.77 [l]); a variant of the run
+    (--novel-logits cls) a row of its own; an unknown target under its own name."""
+    evals = [("imagenet", "all", 70.0), ("imagenet_a", "all", 50.0), ("dtd", "all", 40.0),
+             ("mydata", "all", 30.0)]
+    put(tmp_path, "xd", "imagenet", evals)
+    put(tmp_path, "xd", "imagenet", [(d, s, a - 10) for d, s, a in evals], method="zeroshot")
+    put(tmp_path, "xd", "imagenet", [(d, s, a + 1) for d, s, a in evals],
+        changed={"novel_logits": "cls", "J": 7}, novel_logits="cls", J=7)
+    md = tables.build(str(tmp_path))
+    one = "± 0.00 (n=1)"
+    assert row(md, "Table 2", tables.OURS_CLIP) == [f"60.00 {one}", "–", "–", f"40.00 {one}", "–",
+                                                    "–"]
+    assert row(md, "Table 2", tables.CLIP_PUB)[3] == "47.77 [l]"
+    assert row(md, "Table 2", tables.PAPER_DEAR)[3] == "51.80 [s]"
+    assert row(md, "Table 2", tables.DELTA[tables.PAPER_DEAR])[3] == "-1.80"
+    header = section(md, "Table 3").splitlines()[2]
+    assert header.startswith("| Method | ImageNet (source) | Caltech101 |")
+    assert "ImageNet-A" not in header
+    assert header.endswith("| DTD | EuroSAT | UCF101 | mydata | Average |")
+    assert row(md, "Table 3", "DeAR, novel_logits = cls_J-7 (this code)")[-2:] == [f"31.00 {one}",
+                                                                                 "–"]
+    assert tables.hm(0.0, 0.0) == 0.0 and tables.hm_cell(None, tables.Cell(1.0, {}, [])) is None
+    assert tables.build(str(tmp_path)) == md  # into the same folder again
+
+
+def test_a_protocol_without_runs_leaves_the_others_their_tables(tmp_path):
+    put(tmp_path, "fewshot", "toyworld", [("toyworld", "all", 60.0)], shots=2, backbone="toy")
+    md = tables.build(str(tmp_path))
+    assert "Table 1" not in md
+    assert row(md, "Table 4", "DeAR 2-shot (this code)", where="toy")[0] == "60.00 ± 0.00 (n=1)"
+
+
 def test_ablations_average_their_own_datasets(tmp_path):
     for ds, base, novel in (("imagenet", 70.0, 60.0), ("dtd", 80.0, 50.0), ("eurosat", 90.0, 70.0)):
         b2n(tmp_path, ds, base, novel)
@@ -145,6 +181,7 @@ def test_ablations_average_their_own_datasets(tmp_path):
         b2n(tmp_path, ds, base, novel, changed={"mask": "none"}, mask="none")
     md = tables.build(str(tmp_path))
     assert "## Table 5. Ablations (base-to-novel, averaged over DTD, EuroSAT) [ViT-B/16]" in md
+    assert "| Variant | Base | Novel | HM | ΔHM vs full |" in md
     # over DTD and EuroSAT, not ImageNet
     full, ablated = (tables.hm(85.0, 60.0), tables.hm(87.0, 50.0))
     assert row(md, "Table 5", "DeAR (full, defaults)")[:4] == ["85.00 ± 0.00 (n=1)",
