@@ -264,7 +264,7 @@ def markdown(res, device, argv, tiny, elapsed):
 
 def bench(argv):
     parser = data.Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"),
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where available",
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny CLIP: seconds")
     parser.add_argument("--out", help="the Markdown file (default BENCH.md; --tiny BENCH_TINY.md)")

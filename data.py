@@ -770,12 +770,13 @@ def check_or_download(argv):
     sub = parser.add_subparsers(dest="command", required=True)
     check_p = sub.add_parser("check", help="read datasets and print a summary of each")
     check_p.add_argument("--shots", type=POSITIVE, default=-1, help="per class (default: all)")
-    check_p.add_argument("--seed", type=POSITIVE, default=1)
-    check_p.add_argument("--subsample", choices=["all", "base", "novel"], default="all")
+    check_p.add_argument("--seed", type=POSITIVE, default=1, help="of the few-shot subset")
+    check_p.add_argument("--subsample", choices=["all", "base", "novel"], default="all",
+                         help="the classes, or their base or novel half (default: all)")
     check_p.add_argument("--open", action="store_true", help="also open every image")
     down_p = sub.add_parser("download", help="download datasets into --root")
     for p in (check_p, down_p):
-        p.add_argument("names", nargs="+", metavar="NAME")
+        p.add_argument("names", nargs="+", metavar="NAME", help="a dataset name above")
         p.add_argument("--root", default=DEFAULT_ROOT, help="the datasets ($DATA, else data)")
     args = parser.parse_args(argv)
     failed = False

@@ -432,7 +432,7 @@ def opt(default, help, type=str, choices=None, kind="variant", **kw):
 @dataclasses.dataclass
 class Config:
     dataset: str = opt("eurosat", "a data.py name (toyworld: offline), or folder:PATH", kind="run")
-    root: str = opt(data.DEFAULT_ROOT, "the datasets' folder ($DATA, else data)", kind="place")
+    root: str = opt(data.DEFAULT_ROOT, "the datasets (default: $DATA, else data)", kind="place")
     protocol: str = opt("b2n", "base-to-novel, few-shot, or cross-dataset (train, then --targets)",
                         choices=("b2n", "fewshot", "xd"), kind="run")
     method: str = opt("dear", "or zero-shot CLIP", choices=("dear", "zeroshot"), kind="run")
@@ -917,9 +917,8 @@ def environment():
         cpu = names[0] if names else cpu
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     return dict(python=platform.python_version(), torch=torch.__version__,
-                torchvision=torchvision.__version__, cuda=torch.version.cuda,
-                cudnn=torch.backends.cudnn.version(), device=device,
-                git_commit=git("rev-parse", "HEAD") or None,
+                torchvision=torchvision.__version__, cuda=torch.version.cuda, device=device,
+                cudnn=torch.backends.cudnn.version(), git_commit=git("rev-parse", "HEAD") or None,
                 git_dirty=bool(git("status", "--porcelain")))
 
 
@@ -1122,16 +1121,14 @@ def predict(argv):
     parser.add_argument("--template", help="the prompt template (default: the run's)")
     parser.add_argument("--explain", help="a PNG: what CLS and the tokens attend to in block L")
     parser.add_argument("--json", action="store_true", help="JSON instead of text")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     a = parser.parse_args(argv)
     saved = read_config(a.load)
     c = resolve(Config(**saved["config"], device=a.device))
     own = os.path.join(a.load, "roles.json")
     trained = os.path.join(a.load, "model.pt") if c.method == "dear" else None
     model = build(c, print, own if os.path.exists(own) else None, trained)[0]
-    names = saved["classes"]
-    if a.classes:
-        names = data.read_text(a.classes, "write one class name a line")
+    names = data.read_text(a.classes, "one class name a line") if a.classes else saved["classes"]
     template = a.template or saved["template"]
     if "{}" not in template:
         raise UserError(f"--template {template!r} has no {{}} for the class name")

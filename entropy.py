@@ -74,7 +74,7 @@ def label_by_centroid(embeddings, ref_embeddings, ref_concepts):
     which = torch.tensor([names.index(c) for c in ref_concepts])
     centroids = torch.zeros(len(names), ref_embeddings.shape[1])
     centroids.index_add_(0, which, ref_embeddings.float())
-    cos = F.normalize(embeddings.float(), dim=-1) @ F.normalize(centroids, dim=-1).T  # [T, c]
+    cos = embeddings.float() @ F.normalize(centroids, dim=-1).T  # [T, c]: x each text's norm > 0
     return [names[i] for i in cos.argmax(-1).tolist()]
 
 
@@ -203,8 +203,9 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
        SVD comes before the mean is removed): the top eigenvectors of C^T C = scatter + N m m^T.
     2. Centre C: its covariance is K = scatter / N.
     3. n times: pick the text t with the largest variance of C t across images (t K t), and
-       remove its direction u from C and from every text: C (I - u u^T) has covariance
-       (I - u u^T) K (I - u u^T)."""
+       remove its direction u from C and from every text. K itself need not change: C (I - u u^T)
+       has covariance (I - u u^T) K (I - u u^T), the same quadratic form as K on texts that no
+       longer have a u component."""
     mean, scatter = mean.double(), scatter.double()
     texts, E = text_embeddings.to(scatter), scatter.shape[-1]
     _, vectors = torch.linalg.eigh(scatter + count * torch.outer(mean, mean))  # ascending
@@ -219,8 +220,6 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=8
             raise data.UserError(f"the texts span {len(picks)} directions of a head, not --n {n}")
         picks.append(j)
         u = texts[j] / norm  # [E]
-        Ku = K @ u
-        K = K - torch.outer(Ku, u) - torch.outer(u, Ku) + (u @ Ku) * torch.outer(u, u)
         texts = texts - torch.outer(texts @ u, u)  # the pick itself becomes 0
     return picks
 
@@ -486,15 +485,14 @@ def collect_statistics(model, loader, layers, keep=False, log=print):
     return stats, torch.cat(kept) if keep else None
 
 
-def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, factors=None,
-                  seed=0, log=print):
+def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, factors, seed, log):
     """Concept Entropy of the heads of `layers` (from 1) on the probe images of `loader` -> the
     roles.json document, less "probe" and "inputs". texts / concepts: the pool; low / high:
     thresholds in bits (None: the 1/3 and 2/3 quantiles); factors: None, or the images' known
     factors {name: [N] class ids} (ground truth: probe_factors, its folds drawn by seed)."""
     visual = model.visual
     N, E = len(loader.dataset), visual.proj.shape[1]
-    if not 1 <= n <= min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
+    if n > min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
         raise data.UserError(f"TextSpan cannot pick {n} texts per head from {len(texts)} texts, "
                              f"rank {rank}, {N} images")
     keep = factors is not None
@@ -619,8 +617,9 @@ def roles_of(argv):
     p.add_argument("--high", type=bits, help="H >= high bits: generalization (2/3 quantile)")
     p.add_argument("--texts", help="your pool: a description a line (concepts: the nearest)")
     p.add_argument("--out", help="output folder (default: in the CLIP cache, named by the inputs)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=data.POSITIVE, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda where available)")
+    p.add_argument("--batch-size", type=data.POSITIVE, default=64, help="images a batch")
     p.add_argument("--workers", type=count, default=0, help="data loader workers")
     args = p.parse_args(argv)
     if None not in (args.low, args.high) and args.low > args.high:

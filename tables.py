@@ -219,8 +219,8 @@ def table_b2n(runs, show):
         ours = [b2n_cells(rs, names if ds == "average" else [ds]) for rs in (zs, de)]
         columns = [(ds, m) for m in ("base", "novel", "hm")]
         rows += compared([pretty(ds)], *ours, "b2n", columns, show)
-    notes = [f"Average = HM of the base and novel accuracies averaged over the {len(names)} "
-             "datasets; shown only when every dataset has a result."]
+    notes = [f"Average = HM of the base and novel accuracies averaged over the datasets ("
+             f"{len(names)}); shown only when every dataset has a result."]
     title = "Table 1. Base-to-novel generalisation (16 shots): base / novel / HM"
     return (title, ["Dataset", "Method", "Base", "Novel", "HM"], rows, notes) if names else None
 
@@ -246,11 +246,12 @@ def table_transfer(runs, show, kind):
         rows.append(["", label, *[cell(rs, d, "all") for d in sources], *with_average(rs, cols)])
     header = ["", "Method"] + [f"{pretty(s)} (source)" for s in sources]
     header += [*map(pretty, cols), "Average"]
-    notes = [f"Average = mean over the {len(cols)} targets, shown only when every target has a "
+    notes = [f"Average = mean over the targets ({len(cols)}), shown only when every target has a "
              "result.", "The DeAR model is trained once per seed on the source (16 shots, all "
              "classes) and evaluated on every target without further training."]
-    title = {"dg": "Table 2. Domain generalisation: ImageNet source -> ImageNet variants",
-             "xd": "Table 3. Cross-dataset transfer: ImageNet source -> 10 datasets"}[kind]
+    to = "ImageNet variants" if kind == "dg" else f"{len(cols)} dataset" + "s" * (len(cols) > 1)
+    title = {"dg": "Table 2. Domain generalisation", "xd": "Table 3. Cross-dataset transfer"}[kind]
+    title += f": {', '.join(map(pretty, sources))} source -> {to}"
     return (title, header, rows, notes) if cols else None
 
 

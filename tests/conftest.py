@@ -52,6 +52,19 @@ def tiny_clip(**sizes):
     return build_model(tiny_state_dict(**sizes))
 
 
+TEXTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "texts")
+
+
+def reviewed(name, text):
+    """assert text == tests/texts/NAME: what users read, stated once and reviewed as a diff.
+    DEAR_REVIEW=1 rewrites the file instead; `git diff tests/texts` then shows the change."""
+    path = os.path.join(TEXTS, name)
+    if os.environ.get("DEAR_REVIEW"):
+        os.makedirs(TEXTS, exist_ok=True)
+        pathlib.Path(path).write_text(text)
+    assert text.splitlines() == pathlib.Path(path).read_text().splitlines(), name
+
+
 @pytest.fixture
 def tiny_model():
     return tiny_clip()

@@ -122,6 +122,8 @@ def build_variant(root, name):
             f.write("".join(f"n{k:08d} {c}\n" for k, c in enumerate(names)))
         for k in range(12):
             make_image(os.path.join(image_dir, str(k), f"{k}abc.jpeg"), seed=k)
+        for other in ("12", "extra"):  # no class of classnames.txt: not read
+            make_image(os.path.join(image_dir, other, "0.jpeg"))
         return names, (0, 0, 12)
     write_classnames(folder)
     # A and R: 200 of the 1000
@@ -235,10 +237,12 @@ def test_fewshot_cache_follows_the_split(tmp_path):
                                       _ in dassl_fewshot(entries["train"], split["val"], 2, 1)[1]]
 
 
-def test_imagenet_fewshot_samples_train_only(tmp_path):
+def test_imagenet_fewshot_samples_train_only(tmp_path, capsys):
     build_imagenet(str(tmp_path), "imagenet")
     full = data.build_dataset("imagenet", str(tmp_path))
+    assert capsys.readouterr().err == f"listing {tmp_path / 'imagenet' / 'images'} (once)\n"
     ds = data.build_dataset("imagenet", str(tmp_path), shots=2, seed=3)
+    assert capsys.readouterr().err == ""  # its preprocessed.json
     assert ds.train == dassl_fewshot(full.train, [], 2, 3)[0] and ds.val == ds.test == full.test
 
 
@@ -322,6 +326,8 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert (np.asarray(data.to_rgb(wide))[..., 0] == want).all()
     small = Image.fromarray(want.astype(np.int32))  # mode "I" holding 8-bit levels: kept
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
+    edge = Image.fromarray(np.array([[0, 255, 256]], dtype=np.int32))  # 256: not 8-bit
+    assert np.asarray(data.to_rgb(edge))[0, :, 2].tolist() == [0, 1, 1]
 
 
 # ----------------------------------------------------------------------------------------- errors,
@@ -363,19 +369,26 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, name, setup, words):
     assert err.startswith("error: " + words.format(**fill)) and err.count("\n") == 1
 
 
-def test_cli_check(tmp_path, capsys):
-    build_json(str(tmp_path), "eurosat")
-    assert data.main(["check", "eurosat", "--root", str(tmp_path), "--shots", "2", "--seed", "3",
-                      "--open"]) == 0
+def test_cli_check(tmp_path, capsys, monkeypatch):
+    build_json(str(tmp_path / "data"), "eurosat")
+    assert data.main(["check", "eurosat", "--root", str(tmp_path / "data"), "--shots", "2",
+                      "--seed", "3", "--open"]) == 0
     out = capsys.readouterr().out
     assert "3 classes (all), train 6, val 6, test 6" in out and "opened 18 images" in out
     assert "prompt: a centered satellite photo of Annual Crop Land." in out
+    # the defaults: --root $DATA, else data; --seed 1; --subsample: CoOp's first half (rounded up)
+    monkeypatch.setattr(data, "DEFAULT_ROOT", "data")
+    monkeypatch.chdir(tmp_path)
+    assert data.main(["check", "eurosat", "--shots", "2", "--subsample", "base"]) == 0
+    assert "2 classes (base), train 4, val 4, test 4" in capsys.readouterr().out
+    cache = tmp_path / "data" / "eurosat" / "split_fewshot"
+    assert sorted(os.listdir(cache)) == ["shot_2-seed_1.json", "shot_2-seed_3.json"]
     with pytest.raises(SystemExit) as e:
         data.main(["check", "eurosat", "--shots", "0"])
     assert e.value.code == 2
     capsys.readouterr()
     # each error on its line
-    assert data.main(["check", "nope", "eurosat", "dtd", "--root", str(tmp_path)]) == 2
+    assert data.main(["check", "nope", "eurosat", "dtd"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2
     assert errors[0].startswith("error: unknown dataset 'nope'")
@@ -432,6 +445,27 @@ def test_download_eurosat(tmp_path, server, monkeypatch):
     data.download("eurosat", str(tmp_path))
     assert (tmp_path / "eurosat" / "2750" / "Forest" / "test1.png").is_file()
     assert not (tmp_path / "eurosat" / "EuroSAT.zip").exists()
+
+
+def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp_path, server,
+        monkeypatch, capsys):
+    """The archive's fgvc-aircraft-2013b/data/ becomes fgvc_aircraft/ (DATASETS.md; the rest of
+    the archive, its README and evaluation code, stays where it was unpacked); a source to
+    fetch by hand is said, and the ones after it are still fetched."""
+    routes, url = server
+    build_fgvc(str(tmp_path / "made"), "fgvc_aircraft")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        t.add(tmp_path / "made" / "fgvc_aircraft", "fgvc-aircraft-2013b/data")
+    routes["/fgvc.tar.gz"] = buf.getvalue()
+    row = next(s for s in data.SOURCES if s[0] == "fgvc_aircraft")
+    by_hand = ("fgvc_aircraft", "", "", "", "", "a note")
+    monkeypatch.setattr(data, "SOURCES", [by_hand, (row[0], f"{url}/fgvc.tar.gz", *row[2:])])
+    data.download("fgvc_aircraft", str(tmp_path / "root"))
+    assert f"by hand: a note (under {tmp_path / 'root'})" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "root")) == ["fgvc-aircraft-2013b", "fgvc_aircraft"]
+    assert data.build_dataset("fgvc_aircraft", str(tmp_path / "root")).classnames == [
+        "707-320", "Cessna 172", "A300B4"]
 
 
 def test_download_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server,

@@ -215,15 +215,15 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
         for h in range(4):
             picks = textspan_by_hand(stored[:, li, h], vectors.double().numpy(), n=4, rank=6)
             shares = [sum(concepts[j] == c for j in picks) / 4 for c in CONCEPTS]
-            want[block, h] = ([texts[j] for j in picks],
+            want[block, h] = ([texts[j] for j in picks], dict(zip(CONCEPTS, shares)),
                               round(-sum(p * math.log2(p) for p in shares if p > 0), 4))
-    low, high = np.quantile([H for _, H in want.values()], [1 / 3, 2 / 3])
+    low, high = np.quantile([H for *_, H in want.values()], [1 / 3, 2 / 3])
     assert doc["thresholds"] == {"low": round(low, 4), "high": round(high, 4)}
     for e in doc["heads"]:
-        assert (e["texts"], e["entropy"]) == want[e["layer"], e["head"]]
+        assert (e["texts"], e["P"], e["entropy"]) == want[e["layer"], e["head"]]
         assert e["role"] == entropy.assign_role(e["entropy"], e["P"], low, high)["role"]
     # the heads differ: the comparison means something
-    assert len({tuple(t) for t, _ in want.values()}) > 4
+    assert len({tuple(t) for t, *_ in want.values()}) > 4
 
 
 # ----------------------------------------------------------------------------- entropy, roles
@@ -280,13 +280,13 @@ def test_a_users_pool_keeps_its_concepts_and_labels_the_rest_by_the_builtin_pool
     nearest built-in centroid, in the model's text space (here a lookup)."""
     space = {"red": [1.0, 0, 0], "round": [0, 1.0, 0], "crimson": [0.9, 0.1, 0],
              "ball": [0.1, 0.9, 0.1], "mine": [0, 0, 1.0]}
-    monkeypatch.setattr(entropy, "encode_texts",
-                        lambda model, texts: torch.tensor([space[t] for t in texts]))
+    monkeypatch.setattr(entropy, "encode_texts", lambda model, texts: torch.tensor(
+        [space[t] for t in texts]) * (model == "the model"))  # another model: all texts at 0
     builtin = [("red", "color"), ("round", "shape")]
     user = [("crimson", None), ("mine", "scene"), ("ball", None)]
-    assert entropy.label_pool("model", builtin, user) == (["crimson", "mine", "ball"],
-                                                          ["color", "scene", "shape"])
-    assert entropy.label_pool("model", builtin) == (["red", "round"], ["color", "shape"])
+    assert entropy.label_pool("the model", builtin, user) == (["crimson", "mine", "ball"],
+                                                              ["color", "scene", "shape"])
+    assert entropy.label_pool("the model", builtin) == (["red", "round"], ["color", "shape"])
 
 
 def test_texts_are_encoded_in_batches_as_clip_encodes_each_alone():
@@ -357,6 +357,29 @@ def test_probe_skill_is_chance_normalised_so_more_values_are_not_penalised():
     assert out["skill"] == {"color": [[0.4444]], "shape": [[0.3333]]}
     best = entropy.best_factor({f: s[0][0] for f, s in out["skill"].items()})
     assert best == ("color", pytest.approx(1 / 9, abs=1e-3))
+
+
+def test_the_probe_is_ridge_least_squares_on_centred_folds_by_hand():
+    """probe_factors restated with numpy a head at a time, on features off the origin, at a ridge
+    and with folds where centring, the ridge, the folds and each head's own count all matter."""
+    g = np.random.default_rng(0)
+    N, E = 40, 3
+    labels = g.integers(0, 3, N)
+    X = g.normal(size=(N, 1, 2, E)) + 3.0
+    X[:, 0, 0] += np.eye(3)[labels] * 0.8  # head 0 reads the label a little, head 1 not at all
+    out = entropy.probe_factors(torch.tensor(X), {"f": labels.tolist()}, folds=3, ridge=0.5)
+    fold = (torch.randperm(N, generator=torch.Generator().manual_seed(0)) % 3).numpy()
+    Y = np.eye(3)[labels]
+    for h in range(2):
+        right = 0
+        for k in range(3):
+            tr, te = fold != k, fold == k
+            mu = X[tr, 0, h].mean(0)
+            A, B = X[tr, 0, h] - mu, X[te, 0, h] - mu
+            lam = 0.5 * np.trace(A.T @ A) / E  # the ridge times the mean eigenvalue
+            W = np.linalg.solve(A.T @ A + lam * np.eye(E), A.T @ (Y[tr] - Y[tr].mean(0)))
+            right += ((B @ W + Y[tr].mean(0)).argmax(1) == labels[te]).sum()
+        assert out["accuracy"]["f"][0][h] == round(right / N, 4)
 
 
 # -------------------------------------------------------------------------- roles file, report

@@ -83,7 +83,8 @@ FILES = {
         {"lacks a key": ((("evals",), DROP), "lacks 'evals'"),
          "a string for a count": ((("evals", 0, "n"), "16"), "is not a whole number"),
          "not finite": ((("evals", 0, "accuracy"), NAN), "is not a number in [0, 100]"),
-         "out of range": ((("evals", 1, "accuracy"), 150), "= 150 is not a number in [0, 100]")}),
+         "out of range": ((("evals", 1, "accuracy"), 150), "= 150 is not a number in [0, 100]"),
+         "a setting out of range": ((("config", "beta"), 2.0), "--beta: '2.0' is not in [0, 1]")}),
     "roles.json": (
         lambda run, p: shutil.copy(run / "roles.json", p),
         entropy.read_roles,
@@ -295,6 +296,8 @@ def test_an_unusable_clip_cache_is_found_before_the_toy_pretraining(tmp_path, mo
     with pytest.raises(NotADirectoryError) as e:
         toyworld.ensure_pretrained(str(tmp_path / "file" / "cache"), log=lambda line: None)
     assert "file" in e.value.filename
+    with pytest.raises(OSError, match="/proc/self/"):  # a folder that takes no files: even root's
+        data.writable_folder("/proc/self")
 
 
 # folder:PATH datasets as users lay them out: (folders and their images, what is read or said)

@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -12,6 +13,8 @@ import pathlib
 import re
 import shlex
 import shutil
+import time
+import types
 
 import numpy as np
 import pytest
@@ -38,6 +41,21 @@ def eval_argv(world, rdir, extra=""):
 def run(world, out, extra="", capsys=None):
     results = dear.main(argv(world, out, extra))
     return results, dear.run_dir(dear.resolve(dear.parse_args(argv(world, out, extra))))[0]
+
+
+def tick(monkeypatch):
+    """dear's clock moves 100 s at each reading: the ETAs it logs are exact."""
+    clock = itertools.count(0, 100)
+    monkeypatch.setattr(dear, "time", types.SimpleNamespace(time=lambda: float(next(clock)),
+                                                            strftime=time.strftime))
+
+
+def logged(rdir):
+    """(epoch, step, skipped, eta) of each training line in a run's log.txt."""
+    line = (r"epoch (\d+)/\d+ step (\d+)/6 loss \S+ ce \S+ lr [\d.e+-]+(?: skipped (\d+))?"
+            r" eta (\d+)s$")
+    log = open(os.path.join(rdir, "log.txt")).read()
+    return [tuple(int(v or 0) for v in m) for m in re.findall(line, log, re.M)]
 
 
 def fails(capsys, words, args):
@@ -112,9 +130,9 @@ def watch(monkeypatch):
             return super().step(*args, **kwargs)
 
     class DataLoader(torch.utils.data.DataLoader):
-        def __init__(self, dataset, **kwargs):
+        def __init__(self, dataset, *args, **kwargs):
             seen["loader"].append((dataset, kwargs))
-            super().__init__(dataset, **kwargs)
+            super().__init__(dataset, *args, **kwargs)
 
     def loss(out, labels, t0, alpha, lambda_reg, lambda_fusion):
         seen["loss"].append((lambda_reg, lambda_fusion, seen["model"][-1].beta))
@@ -265,6 +283,7 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
             assert "--epochs" not in args and "--J" not in args
         r = dear.main(args)
         assert not spy["model"][0].use_tokens and len(spy["step"]) == steps
+        assert r["train"] == (None if "zeroshot" in flags else {"steps": 0, "trainable": 0})
         assert [e["split"] for e in r["evals"]] == ["base", "novel"]
 
 
@@ -397,7 +416,13 @@ def test_every_recorded_difference_stops_reuse_and_resume(world, trained, tmp_pa
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers(world, tmp_path,
         monkeypatch, capsys):
+    """... and the log: steps 3 and 6 of 6 each epoch (every steps // 2), the ETA by the time per
+    step so far times the steps left in this call, 0 s at its end."""
+    tick(monkeypatch)
     _, full = run(world, tmp_path / "a", "--epochs 3")
+    etas = [500, 400, 300, 200, 100, 0]  # 100 s a reading: 100 k / (3 k) * (18 - 3 k)
+    assert logged(full) == [(e, s, 0, eta) for (e, s), eta in
+                            zip(itertools.product((1, 2, 3), (3, 6)), etas)]
     real = dear.lr_at
 
     def interrupt(epoch, c):
@@ -414,7 +439,9 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_worke
     _, resumed = run(world, tmp_path / "b", "--epochs 3 --resume")
     a, b = (torch.load(os.path.join(d, "model.pt")) for d in (full, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert "resuming" in open(os.path.join(resumed, "log.txt")).read()
+    assert f"resuming from {os.path.join(resumed, 'checkpoint.pt')} at epoch 3" in open(
+        os.path.join(resumed, "log.txt")).read()
+    assert logged(resumed)[-2:] == [(3, 3, 0, 100), (3, 6, 0, 0)]  # 100 / 3 * (6 - 3)
 
 
 BAD = [("--beta 2", "--beta"), ("--beta nan", "--beta"), ("--lr 0", "--lr"),
@@ -452,10 +479,12 @@ def test_a_nonfinite_loss_stops_fp32_and_is_skipped_and_counted_under_fp16(world
     calls.clear()
     # the last step: the runs agree on all before it (fp16 skips its first steps too)
     poison = 12
-    results, _ = run(world, tmp_path / "b", "--epochs 2 --precision fp16")
+    results, rdir = run(world, tmp_path / "b", "--epochs 2 --precision fp16")
     monkeypatch.setattr(dear, "dear_loss", real)
     clean, _ = run(world, tmp_path / "c", "--epochs 2 --precision fp16")
     assert results["train"]["skipped_steps"] == clean["train"]["skipped_steps"] + 1
+    # the log counts them as it goes: the last line the run's count
+    assert logged(rdir)[-1][:3] == (2, 6, results["train"]["skipped_steps"])
     assert results["config"]["precision"] == "fp16"
 
 
@@ -487,7 +516,7 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     assert dear.resolve(dear.parse_args(targets)).targets == ["folder:a,b", "dtd", "eurosat"]
 
 
-def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys):
+def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys, monkeypatch):
     results, rdir = run(world, tmp_path, "--protocol fewshot")
     test = dear.data.build_dataset(f"folder:{world / 'shapes'}", str(world)).test
     items = test[:6]
@@ -509,22 +538,32 @@ def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys
     assert report[0]["evidence"]["cls"]["alpha"] == pytest.approx(results["fusion_weights"]["cls"],
             abs=1e-4)
     assert Image.open(tmp_path / "x.png").size[0] == 7 * 160 + 90
+    tick(monkeypatch)  # a line every 50 batches: 100 s a reading, 50 batches a reading
+    lines = []
+    dear.evaluate(model, (test * 9)[:100], CLASSES, "{}", dear.resolve(dear.Config(
+        workers=0, device="cpu", eval_batch_size=1)), log=lines.append, name="x")
+    assert lines == ["  eval x: 50/100 batches, eta 100s", "  eval x: 100/100 batches, eta 0s"]
 
 
 def test_the_explain_sheet_draws_each_map_as_heat_over_the_image_in_grey(tmp_path):
     """A tile is 0.35 grey + 0.65 heat of the patch's share of the row's largest attention
     (dear.HEAT: pale yellow at the top, black at 0); a token that no head lets see the patches gets
-    a white tile; the scale runs from the top colour down to 0. Here all of CLS's attention is on
-    the top-left patch of a 2 x 2 grid."""
-    image = Image.new("RGB", (32, 32), (128, 128, 128))
+    a white tile; the scale runs from the top colour down to 0; every text is black on white.
+    Here all of CLS's attention is on the top-left patch of a 2 x 2 grid, in two rows."""
     maps = torch.zeros(2, 4)
     maps[0, 0] = 0.9
-    dear.draw_explain([("a.png: red 90%", image, maps, ["CLS", "color"], [[0, 1], []])],
+    dear.draw_explain([(f"{n}.png: red 90%", Image.new("RGB", (32, 32), (v, v, v)), maps,
+                        ["CLS", "color"], [[0, 1], []]) for n, v in (("a", 128), ("b", 64))],
                       tmp_path / "sheet.png")
     page = np.asarray(Image.open(tmp_path / "sheet.png"), dtype=float)
-    assert page.shape == (44 + 160, 160 * 7 + 90, 3)
+    assert page.shape == (2 * (44 + 160), 160 * 7 + 90, 3)
     top, zero = dear.HEAT[-1], dear.HEAT[0]
-    assert np.abs(page[44 + 5, 160 + 5] - (0.35 * 128 + 0.65 * top)).max() <= 1  # CLS tile
+    for y, v in ((0, 128), (204, 64)):
+        assert np.abs(page[y + 44 + 5, 160 + 5] - (0.35 * v + 0.65 * top)).max() <= 1  # CLS tile
+        # the title, the tiles' labels, the note, the scale's title, top and 0%
+        for x0, y0 in ((4, 2), (2, 18), (162, 18), (322, 18), (326, 106), (488, 18), (516, 44),
+                       (516, 192)):
+            assert page[y + y0 : y + y0 + 10, x0 : x0 + 12].min() < 60, (x0, y0)
     far = page[44 + 154, 160 + 154] - (0.35 * 128 + 0.65 * zero)  # bicubic rings a little
     assert np.abs(far).max() <= 5
     assert (page[44 + 150, 2 * 160 + 150] == 255).all()  # the token without a head: white

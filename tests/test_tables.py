@@ -248,49 +248,6 @@ def test_every_published_row_parses():
     assert tables.PUBLISHED[("dg", "CLIP (published)", "average", "acc")].text == "57.18"
 
 
-def test_toy_tables_from_toyworld_runs(tmp_path, capsys):
-    out, toy = str(tmp_path), dict(backbone="toy")
-    # b2n and ablations on the toy schedule (--epochs 10), transfer and few-shot on the default
-    for seed in (1, 2):
-        b2n(out, "toyworld", 80.0 + seed, 60.0, seed=seed, changed={"epochs": 10}, epochs=10, **toy)
-        b2n(out, "toyworld", 70.0, 50.0, seed=seed, changed={"J": 2, "epochs": 10}, epochs=10, J=2,
-            **toy)
-        b2n(out, "toyworld", 75.0, 40.0, seed=seed,
-            changed={"roles_control": "random", "epochs": 10}, epochs=10, **toy)
-        put(out, "xd", "toyworld", [("toyworld", "all", 85.0),
-                                    ("folder:/data/toyworld-transfer/noisy", "all", 60.0)],
-            seed=seed, **toy)
-        put(out, "fewshot", "toyworld", [("toyworld", "all", 65.0)], shots=2, seed=seed, **toy)
-    # a re-evaluation: not a run
-    put(out, "xd", "toyworld", [("toyworld", "all", 5.0)], eval_only=True, **toy)
-    b2n(out, "toyworld", 78.0, 55.0, method="zeroshot", **toy)
-    os.makedirs(tmp_path / "roles" / "J3")
-    (tmp_path / "roles" / "J3" / "roles.md").write_text("| L3 H0 | color |")
-    assert tables.main(["--out", out]) == 0
-    md = open(tmp_path / "tables" / "tables.md").read()
-    assert capsys.readouterr().out.strip() == md.strip()
-    # b2n and ablations on the toy's schedule, under their own title
-    toy10 = "toy, schedule epochs-10"
-    assert row(md, "Table 1", "ToyWorld", tables.OURS_DEAR, where=toy10)[0] == "81.50 ± 0.50 (n=2)"
-    assert row(md, "Table 1", "ToyWorld", tables.OURS_CLIP, where=toy10)[0] == "78.00 ± 0.00 (n=1)"
-    title = ("## Table 5. Ablations (base-to-novel, averaged over ToyWorld) [toy, schedule "
-             "epochs-10]")
-    assert title in md
-    assert row(md, "Table 5", "J = 2", where=toy10)[0] == "70.00 ± 0.00 (n=2)"
-    assert row(md, "Table 5", "roles_control = random", where=toy10)[1] == "40.00 ± 0.00 (n=2)"
-    assert "| Method | ToyWorld (source) | folder noisy | Average |" in section(md, "Table 3",
-            "toy")
-    assert row(md, "Table 3", tables.OURS_DEAR,
-               where="toy") == ["85.00 ± 0.00 (n=2)"] + ["60.00 ± 0.00 (n=2)"] * 2
-    assert row(md, "Table 4", "DeAR 2-shot (this code)", where="toy") == ["65.00 ± 0.00 (n=2)"] * 2
-    assert "Table 2" not in md and "(published) |" not in md
-    assert "[roles/J3/roles.md](../roles/J3/roles.md)" in md
-    lines = open(tmp_path / "tables" / "table1_b2n_epochs-10.csv").read().splitlines()
-    assert lines[0] == "backbone,row,group,column,mean,std,n_seeds,source"
-    assert "toy,DeAR (this code),ToyWorld,Base,81.5000,0.5000,2," in lines
-    assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]
-
-
 BAD = {"truncated": lambda text: text[: len(text) // 2],
        "not UTF-8": lambda text: "\udcff".encode(errors="surrogateescape"),
        "older version": lambda text: json.dumps({k: v for k,

@@ -1,0 +1,115 @@
+"""What users read, stated once in tests/texts/ and reviewed as a diff: every script's options
+(flag, default, type, choices, help, description) and the Markdown of roles.md and tables.md on
+hand-made inputs. A change fails here until `DEAR_REVIEW=1 python -m pytest tests/test_texts.py`
+rewrites the files, and `git diff tests/texts` shows it to the reviewer."""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+import bench
+import data
+import dear
+import entropy
+import tables
+from conftest import reviewed
+from test_entropy import make_doc
+from test_tables import b2n, put
+
+PROBES = ["0", "1", "-1", "0.5", "nan", "9-12", "x"]  # what each type makes of them
+
+
+def kind(t):
+    if t in (None, str, int, float):
+        return getattr(t, "__name__", "str")
+    made = []
+    for text in PROBES:
+        try:
+            made.append(f"{text}:{t(text)!r}")
+        except (ValueError, argparse.ArgumentTypeError, data.UserError):
+            made.append(f"{text}:no")
+    return " ".join(made)
+
+
+def options(parser, name):
+    """Every option of `parser` and its sub-commands, a line each."""
+    lines = [f"# {name}: {parser.description}", *(parser.epilog or "").splitlines()]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            lines += [f"{a.dest} (required={a.required}):"]
+            lines += [line for sub, p in a.choices.items() for line in options(p, f"{name} {sub}")]
+            continue
+        default = "$DATA, else data" if a.default == data.DEFAULT_ROOT else a.default
+        said = dict(choices=a.choices, nargs=a.nargs, metavar=a.metavar, required=a.required)
+        lines.append(f"{'/'.join(a.option_strings) or a.dest}: default={default!r} "
+                     f"type={kind(a.type)} " + "".join(f"{k}={v} " for k, v in said.items() if v)
+                     + f"help={a.help!r}")
+    return lines
+
+
+def test_every_scripts_options_are_as_reviewed(monkeypatch):
+    seen = []
+
+    def stop(parser, argv=None):
+        seen.append(parser)
+        raise SystemExit
+
+    monkeypatch.setattr(data.Parser, "parse_args", stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a CPU machine
+    lines = []
+    for name, main in [("dear.py", dear.parse_args), ("dear.py predict", dear.predict),
+                       ("data.py", data.check_or_download), ("entropy.py", entropy.roles_of),
+                       ("tables.py", tables.tables), ("bench.py", bench.bench)]:
+        with pytest.raises(SystemExit):
+            main([])
+        lines += options(seen[-1], name) + [""]
+    reviewed("options.txt", "\n".join(lines))
+
+
+def test_roles_md_is_as_reviewed(tmp_path):
+    doc = make_doc(layers=(2, 3, 4))
+    for e in doc["heads"]:
+        e["decoding"], e["skill"] = {"color": 0.9, "shape": 0.5}, {"color": 0.8, "shape": 0.3}
+    doc["decoding"] = {"probe": "ridge", "chance": {"color": 0.17, "shape": 0.25}}
+    doc["heads"][0]["entropy"] = doc["heads"][1]["entropy"] = doc["thresholds"]["low"]  # a tie
+    entropy.write_report(doc, tmp_path)
+    reviewed("roles.md", (tmp_path / "roles.md").read_text())
+
+
+def test_tables_md_is_as_reviewed(tmp_path, capsys):
+    """Every table, on the paper's backbone and on the toy (each of its schedules under its own
+    title; a folder target under its folder's name), with notes, published rows, an ablation, a
+    re-evaluation (not a run), a skipped file and the roles section; printed as written."""
+    for seed in (1, 2):
+        for ds, base, novel in (("imagenet", 76.0, 70.0), ("dtd", 83.0, 60.0)):
+            b2n(tmp_path, ds, base + seed, novel, seed=seed)
+            b2n(tmp_path, ds, base - 5, novel - 2, seed=seed, method="zeroshot")
+            b2n(tmp_path, ds, base, novel - 9, seed=seed, changed={"mask": "none"}, mask="none")
+        # no ImageNet variant among the targets: Table 2 has the published rows alone
+        put(tmp_path, "xd", "imagenet", [("imagenet", "all", 72.0), ("dtd", "all", 45.0 + seed)],
+            seed=seed)
+        put(tmp_path, "fewshot", "dtd", [("dtd", "all", 60.0 + seed)], shots=4, seed=seed)
+        put(tmp_path, "fewshot", "dtd", [("dtd", "all", 50.0)], method="zeroshot", seed=seed)
+        put(tmp_path, "fewshot", "toyworld", [("toyworld", "all", 65.0)], shots=2, seed=seed,
+            backbone="toy")
+        b2n(tmp_path, "toyworld", 80.0, 60.0, seed=seed, changed={"epochs": 10}, epochs=10,
+            backbone="toy")
+        put(tmp_path, "xd", "toyworld", [("toyworld", "all", 85.0),
+            ("folder:/data/toyworld-transfer/noisy", "all", 60.0)], seed=seed, backbone="toy")
+        for changed in ({}, {"mask": "none"}):  # a second schedule, with an ablation
+            b2n(tmp_path, "toyworld", 81.0, 61.0 - len(changed), seed=seed, backbone="toy",
+                changed=changed | {"epochs": 12}, epochs=12, **changed)
+    put(tmp_path, "xd", "toyworld", [("toyworld", "all", 5.0)], eval_only=True, backbone="toy")
+    b2n(tmp_path, "toyworld", 78.0, 55.0, method="zeroshot", backbone="toy")
+    (tmp_path / "a" / "broken").mkdir()
+    (tmp_path / "a" / "broken" / "results.json").write_text("{")
+    (tmp_path / "roles" / "J9").mkdir(parents=True)
+    (tmp_path / "roles" / "J9" / "roles.md").write_text("| 9 | G |")
+    assert tables.main(["--out", str(tmp_path)]) == 0
+    md = (tmp_path / "tables" / "tables.md").read_text()
+    assert capsys.readouterr().out.strip() == md.strip()
+    assert not [f for f in os.listdir(tmp_path / "tables") if f.endswith(".tmp")]
+    reviewed("tables.md", md.replace(str(tmp_path), "OUT"))
+    reviewed("table2_dg.csv", (tmp_path / "tables" / "table2_dg.csv").read_text())
