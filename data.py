@@ -628,7 +628,7 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def train_transform(size=224, min_scale=0.5):
+def train_transform(size, min_scale):
     """Dassl's training pipeline with MMRL's crop scale, on an RGB image."""
     import clip
     from torchvision import transforms as T

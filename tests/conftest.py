@@ -107,25 +107,17 @@ def toy_dir():
 
 PRETRAIN, BACKGROUND = {}, {}
 # Every test process reads CLIP checkpoints and head roles from here (the toy CLIP once pretrained,
-# the roles that
-# tests compute for their own tiny checkpoints, keyed by those checkpoints' SHA256)
+# the roles that tests compute for their own tiny checkpoints, keyed by their SHA256)
 os.environ["CLIP_CACHE"] = toy_dir()
 os.makedirs(os.environ["CLIP_CACHE"], exist_ok=True)
 WORK = tempfile.mkdtemp(prefix="dear-tests-")
-# The two slowest checks run as commands of their own beside the other tests, as soon as the toy
-# CLIP is there:
-# `run_all.sh --smoke`, and the README's quick start (DeAR on the toy world, then its zero-shot
-# row).
-COMMANDS = {
-    "smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
-    "quick_start": [
-        sys.executable,
-        "-c",
-        f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = "
-        "['--dataset', 'toyworld', '--root', 'data', '--out', 'runs']; "
-        "dear.main(a); dear.main(a + ['--method', 'zeroshot'])",
-    ],
-}
+# The two slowest checks run as commands of their own beside the other tests, once the toy CLIP is
+# there: `run_all.sh --smoke`, and the README's quick start (DeAR on the toy, then zero-shot).
+QUICK_START = (f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = ['--dataset', "
+               "'toyworld', '--root', 'data', '--out', 'runs']; dear.main(a); "
+               "dear.main(a + ['--method', 'zeroshot'])")
+COMMANDS = {"smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
+            "quick_start": [sys.executable, "-c", QUICK_START]}
 
 
 def pretrain_command(folder):

@@ -89,7 +89,7 @@ def build_fgvc(root, name):
     return variants, (15, 9, 6)
 
 
-# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235); CoOp keeps them, so must
+# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235); CoOp keeps them: so does
 # data.py
 WNIDS = {f"n0{i:07d}": name for i, name in enumerate(["tench", "great white shark", "sunglasses",
                                                       "sunglasses", "jay"])}
@@ -237,6 +237,19 @@ def test_fewshot_cache_follows_the_split(tmp_path):
                                       _ in dassl_fewshot(entries["train"], split["val"], 2, 1)[1]]
 
 
+def test_a_cache_that_cannot_be_kept_costs_a_note(tmp_path, capsys, monkeypatch):
+    """A read-only dataset folder: the few-shot subset is made each time, with a note."""
+    build_uneven_dtd(str(tmp_path))
+
+    def full(path, doc):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(data, "write_json", full)
+    assert len(data.build_dataset("dtd", str(tmp_path), shots=2, seed=1).train) == 9  # 1 + 4 x 2
+    cache = tmp_path / "dtd" / "split_fewshot" / "shot_2-seed_1.json"
+    assert capsys.readouterr().err.startswith(f"note: cannot keep {cache} ({cache}: No space")
+
+
 def test_imagenet_fewshot_samples_train_only(tmp_path, capsys):
     build_imagenet(str(tmp_path), "imagenet")
     full = data.build_dataset("imagenet", str(tmp_path))
@@ -273,8 +286,7 @@ def test_base_novel(tmp_path):
     assert a.classnames == ["sunglasses"] and len(a.test) == 3 and a.train == []
 
 
-# ------------------------------------------------------------------------------ folders, class
-# names
+# ----------------------------------------------------------------------------- folders, class names
 
 
 def fruit_folder(folder, counts=(10, 2, 3)):
@@ -330,8 +342,7 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert np.asarray(data.to_rgb(edge))[0, :, 2].tolist() == [0, 1, 1]
 
 
-# ----------------------------------------------------------------------------------------- errors,
-# CLI
+# -------------------------------------------------------------------------------------- errors, CLI
 
 
 def half_unpacked(root):
@@ -342,25 +353,20 @@ def half_unpacked(root):
     return {"last": last}
 
 
-@pytest.mark.parametrize(
-    "name,setup,words",
-    [
-        ("nope", None, "unknown dataset 'nope'; known: imagenet, caltech101,"),
-        (
-            "eurosat",
-            None,
-            "{root}/eurosat/split_zhou_EuroSAT.json: not found; get it with: python data.py "
-            "download eurosat --root {root}",
-        ),
-        ("imagenet_r", None, "{root}/imagenet-rendition/classnames.txt: not found; get it with"),
-        ("eurosat", half_unpacked, "{root}/eurosat/2750/{last}: not found; get it with"),
-        (
-            "folder:{root}/fruit",
-            lambda r: fruit_folder(pathlib.Path(r) / "fruit", (3, 1)) and None,
-            "{root}/fruit/plum: 1 image(s)",
-        ),
-    ],
-)
+@pytest.mark.parametrize("name,setup,words", [
+    ("nope", None, "unknown dataset 'nope'; known: imagenet, caltech101,"),
+    ("eurosat", None, "{root}/eurosat/split_zhou_EuroSAT.json: not found; get it with: python "
+     "data.py download eurosat --root {root}"),
+    ("imagenet_r", None, "{root}/imagenet-rendition/classnames.txt: not found; get it with"),
+    ("eurosat", half_unpacked, "{root}/eurosat/2750/{last}: not found; get it with"),
+    ("folder:{root}/fruit", lambda r: fruit_folder(pathlib.Path(r) / "fruit", (3, 1)) and None,
+     "{root}/fruit/plum: 1 image(s)"),
+    ("fgvc_aircraft", lambda r: build_fgvc(r, "") and open(os.path.join(
+        r, "fgvc_aircraft", "images_variant_train.txt"), "a").write("1 X\n2 Y\n") and None,
+     "{root}/fgvc_aircraft/images_variant_train.txt: '1 X' is not '<image id> <variant>'"),
+    ("eurosat", lambda r: open(os.path.join(r, "eurosat"), "w").close(),  # an OS error
+     "{root}/eurosat/split_zhou_EuroSAT.json: Not a directory"),
+])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, name, setup, words):
     root = str(tmp_path)
     fill = {"root": root, **((setup and setup(root)) or {})}
@@ -395,8 +401,7 @@ def test_cli_check(tmp_path, capsys, monkeypatch):
     assert "dtd/split_zhou" in errors[1]
 
 
-# --------------------------------------------------------------------------------------------
-# downloads
+# ---------------------------------------------------------------------------------------- downloads
 
 
 def zip_bytes(files):
@@ -423,7 +428,7 @@ def fake_eurosat(routes, url, monkeypatch, md5=None):
     md5 = md5 or hashlib.md5(archive).hexdigest()
     split = ("eurosat", "drive:SPLIT", "", "eurosat/split_zhou_EuroSAT.json", "", "")
     zipped = ("eurosat", f"{url}/EuroSAT.zip", md5, "eurosat/EuroSAT.zip", "eurosat/2750", "")
-    monkeypatch.setattr(data, "SOURCES", [zipped, split])
+    monkeypatch.setattr(data, "SOURCES", [split, zipped])  # a file first: the archive still comes
     monkeypatch.setattr(data, "DRIVE", f"{url}/drive?id=")
 
 
@@ -462,7 +467,9 @@ def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp
     by_hand = ("fgvc_aircraft", "", "", "", "", "a note")
     monkeypatch.setattr(data, "SOURCES", [by_hand, (row[0], f"{url}/fgvc.tar.gz", *row[2:])])
     data.download("fgvc_aircraft", str(tmp_path / "root"))
-    assert f"by hand: a note (under {tmp_path / 'root'})" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"by hand: a note (under {tmp_path / 'root'})" in err
+    assert f"fetching {url}/fgvc.tar.gz -> {tmp_path / 'root'}/fgvc-aircraft-2013b.tar.gz" in err
     assert sorted(os.listdir(tmp_path / "root")) == ["fgvc-aircraft-2013b", "fgvc_aircraft"]
     assert data.build_dataset("fgvc_aircraft", str(tmp_path / "root")).classnames == [
         "707-320", "Cessna 172", "A300B4"]
@@ -477,7 +484,7 @@ def test_download_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path,
                        match="EuroSAT.zip: not the MD5 0{32} of .*; run the command again"):
         data.download("eurosat", str(tmp_path))
     assert not os.path.exists(tmp_path / "eurosat" / "2750")
-    monkeypatch.setattr(data, "SOURCES", data.SOURCES[1:])
+    monkeypatch.setattr(data, "SOURCES", data.SOURCES[:1])
     data.download("eurosat", str(tmp_path))
     drive = "https://drive.google.com/file/d/SPLIT/view"
     assert f"fetch by hand: {drive}, as " in capsys.readouterr().err
@@ -498,16 +505,13 @@ def tar_bytes(member):
     return buf.getvalue()
 
 
-@pytest.mark.parametrize(
-    "member,refused",
-    [
-        (("../evil.txt", "file", ""), True),
-        (("link", "sym", "../.."), True),
-        (("hard", "hard", "{out}/secret.txt"), True),
-        # the filter strips the leading '/': it lands inside
-        (("{out}/evil.txt", "file", ""), False),
-    ],
-)
+@pytest.mark.parametrize("member,refused", [
+    (("../evil.txt", "file", ""), True),
+    (("link", "sym", "../.."), True),
+    (("hard", "hard", "{out}/secret.txt"), True),
+    # the filter strips the leading '/': it lands inside
+    (("{out}/evil.txt", "file", ""), False),
+])
 def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch, member, refused):
     routes, url = server
     out = tmp_path / "outside"

@@ -17,7 +17,7 @@ import data
 import dear
 import entropy
 import toyworld
-from conftest import tiny_clip
+from conftest import reviewed, tiny_clip
 from entropy import CONCEPTS
 
 
@@ -219,6 +219,7 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
                               round(-sum(p * math.log2(p) for p in shares if p > 0), 4))
     low, high = np.quantile([H for *_, H in want.values()], [1 / 3, 2 / 3])
     assert doc["thresholds"] == {"low": round(low, 4), "high": round(high, 4)}
+    assert doc["concepts"] == list(CONCEPTS)
     for e in doc["heads"]:
         assert (e["texts"], e["P"], e["entropy"]) == want[e["layer"], e["head"]]
         assert e["role"] == entropy.assign_role(e["entropy"], e["P"], low, high)["role"]
@@ -229,21 +230,18 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
 # ----------------------------------------------------------------------------- entropy, roles
 
 
-@pytest.mark.parametrize(
-    "concepts, low, high, H, role",
-    [
-        (["texture"] * 4, 0.5, 1.5, 0.0, ("attribute", "texture")),
-        # dominant: not an attribute
-        (["animal"] * 3 + ["color"], 1.0, 1.5, 0.8113, ("specialist", None)),
-        # H = low; a tie: listed first
-        (["color", "shape"] * 2, 1.0, 1.5, 1.0, ("attribute", "color")),
-        (["animal", "location"], 1.0, 1.5, 1.0, ("attribute", "location")),  # attributes come first
-        (["color", "shape", "texture"], 1.0, 2.0, 1.585, ("mixed", None)),
-        # H = high
-        (["color", "shape", "texture", "animal"], 1.0, 2.0, 2.0, ("generalization", None)),
-        (["color", "shape", "texture", "animal"], 1.0, 2.5, 2.0, ("mixed", None)),
-    ],
-)
+@pytest.mark.parametrize("concepts, low, high, H, role", [
+    (["texture"] * 4, 0.5, 1.5, 0.0, ("attribute", "texture")),
+    # dominant: not an attribute
+    (["animal"] * 3 + ["color"], 1.0, 1.5, 0.8113, ("specialist", None)),
+    # H = low; a tie: listed first
+    (["color", "shape"] * 2, 1.0, 1.5, 1.0, ("attribute", "color")),
+    (["animal", "location"], 1.0, 1.5, 1.0, ("attribute", "location")),  # attributes come first
+    (["color", "shape", "texture"], 1.0, 2.0, 1.585, ("mixed", None)),
+    # H = high
+    (["color", "shape", "texture", "animal"], 1.0, 2.0, 2.0, ("generalization", None)),
+    (["color", "shape", "texture", "animal"], 1.0, 2.5, 2.0, ("mixed", None)),
+])
 def test_entropy_in_bits_and_roles_by_thresholds(concepts, low, high, H, role):
     P = entropy.concept_distribution(concepts)
     assert list(P) == list(CONCEPTS) and sum(P.values()) == pytest.approx(1)
@@ -360,23 +358,23 @@ def test_probe_skill_is_chance_normalised_so_more_values_are_not_penalised():
 
 
 def test_the_probe_is_ridge_least_squares_on_centred_folds_by_hand():
-    """probe_factors restated with numpy a head at a time, on features off the origin, at a ridge
-    and with folds where centring, the ridge, the folds and each head's own count all matter."""
+    """probe_factors restated with numpy a head at a time (its defaults: 2 folds, ridge 1), on
+    features off the origin where centring, the ridge, the folds and each head's count matter."""
     g = np.random.default_rng(0)
     N, E = 40, 3
     labels = g.integers(0, 3, N)
     X = g.normal(size=(N, 1, 2, E)) + 3.0
     X[:, 0, 0] += np.eye(3)[labels] * 0.8  # head 0 reads the label a little, head 1 not at all
-    out = entropy.probe_factors(torch.tensor(X), {"f": labels.tolist()}, folds=3, ridge=0.5)
-    fold = (torch.randperm(N, generator=torch.Generator().manual_seed(0)) % 3).numpy()
+    out = entropy.probe_factors(torch.tensor(X), {"f": labels.tolist()})
+    fold = (torch.randperm(N, generator=torch.Generator().manual_seed(0)) % 2).numpy()
     Y = np.eye(3)[labels]
     for h in range(2):
         right = 0
-        for k in range(3):
+        for k in range(2):
             tr, te = fold != k, fold == k
             mu = X[tr, 0, h].mean(0)
             A, B = X[tr, 0, h] - mu, X[te, 0, h] - mu
-            lam = 0.5 * np.trace(A.T @ A) / E  # the ridge times the mean eigenvalue
+            lam = np.trace(A.T @ A) / E  # the ridge (1) times the mean eigenvalue
             W = np.linalg.solve(A.T @ A + lam * np.eye(E), A.T @ (Y[tr] - Y[tr].mean(0)))
             right += ((B @ W + Y[tr].mean(0)).argmax(1) == labels[te]).sum()
         assert out["accuracy"]["f"][0][h] == round(right / N, 4)
@@ -414,29 +412,23 @@ def test_roles_round_trip(tmp_path):
     assert [e["head"] for e in roles[4]] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize(
-    "corrupt, kwargs, message",
-    [
-        (lambda d: d.update(format="something/1"), {}, "not a dear-roles/1 file"),
-        (lambda d: d.pop("heads"), {}, "the document lacks 'heads'"),
-        (None, {"sha256": "cd" * 32}, "computed for checkpoint abab.*, not for this one \\(cdcd"),
-        (None, {"num_heads": 12}, "for a model of 4 blocks x 4 heads, not None x 12"),
-        (None, {"layers": [2, 3, 4]}, "has blocks \\[3, 4\\], not all of \\[2, 3, 4\\]"),
-        (lambda d: d["heads"][5].update(head=4), {}, "block 4 head 4 is not one of its heads"),
-        (lambda d: d["heads"].__setitem__(5, dict(d["heads"][4])), {}, "block 4 head 0 .* twice"),
-        (lambda d: d["heads"].pop(5), {}, "lacks some heads"),
-        (lambda d: d["heads"][1].update(role="boss"), {}, "block 3 head 1: role 'boss'"),
-        (lambda d: d["heads"][2].update(attribute="shape"), {},
-         "block 3 head 2: role 'mixed' with attribute 'shape'"),
-        (lambda d: d["heads"][0].update(attribute=None), {},
-         "block 3 head 0: role 'attribute' with attribute None"),
-        (
-            lambda d: d["heads"][0].update(attribute="animal"),
-            {},
-            "block 3 head 0: role 'attribute' with attribute 'animal'",
-        ),
-    ],
-)
+@pytest.mark.parametrize("corrupt, kwargs, message", [
+    (lambda d: d.update(format="something/1"), {}, "not a dear-roles/1 file"),
+    (lambda d: d.pop("heads"), {}, "the document lacks 'heads'"),
+    (None, {"sha256": "cd" * 32}, "computed for checkpoint abab.*, not for this one \\(cdcd"),
+    (None, {"num_heads": 12}, "for a model of 4 blocks x 4 heads, not None x 12"),
+    (None, {"layers": [2, 3, 4]}, "has blocks \\[3, 4\\], not all of \\[2, 3, 4\\]"),
+    (lambda d: d["heads"][5].update(head=4), {}, "block 4 head 4 is not one of its heads"),
+    (lambda d: d["heads"].__setitem__(5, dict(d["heads"][4])), {}, "block 4 head 0 .* twice"),
+    (lambda d: d["heads"].pop(5), {}, "lacks some heads"),
+    (lambda d: d["heads"][1].update(role="boss"), {}, "block 3 head 1: role 'boss'"),
+    (lambda d: d["heads"][2].update(attribute="shape"), {},
+     "block 3 head 2: role 'mixed' with attribute 'shape'"),
+    (lambda d: d["heads"][0].update(attribute=None), {},
+     "block 3 head 0: role 'attribute' with attribute None"),
+    (lambda d: d["heads"][0].update(attribute="animal"), {},
+     "block 3 head 0: role 'attribute' with attribute 'animal'"),
+])
 def test_load_roles_refuses_files_it_cannot_use(tmp_path, corrupt, kwargs, message):
     doc = make_doc()
     if corrupt:
@@ -446,23 +438,29 @@ def test_load_roles_refuses_files_it_cannot_use(tmp_path, corrupt, kwargs, messa
         entropy.load_roles(tmp_path / "roles.json", **kwargs)
 
 
-def test_the_report_names_every_head(tmp_path):
+def test_the_report_is_as_reviewed_and_its_map_shows_every_head(tmp_path):
+    """roles.md against tests/texts/roles.md (see tests/test_texts.py); roles.png: each head's
+    role colour and its texts in black."""
     doc = make_doc(layers=(2, 3, 4))
     for e in doc["heads"]:  # the toy world's ground truth
         e["decoding"], e["skill"] = {"color": 0.9, "shape": 0.5}, {"color": 0.8, "shape": 0.3}
     doc["decoding"] = {"probe": "ridge", "chance": {"color": 0.17, "shape": 0.25}}
+    for i, name in ((0, "low"), (1, "low"), (10, "high"), (11, "high")):  # ties at both
+        doc["heads"][i]["entropy"] = doc["thresholds"][name]
     entropy.write_report(doc, tmp_path / "out")
-    md = (tmp_path / "out" / "roles.md").read_text()
-    assert "| 3 | G 0.25 | M 0.50 | S:animal 0.75 | A:color 1.00 |" in md
-    assert "| 4 | 3 | G | 90 | 50 | color (+0.50) |" in md
+    reviewed("roles.md", (tmp_path / "out" / "roles.md").read_text())
     png = Image.open(tmp_path / "out" / "roles.png").convert("RGB")
+    pixels = np.asarray(png, dtype=int)
     for e in doc["heads"]:
-        assert f"**Block {e['layer']}, head {e['head']}**: " in md
-        assert f"text {e['layer']}.{e['head']}" in md
         x, y = (44 + e["head"] * entropy.CELL,
                 entropy.TOP + doc["layers"].index(e["layer"]) * entropy.CELL)
         assert png.getpixel((x + entropy.CELL - 6,
                              y + entropy.CELL - 6)) == entropy.ROLE_COLORS[e["role"]]
+        # in black: its letter (an attribute's, or a specialist's concept), its entropy, the head's
+        # and the block's labels
+        texts = [(x + 5, y + 28), (x, entropy.TOP - 16), (4, y + 22)]
+        for x0, y0 in texts + [(x + 5, y + 4)] * (e["role"] in ("attribute", "specialist")):
+            assert pixels[y0 : y0 + 10, x0 : x0 + 12].sum(-1).min() < 180, (x0, y0)
 
 
 # ------------------------------------------------------------------------- run, cache, CLI

@@ -13,18 +13,20 @@ import pathlib
 import re
 import shlex
 import shutil
+import subprocess
 import time
 import types
 
 import numpy as np
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
 import data
 import dear
 import entropy
-from conftest import CLASSES, tiny_state_dict
+from conftest import CLASSES, ROOT, tiny_state_dict
 
 def argv(world, out, extra=""):
     return ["--dataset", f"folder:{world / 'shapes'}", "--root", str(world), "--backbone",
@@ -52,7 +54,7 @@ def tick(monkeypatch):
 
 def logged(rdir):
     """(epoch, step, skipped, eta) of each training line in a run's log.txt."""
-    line = (r"epoch (\d+)/\d+ step (\d+)/6 loss \S+ ce \S+ lr [\d.e+-]+(?: skipped (\d+))?"
+    line = (r"epoch (\d+)/\d+ step (\d+)/\d+ loss \S+ ce \S+ lr [\d.e+-]+(?: skipped (\d+))?"
             r" eta (\d+)s$")
     log = open(os.path.join(rdir, "log.txt")).read()
     return [tuple(int(v or 0) for v in m) for m in re.findall(line, log, re.M)]
@@ -76,8 +78,12 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
         assert os.path.isfile(os.path.join(rdir, name)), name
     assert not os.path.exists(os.path.join(rdir, "checkpoint.pt"))
     env = results["env"]
-    assert {"python", "torch", "torchvision", "cuda", "cudnn", "device", "git_commit",
-            "git_dirty"} <= set(env)
+    git = [subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True).stdout.strip()
+           for a in (["rev-parse", "HEAD"], ["status", "--porcelain"])]
+    cpus = [line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "model name" in line]
+    assert (env["torchvision"], env["git_commit"], env["git_dirty"]) == (
+        torchvision.__version__, git[0] or None, bool(git[1]))  # None, False: not a git checkout
+    assert env["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else cpus[0])
     assert env["torch"] in open(os.path.join(rdir, "log.txt")).readline()
     assert (results["inputs"]["roles_sha256"] == hashlib.sha256(open(os.path.join(rdir,
             "roles.json"), "rb").read()).hexdigest())
@@ -258,6 +264,9 @@ def test_every_setting_reaches_its_consumer(world, trained):
               if not (callable(globals().get(check)) if isinstance(check, str)
                       else check(results, seen, world, roles))]
     assert not missed
+    # 3 steps an epoch: each one logged (steps // 2 = 1)
+    assert [(e, s) for e, s, *_ in logged(trained[1])] == list(itertools.product((1, 2, 3),
+                                                                                 (1, 2, 3)))
 
 
 def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkeypatch):
@@ -285,6 +294,11 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
         assert not spy["model"][0].use_tokens and len(spy["step"]) == steps
         assert r["train"] == (None if "zeroshot" in flags else {"steps": 0, "trainable": 0})
         assert [e["split"] for e in r["evals"]] == ["base", "novel"]
+        # predict on it: the class logits alone, at weight 1 (and no model.pt to read)
+        image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
+        rdir = dear.run_dir(dear.resolve(dear.parse_args(args)))[0]
+        evidence = dear.main(["predict", "--load", rdir, image])[0]["evidence"]
+        assert list(evidence) == ["cls"] and evidence["cls"]["alpha"] == 1.0
 
 
 def test_a_missing_dataset_is_looked_for_under_root(world, tmp_path, capsys):
@@ -296,6 +310,7 @@ def test_roles_only_writes_the_roles_of_its_J(world, tmp_path, capsys):
     dear.main(["--roles-only", "--backbone", str(world / "tiny.pt"), "--dataset",
                f"folder:{world / 'shapes'}", "--out", str(tmp_path), "--J", "4", "--workers", "0"])
     assert entropy.read_roles(str(tmp_path / "roles" / "J4" / "roles.json"))["layers"] == [4]
+    assert capsys.readouterr().out.endswith(f"roles copied to {tmp_path / 'roles' / 'J4'}\n")
 
 
 # every flag a call does not read (dear.READS) is refused, with one line that names it
@@ -366,6 +381,9 @@ def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tm
             out = capsys.readouterr().out
             assert spy["classes"] == [(CLASSES, "a blurry photo of a {}.")]
             assert out.startswith(f"{image}: {report[0]['top5'][0][0]} ") and "wrote x.png" in out
+            assert "\n  by logit set: cls " in out
+            top = report[0]["top5"][0]
+            assert sheets[0][0][0] == f"{image}: {top[0]} {top[1]:.0%}"  # each row's title
             assert report[0]["image"] == image and len(report[0]["top5"]) == 5
             roles = spy["model"][0].roles[-1]  # the explain tiles say whose heads they show
             mixed = "mixed heads" if any(r["role"] == "mixed" for r in roles) else "no head"
@@ -448,7 +466,8 @@ BAD = [("--beta 2", "--beta"), ("--beta nan", "--beta"), ("--lr 0", "--lr"),
        ("--alpha-cls 1", "--alpha-cls"), ("--shots 0", "--shots"), ("--mask diagonal", "--mask"),
        ("--seed -1", "--seed"), ("--crop-scale 0", "--crop"), ("--lambda-reg inf", "--lambda-reg"),
        ("--J 0", "--J"), ("--rep-dim 0", "--rep-dim"), ("--device cuda", "CUDA"),
-       ("--J 9", "--J 9"), ("--dataset nosuchset", "nosuchset"), ("--eval-only", "--eval-only")]
+       ("--J 9", "--J 9"), ("--dataset nosuchset", "nosuchset"),
+       ("--eval-only", "--eval-only needs --load RUN")]
 
 
 @pytest.mark.parametrize("flags, says", BAD)
@@ -458,7 +477,7 @@ def test_bad_input_is_one_line_and_exit_2(world, tmp_path, capsys, flags, says):
     args = argv(world, tmp_path, flags)
     if flags.startswith("--dataset"):
         args = args[2:] + ["--dataset", "nosuchset"]
-    fails(capsys, says, args)
+    fails(capsys, says, ["--eval-only", "--dataset", "toyworld"] if "needs" in says else args)
     assert not os.path.exists(tmp_path / "b2n") or says in ("--J 9", "CUDA")
 
 
@@ -476,6 +495,9 @@ def test_a_nonfinite_loss_stops_fp32_and_is_skipped_and_counted_under_fp16(world
     err = fails(capsys, "the loss became nan by epoch 1",
                 argv(world, tmp_path / "a", "--epochs 1 --precision fp32"))
     assert "try a lower --lr" in err and not list((tmp_path / "a").rglob("checkpoint.pt"))
+    calls.clear()
+    fails(capsys, "try --precision fp32", argv(world, tmp_path / "d",
+                                               "--epochs 1 --precision bf16"))
     calls.clear()
     # the last step: the runs agree on all before it (fp16 skips its first steps too)
     poison = 12
@@ -560,6 +582,7 @@ def test_the_explain_sheet_draws_each_map_as_heat_over_the_image_in_grey(tmp_pat
     top, zero = dear.HEAT[-1], dear.HEAT[0]
     for y, v in ((0, 128), (204, 64)):
         assert np.abs(page[y + 44 + 5, 160 + 5] - (0.35 * v + 0.65 * top)).max() <= 1  # CLS tile
+        assert (page[y + 30, -3] == 255).all()  # the page: white
         # the title, the tiles' labels, the note, the scale's title, top and 0%
         for x0, y0 in ((4, 2), (2, 18), (162, 18), (322, 18), (326, 106), (488, 18), (516, 44),
                        (516, 192)):

@@ -20,11 +20,10 @@ RUN_ALL = os.path.join(ROOT, "run_all.sh")
 B2N = ("imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 "
        "dtd eurosat ucf101")
 B2N, DG = B2N.split(), ["imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
-ABLATIONS = [("--mask generalization-only",), ("--mask none",), ("--no-attr-tokens",),
-             ("--lambda-fusion 0",)]
-ABLATIONS += [("--J 7",), ("--J 11",), ("--beta 0.5",), ("--beta 0.7",), ("--beta 0.9",),
-              ("--novel-logits cls",)]
-ABLATIONS += [("--roles-control random",), ("--tokens mmrl",)]
+ABLATIONS = [(f,) for f in ("--mask generalization-only", "--mask none", "--no-attr-tokens",
+                             "--lambda-fusion 0", "--J 7", "--J 11", "--beta 0.5", "--beta 0.7",
+                             "--beta 0.9", "--novel-logits cls", "--roles-control random",
+                             "--tokens mmrl")]
 # the toy world's transfer sets as toyworld.ensure_transfer names them: folder:PATH, commas and
 # spaces kept
 TRANSFER = ["folder:/t/noisy,1", "folder:/t/small sets", "folder:/t/textures"]
