@@ -847,10 +847,9 @@ class RunFolder:
     finished run (results.json), an interrupted one (checkpoint.pt) or nothing; --force clears it
     first."""
 
-    def __init__(self, path, c: Config, echo=True):
+    def __init__(self, path, c: Config):
         self.path = path
         self.c = c
-        self.echo = echo
         os.makedirs(path, exist_ok=True)
         self.fd = os.open(self.file(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
@@ -875,8 +874,7 @@ class RunFolder:
     def log(self, msg):
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
         print(line, file=self.log_file, flush=True)
-        if self.echo:
-            print(line, flush=True)
+        print(line, flush=True)
 
     def finished(self, record):
         """The folder's results if it holds a finished run of this record (config and inputs);
@@ -1024,14 +1022,14 @@ def open_run(folder, c: Config, train_set, evals):
     return model, record, None
 
 
-def run(cfg: Config, echo=True):
+def run(cfg: Config):
     """One run: train (unless zero-shot or --eval-only), evaluate each split, write results.json;
     returns the results."""
     refuse_unread(cfg)
     c = resolve(with_run_settings(cfg) if cfg.eval_only else cfg)
     train_set, evals = read_datasets(c)
     path, variant, changed = run_dir(c)
-    with RunFolder(path, c, echo) as folder:
+    with RunFolder(path, c) as folder:
         model, record, done = open_run(folder, c, train_set, evals)
         if done:
             print(f"done already: {folder.file('results.json')} (--force redoes it)")

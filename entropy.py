@@ -195,7 +195,7 @@ class GramStatistics:
         return self.count, self.mean[index], self.scatter[index]
 
 
-def textspan_from_statistics(count, mean, scatter, text_embeddings, n=20, rank=80):
+def textspan_from_statistics(count, mean, scatter, text_embeddings, n, rank):
     """TextSpan's greedy picks for one head (`replace_with_iterative_removal`): the indices of the
     n texts [T, E] that best span its contributions C across images, in pick order.
 

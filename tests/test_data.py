@@ -43,8 +43,7 @@ def interleave(per_class):
 
 
 # ------------------------------------------------------------------------------------ fake layouts
-# Each builder writes one dataset under root and returns (class names as the model sees them, split
-# sizes).
+# Each builder writes one dataset under root: (class names as the model sees them, split sizes).
 
 SIZES = {"train": 5, "val": 3, "test": 2}
 JSON_LAYOUTS = {  # raw class names as the split JSON stores them -> the names put in the prompt
@@ -89,8 +88,7 @@ def build_fgvc(root, name):
     return variants, (15, 9, 6)
 
 
-# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235); CoOp keeps them: so does
-# data.py
+# CLIP's ImageNet names hold two pairs of equal names (openai/CLIP#235): CoOp and data.py keep them
 WNIDS = {f"n0{i:07d}": name for i, name in enumerate(["tench", "great white shark", "sunglasses",
                                                       "sunglasses", "jay"])}
 

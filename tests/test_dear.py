@@ -195,6 +195,8 @@ def test_text_tower_shallower_than_vision_gets_its_tokens_in_its_last_blocks():
                                  beta=0.25))
     model.set_classes(NAMES[:3], "itap of a {}.")
     assert model.text_blocks == range(1, 3)
+    with pytest.raises(dear.UserError, match="--J 1: the backbone has 4 vision, 3 text blocks"):
+        DeAR(tiny_clip(text_layers=3), all_roles("mixed"), J=1)  # 4 token blocks, 3 text blocks
     assert torch.allclose(model.encode_classes(), hand_text(model, NAMES[:3], "itap of a {}.",
             0.25), atol=2e-5)
 

@@ -70,6 +70,10 @@ def fails(capsys, words, args):
 
 def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, tmp_path, capsys):
     results, rdir = run(world, tmp_path)
+    last = {e["dataset"] + "/" + e["split"]: round(e["accuracy"], 2) for e in results["evals"]}
+    last["hm"] = round(results["hm"], 2)
+    assert capsys.readouterr().out.splitlines()[-1] == json.dumps(last)  # the run's one line
+    assert results["train_shots"] == [4] * 6  # 4 images of each of the 6 base classes
     b, n = (e["accuracy"] for e in results["evals"])
     assert [e["split"] for e in results["evals"]] == ["base", "novel"]
     assert results["hm"] == pytest.approx(2 * b * n / (b + n))
@@ -293,6 +297,7 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
         r = dear.main(args)
         assert not spy["model"][0].use_tokens and len(spy["step"]) == steps
         assert r["train"] == (None if "zeroshot" in flags else {"steps": 0, "trainable": 0})
+        assert r["inputs"]["roles_sha256"] is None  # no roles computed or read
         assert [e["split"] for e in r["evals"]] == ["base", "novel"]
         # predict on it: the class logits alone, at weight 1 (and no model.pt to read)
         image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
@@ -339,7 +344,7 @@ def test_each_call_refuses_every_flag_it_does_not_read(mode):
         if name in dear.READS[mode] and not xd:
             dear.refuse_unread(cfg)
             continue
-        with pytest.raises(data.UserError, match=re.escape(flag)):
+        with pytest.raises(data.UserError, match=re.escape(flag) + ".*(run's own|drop it|add it)$"):
             dear.refuse_unread(cfg)
 
 

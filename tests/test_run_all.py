@@ -24,8 +24,7 @@ ABLATIONS = [(f,) for f in ("--mask generalization-only", "--mask none", "--no-a
                              "--lambda-fusion 0", "--J 7", "--J 11", "--beta 0.5", "--beta 0.7",
                              "--beta 0.9", "--novel-logits cls", "--roles-control random",
                              "--tokens mmrl")]
-# the toy world's transfer sets as toyworld.ensure_transfer names them: folder:PATH, commas and
-# spaces kept
+# the toy world's transfer sets as toyworld.ensure_transfer names them (commas and spaces kept)
 TRANSFER = ["folder:/t/noisy,1", "folder:/t/small sets", "folder:/t/textures"]
 
 FAKE = f"""#!{sys.executable}
@@ -213,8 +212,7 @@ def test_a_symlinked_lock_file_is_not_followed(run, tmp_path):
     assert not (tmp_path / "elsewhere").exists()
 
 
-# Passes once the rewritten dear.py (--tokens, repeatable --targets) is in place: real training, ~1
-# min.
+# Real training (about a minute), run by conftest beside the other tests
 def test_smoke_runs_every_stage_on_the_toy_world(smoke):
     """`bash run_all.sh --smoke` with the real code (started by conftest beside the other tests,
     once the toy CLIP is there): every stage, every table."""

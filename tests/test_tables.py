@@ -71,17 +71,14 @@ def test_cell_is_mean_and_population_std_over_seeds_with_n(tmp_path):
     for ds, seed in itertools.product(tables.B2N_DATASETS, (1, 2)):
         b2n(tmp_path, ds, 70.0 + 4 * (seed - 1), 50.0, seed=seed) if ds != "eurosat" else None
     md = tables.build(str(tmp_path))
-    # std with ddof=0 as CoOp's parse_test_res.py: sqrt((9 + 1 + 16) / 3) = 2.94 (ddof=1 would give
-    # 3.61)
+    # std with ddof=0 as CoOp's parse_test_res.py: sqrt((9 + 1 + 16) / 3) = 2.94 (ddof=1: 3.61)
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[0] == "83.00 ± 2.94 (n=3)"
-    # HM(83, 60) = 69.65 (the mean of the per-seed HMs would be 69.63); its std over the per-seed
-    # HMs
+    # HM(83, 60) = 69.65 (the mean of the per-seed HMs: 69.63); its std over the per-seed HMs
     assert row(md, "Table 1", "EuroSAT", tables.OURS_DEAR)[2] == "69.65 ± 1.03 (n=3)"
     assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[0] == "72.00 ± 2.00 (n=2)"
     # the mean of the dataset means, (83 + 10 * 72) / 11 = 73.00 (over seeds 1 and 2 only: 72.73);
-    # its std and n
-    # over the seeds all datasets have: seed 1 (80 + 700) / 11 = 70.91, seed 2 (82 + 740) / 11 =
-    # 74.73
+    # its std and n over the seeds all datasets have: seed 1 (80 + 700) / 11 = 70.91, seed 2
+    # (82 + 740) / 11 = 74.73
     assert row(md, "Table 1", "Average", tables.OURS_DEAR)[0] == "73.00 ± 1.91 (n=2)"
 
 
@@ -96,8 +93,7 @@ def test_average_row_is_hm_of_averaged_base_and_novel(tmp_path):
     # HM(60, 60); the mean of the HMs: (9 * 60 + 45 + 45) / 11 = 57.27
     assert hm == "60.00 ± 0.00 (n=1)"
     assert row(md, "Table 1", "DTD", tables.OURS_DEAR)[2] == "45.00 ± 0.00 (n=1)"
-    # ours − the paper, to the paper's precision: DTD's base is printed as 83.9, the average base as
-    # 85.94
+    # ours − the paper, to the paper's precision: DTD's base printed as 83.9, the average's as 85.94
     assert row(md, "Table 1", "DTD", "Δ DeAR: this code − paper") == ["+6.1", "–", "–"]
     assert row(md, "Table 1", "Average", "Δ DeAR: this code − paper") == ["-25.94", "-18.99",
             "-22.72"]
@@ -149,13 +145,6 @@ def test_transfer_tables_split_the_targets_and_show_the_published_rows(tmp_path)
                                                                                  "–"]
     assert tables.hm(0.0, 0.0) == 0.0 and tables.hm_cell(None, tables.Cell(1.0, {}, [])) is None
     assert tables.build(str(tmp_path)) == md  # into the same folder again
-
-
-def test_a_protocol_without_runs_leaves_the_others_their_tables(tmp_path):
-    put(tmp_path, "fewshot", "toyworld", [("toyworld", "all", 60.0)], shots=2, backbone="toy")
-    md = tables.build(str(tmp_path))
-    assert "Table 1" not in md
-    assert row(md, "Table 4", "DeAR 2-shot (this code)", where="toy")[0] == "60.00 ± 0.00 (n=1)"
 
 
 def test_ablations_average_their_own_datasets(tmp_path):
