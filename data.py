@@ -232,9 +232,8 @@ def read_torch(path, fix, schema=None):
     return obj
 
 
-def open_image(path):
+def open_image(path, fix="remove it from the dataset, or replace it"):
     """A readable image as 8-bit RGB (to_rgb); a file that is not one is refused with its path."""
-    fix = "remove it from the dataset, or replace it"
     try:
         with Image.open(regular(path, fix)) as image:
             return to_rgb(image)

@@ -1132,7 +1132,7 @@ def predict(argv):
         raise UserError(f"--template {template!r} has no {{}} for the class name")
     data.check_prompts(names, template)
     model.eval().set_classes(names, template)
-    images = [data.open_image(f) for f in a.images]
+    images = [data.open_image(f, "pass image files (PNG, JPEG, ...)") for f in a.images]
     preprocess = clip.transform(model.clip.visual.input_resolution)
     x = torch.stack([preprocess(im) for im in images]).to(c.device)
     with torch.no_grad():

@@ -565,6 +565,8 @@ def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys
     assert report[0]["evidence"]["cls"]["alpha"] == pytest.approx(results["fusion_weights"]["cls"],
             abs=1e-4)
     assert Image.open(tmp_path / "x.png").size[0] == 7 * 160 + 90
+    (tmp_path / "notes.txt").write_text("not an image")  # the advice: no dataset to fix here
+    fails(capsys, "; pass image files", ["predict", "--load", rdir, str(tmp_path / "notes.txt")])
     tick(monkeypatch)  # a line every 50 batches: 100 s a reading, 50 batches a reading
     lines = []
     dear.evaluate(model, (test * 9)[:100], CLASSES, "{}", dear.resolve(dear.Config(
