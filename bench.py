@@ -26,6 +26,7 @@ What it measures, and how (the Markdown file ends with these notes):
 """
 
 import contextlib
+import os
 import sys
 import time
 from unittest import mock
@@ -273,6 +274,7 @@ def bench(argv):
         raise data.UserError("--device cuda: CUDA is not available here")
     device = torch.device(a.device)
     out = a.out or ("BENCH_TINY.md" if a.tiny else "BENCH.md")
+    data.writable_folder(os.path.dirname(os.path.abspath(out)))  # before minutes of timing
     start = time.time()
     if device.type == "cpu":
         torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """bench.py: the tiny bench writes every row; its FLOP counts agree with counts by hand."""
 
+import pytest
 import torch
 
 import bench
@@ -7,7 +8,7 @@ import clip
 from clip.model import CLIP
 
 
-def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path):
+def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path, monkeypatch):
     out = tmp_path / "bench.md"
     res = bench.main(["--tiny", "--out", str(out)])
     text = out.read_text()
@@ -23,6 +24,9 @@ def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path):
         saves = with_it < without_it if where.startswith("1000") else with_it <= without_it
         assert saves, (shortcut, where)
         assert abs(loss) < 1e-5, (shortcut, where)
+    monkeypatch.setattr(bench, "run", None)  # a folder that takes no files: refused before the work
+    with pytest.raises(SystemExit, match="2"):
+        bench.main(["--tiny", "--out", "/proc/self/bench.md"])
 
 
 def block(T, R, D):
