@@ -775,7 +775,7 @@ def check_or_download(argv):
     check_p.add_argument("--open", action="store_true", help="also open every image")
     down_p = sub.add_parser("download", help="download datasets into --root")
     for p in (check_p, down_p):
-        p.add_argument("names", nargs="+", metavar="NAME", help="a dataset name above")
+        p.add_argument("names", nargs="+", metavar="NAME", help="see data.py --help")
         p.add_argument("--root", default=DEFAULT_ROOT, help="the datasets ($DATA, else data)")
     args = parser.parse_args(argv)
     failed = False

@@ -74,8 +74,8 @@ def label_by_centroid(embeddings, ref_embeddings, ref_concepts):
     which = torch.tensor([names.index(c) for c in ref_concepts])
     centroids = torch.zeros(len(names), ref_embeddings.shape[1])
     centroids.index_add_(0, which, ref_embeddings.float())
-    cos = embeddings.float() @ F.normalize(centroids, dim=-1).T  # [T, c]: x each text's norm > 0
-    return [names[i] for i in cos.argmax(-1).tolist()]
+    scores = embeddings.float() @ F.normalize(centroids, dim=-1).T  # [T, c]: cosines x |text|
+    return [names[i] for i in scores.argmax(-1).tolist()]
 
 
 def label_pool(model, builtin, user=None):
