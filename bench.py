@@ -1,6 +1,6 @@
 """Speed bench: a DeAR training step and evaluation beside the frozen CLIP, on random weights.
 
-    python bench.py --device cpu     # ViT-B/16's shapes, one CPU thread: BENCH.md (15 minutes)
+    python bench.py --device cpu     # ViT-B/16's shapes, one CPU thread: assets/BENCH.md (15 min)
     python bench.py --device cuda    # on a GPU: fp16 autocast as in training, and the peak memory
     python bench.py --tiny           # the tests' tiny CLIP, seconds: writes BENCH_TINY.md
 
@@ -12,17 +12,20 @@ What it measures, and how (the Markdown file ends with these notes):
   memory: torch.cuda.max_memory_allocated over one call).
 - FLOPs: torch.utils.flop_counter.FlopCounterMode, 2 per multiply-add of every matmul and
   convolution, backward included (attention through the math kernel, whose matmuls it sees). Ratios:
-  b against a.
+  b against a, d against c.
 - a: CLIP.forward of the vendored CLIP (which too computes only the rows read and runs prompts in
   length groups). b: dear.train's step: the forward with f^0 under autocast, dear_loss in fp32,
-  backward, AdamW (lr 0, so every call sees the same weights; no GradScaler). An evaluation is the
-  forward of a on the images alone: the class features are computed once per evaluation.
+  backward, AdamW (lr 0, so every call sees the same weights; no GradScaler). c: DeAR's forward of
+  an evaluation batch, the class features computed once per evaluation (not counted); d: the same
+  with the readouts, which need frozen CLIP's image feature f^0 (blocks J..L once more, without the
+  tokens; the last block CLS alone).
 - Shortcuts, each against the plain computation it replaces, written here on the CLIP seams
   (run_blocks, run_text_blocks). rows read: the last block of both towers computes only the rows
   read (CLS and the K tokens; EOT), not every row. past: the prompt start shared by all classes
   (SOT, the template's first words, the K tokens) runs once a block, not once a prompt. length
   groups: prompts run in groups of similar length (clip.model.length_buckets, which on a GPU mostly
-  picks one group), not all padded to the longest.
+  picks one group), not all padded to the longest. all three: none of them (as
+  DeAR.text_features_plain states the text side, but blocks 1..J-1 still once per class list).
 """
 
 import contextlib
@@ -31,6 +34,7 @@ import sys
 import time
 from unittest import mock
 
+import data  # before torch: OpenMP's idle threads sleep, and Ctrl-C or SIGTERM is one line
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,7 +42,6 @@ from torch.utils.benchmark import Timer
 from torch.utils.flop_counter import FlopCounterMode
 
 import clip
-import data
 import dear
 from clip.model import CLIP, length_buckets
 from dear import K
@@ -53,6 +56,7 @@ def vit(resolution, layers, width, patch, text_width):
                 transformer_layers=12)
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 VIT_B16 = vit(224, 12, 768, 16, 512)
 # the tests' tiny CLIP (tests/conftest.py)
 TINY = dict(vit(32, 4, 64, 8, 64), embed_dim=32, transformer_layers=2, transformer_heads=4,
@@ -214,6 +218,12 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         what = f"b. DeAR training step, --tokens {kind}, vs a."
         rows.append((what, where, step, base, trainable))
+    t = model.encode_classes()
+    plain = measure(torch.no_grad()(lambda: model(images, t=t)), device, min_time)
+    read = measure(torch.no_grad()(lambda: model(images, t=t, with_frozen=True)), device, min_time)
+    rows += [("c. DeAR evaluation of a batch (the class features computed once)", where, plain,
+              plain, 0), ("d. the same with the readouts (f^0: blocks J..L without tokens), vs c.",
+                          where, read, plain, 0)]
     shortcuts = []
     for shortcut in ("rows read", "past", "length groups", "all three"):
         print(f"{where}: a step without {shortcut}", flush=True)
@@ -268,12 +278,13 @@ def bench(argv):
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where available",
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny CLIP: seconds")
-    parser.add_argument("--out", help="the Markdown file (default BENCH.md; --tiny BENCH_TINY.md)")
+    parser.add_argument("--out", help="the Markdown file (default assets/BENCH.md; --tiny "
+                        "BENCH_TINY.md)")
     a = parser.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise data.UserError("--device cuda: CUDA is not available here")
     device = torch.device(a.device)
-    out = a.out or ("BENCH_TINY.md" if a.tiny else "BENCH.md")
+    out = a.out or ("BENCH_TINY.md" if a.tiny else os.path.join(HERE, "assets", "BENCH.md"))
     data.writable_folder(os.path.dirname(os.path.abspath(out)))  # before minutes of timing
     start = time.time()
     if device.type == "cpu":

@@ -10,14 +10,18 @@ import argparse
 import collections
 import csv
 import errno
+import glob
 import hashlib
+import io
 import json
 import math
 import os
 import pathlib
 import random
 import shutil
+import signal
 import stat
+import string
 import sys
 import tarfile
 import tempfile
@@ -25,6 +29,8 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads sleep
 
 import numpy as np
 from PIL import Image
@@ -47,15 +53,32 @@ class UserError(Exception):
         super().__init__(str(message).rstrip().rpartition("UserError: ")[2])
 
 
+def text(value):
+    """An argparse type: a string that is not empty (a path, a name, a template, a list); also a
+    schema (mismatch)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty value; give one, or leave the flag out")
+    return value
+
+
+text.kind, text.what = str, "a string that is not empty"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors as a UserError (one line, through guarded)."""
+    """argparse, with its errors as a UserError (one line, through guarded), and an option without
+    a type of its own taking `text`: an empty string is never a path, a name or a template."""
+
+    def add_argument(self, *args, **kw):
+        if kw.get("action", "store") in ("store", "append") and "type" not in kw:
+            kw["type"] = text
+        return super().add_argument(*args, **kw)
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
 
 def number(kind, ok, what):
-    """An argparse type: a finite `kind` (int or float) with ok(value)."""
+    """An argparse type: a finite `kind` (int or float) with ok(value); also a schema (mismatch)."""
 
     def parse(text):
         try:
@@ -66,18 +89,39 @@ def number(kind, ok, what):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
+    parse.kind, parse.what = (int, float) if kind is float else int, what
     return parse
 
 
+def interrupted(signum, frame):
+    """SIGTERM (what SLURM and `timeout` send) as Ctrl-C: every `finally` runs, so every temporary
+    file goes."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def uncaught(kind, value, tb, hook=sys.excepthook):
+    """Ctrl-C before a script's main (during its imports): one line, not a traceback."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("\ninterrupted", file=sys.stderr)
+    else:
+        hook(kind, value, tb)
+
+
+# every script imports this file before torch: from here on, SIGTERM and Ctrl-C are handled alike
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    signal.signal(signal.SIGTERM, interrupted)
+sys.excepthook = uncaught
+
+
 def guarded(main, *args, interrupted="interrupted"):
-    """A script's main(*args): a UserError or an OSError as one line and exit status 2; Ctrl-C as
-    one line and 130, with no temporary file left (atomic_write removes its own). Any other
-    exception is a bug: its traceback shows."""
+    """A script's main(*args): a UserError or an OSError as one line and exit status 2; Ctrl-C or
+    SIGTERM as one line and 130 or 143, with no temporary file left (atomic_write removes its own).
+    Any other exception is a bug: its traceback shows."""
     try:
         return main(*args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"\n{interrupted}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + (signal.SIGTERM if e.args == ("SIGTERM",) else signal.SIGINT))
     except UserError as e:
         message = str(e)
     except OSError as e:
@@ -109,15 +153,27 @@ def remove(path):
         os.remove(path)
 
 
+def remove_leftovers(path, tag):
+    """Delete what a killed process left of its work on path (`<path>.<tag><pid>`, pid gone)."""
+    for p in glob.glob(glob.escape(path) + f".{tag}*"):
+        pid = p.rpartition(f".{tag}")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):  # Linux's table of processes
+            remove(p)
+
+
 def atomic_write(path, write):
     """write(tmp) makes a file or folder at the temporary name tmp, which then replaces path: path
-    is whole or absent. tmp is removed after any failure or Ctrl-C; an OS error names path."""
+    is whole or absent, and a link at path is replaced, never written through. tmp is removed
+    after any failure, Ctrl-C or SIGTERM (and the next call removes what a kill left); an OS error
+    names path."""
+    remove_leftovers(path, "tmp")
     tmp = f"{path}.tmp{os.getpid()}"
+    remove(tmp)
     try:
         write(tmp)
         os.replace(tmp, path)
     except OSError as e:
-        if e.filename is None and e.errno is not None:  # a write that failed (a full disk)
+        if e.filename in (None, tmp) and e.errno is not None:  # a write that failed (a full disk)
             raise OSError(e.errno, e.strerror, path) from None
         raise
     finally:
@@ -133,12 +189,50 @@ def write_json(path, doc):
     return write_text(path, json.dumps(doc, indent=1))
 
 
-def writable_folder(path):
-    """path, made if missing, once a file can be written there: checked before the work, not
-    found unusable after it."""
+def write_torch(path, obj):
+    """torch.save(obj) to path, through Python's own writes, so that a full disk is an OSError
+    naming path (torch's file writer raises a RuntimeError that names nothing)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write(path, lambda tmp: pathlib.Path(tmp).write_bytes(buffer.getbuffer()))
+
+
+def writable_folder(path, size=0):
+    """path, made if missing, once `size` bytes can be written there (the largest file the work
+    will write): checked before the work, not found unusable after it. posix_fallocate takes the
+    blocks for real, so a full disk or a file size limit (ulimit -f) says so here."""
     os.makedirs(path, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):
+    with tempfile.TemporaryFile(dir=path) as f:
+        if size:
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror} (the work writes {size:,} bytes)", path)
         return path
+
+
+def makedirs_below(top, path):
+    """Make the folder path (under top) with its parents; a link among them below top is refused:
+    what is written there stays inside top."""
+    parts = os.path.relpath(path, top).split(os.sep)
+    links = [p for p in (os.path.join(top, *parts[: i + 1]) for i in range(len(parts)))
+             if os.path.islink(p)]
+    if links:
+        raise UserError(f"{links[0]} is a symbolic link; remove it (nothing is written through it)")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def open_regular(path, flags):
+    """os.open of a regular file (made if flags ask), never through a link, never blocking: a FIFO
+    or a device there is refused, not waited on."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a link: ELOOP (os_error)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{path}: not a regular file; remove it (a file of ours, made again)")
+    return fd
 
 
 def regular(path, fix):
@@ -176,11 +270,14 @@ def read_json(path, schema, fix):
 
 def mismatch(value, schema, at="the document"):
     """What in value does not fit schema, or "". A schema is a type (float: a finite number; int:
-    not a bool), slice(lo, hi) (a finite number in [lo, hi]), None, a tuple of alternatives, [s] (a
-    list of s), [s1, s2, ...] (a list of these), or {key: s} (an object with these keys, "key?"
-    when optional, and perhaps others)."""
+    not a bool), slice(lo, hi) (a finite number in [lo, hi]), a string (that string), a flag's
+    type (number or text: what the flag would take), None, a tuple of alternatives, [s] (a list
+    of s), [s1, s2, ...] (a list of these), or {key: s} (an object with these keys, "key?" when
+    optional, and perhaps others)."""
     if isinstance(schema, tuple):
         wrong = [mismatch(value, s, at) for s in schema]
+        if all(isinstance(s, str) for s in schema) and "" not in wrong:  # choices
+            return f"{at} = {json.dumps(value)[:40]} is not one of {', '.join(schema)}"
         return "" if "" in wrong else wrong[0]
     if isinstance(schema, dict):
         if not isinstance(value, dict):
@@ -200,6 +297,15 @@ def mismatch(value, schema, at="the document"):
         wrong = (mismatch(v, s, f"{at}[{i}]") for i, (v, s) in enumerate(pairs))
         return next((w for w in wrong if w), "")
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(schema, str):
+        return "" if value == schema else f"{at} = {json.dumps(value)[:40]} is not {schema!r}"
+    if hasattr(schema, "what"):  # a flag's type: what the flag would take from this value's text
+        try:
+            ok = isinstance(value, schema.kind) and not isinstance(value, bool)
+            ok = ok and schema(str(value)) == value
+        except argparse.ArgumentTypeError:
+            ok = False
+        return "" if ok else f"{at} = {json.dumps(value)[:40]} is not {schema.what}"
     if schema is None:
         ok = value is None
     elif isinstance(schema, slice):
@@ -242,7 +348,7 @@ def open_image(path, fix="remove it from the dataset, or replace it"):
 
 
 def sha256_file(path):
-    with open(path, "rb") as f:
+    with open(regular(path, "a regular file is needed here"), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -448,9 +554,14 @@ def read_folder(spec, folder, fix):
     least one test image. Hidden folders are not classes; a class's own sub-folders are not read
     (dataset_warnings counts their images)."""
     path = os.path.join(folder, "split_folder.json")
-    if os.path.exists(path):
-        return folder, read_split(path, "delete it, and the folder is split anew")
     classes = list_dirs(folder)
+    if os.path.lexists(path):
+        split = read_split(path, "delete it, and the folder is split anew")
+        kept = sorted({c for items in split.values() for _, _, c in items})
+        if kept != classes:
+            raise UserError(f"{path} splits the classes {kept}, but the folder holds {classes}; "
+                            "delete it, and the folder is split anew")
+        return folder, split
     if not classes:
         raise UserError(f"{folder}: no class folders; put each class's images in a folder")
     rng = random.Random(1)
@@ -588,9 +699,16 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
 
 
 def check_prompts(classnames, template):
-    """Two classes whose prompts the tokenizer reads alike would be one class to the model."""
+    """A template with one {} and nothing else in braces; at least one class; two classes whose
+    prompts the tokenizer reads alike would be one class to the model."""
     from clip.tokenizer import clean_text
 
+    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    if fields != [""] or "{}" not in template:
+        raise UserError(f"template {template!r}: it needs exactly one {{}} for the class name "
+                        "(and no other braces)")
+    if not classnames:
+        raise UserError("no class names")
     seen = {}
     for c in classnames:
         prompt = clean_text(template.format(c))
@@ -619,12 +737,19 @@ def dataset_warnings(ds, shots, test_only, nested=0):
 
 
 def to_rgb(image):
-    """Any PIL image as 8-bit RGB; 16-bit grayscale is scaled by 1/257 (65535 -> 255): PIL's
-    convert clips at 255."""
-    if image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255):
+    """Any PIL image as 8-bit RGB; PIL's convert clips at 255, so 16-bit grayscale is scaled by
+    1/257 (65535 -> 255) and floating point (mode F) by 255 if its values are in [0, 1]; other
+    float values are refused (their scale is unknown)."""
+    levels = np.asarray(image, dtype=np.float64) if image.mode in ("I", "F") else None
+    if image.mode.startswith("I;16") or (image.mode == "I" and levels.max() > 255):
         levels = np.round(np.asarray(image, dtype=np.float64) / 257)
-        image = Image.fromarray(np.clip(levels, 0, 255).astype(np.uint8))
-    return image.convert("RGB")
+    elif image.mode == "F" and np.isfinite(levels).all() and 0 <= levels.min() <= levels.max() <= 1:
+        levels = np.round(levels * 255)
+    elif image.mode == "F":
+        raise ValueError("floating-point pixels outside [0, 1]")
+    else:
+        return image.convert("RGB")
+    return Image.fromarray(np.clip(levels, 0, 255).astype(np.uint8)).convert("RGB")
 
 
 def train_transform(size, min_scale):
@@ -700,6 +825,7 @@ def unpack(archive):
     filter refuses absolute names, links out of the target and devices; zip takes no filter
     (Python docs), and its unpacker skips absolute and '..' names."""
     folder = os.path.dirname(archive)
+    remove_leftovers(archive, "unpacking")
     tmp = f"{archive}.unpacking{os.getpid()}"
     bad = (shutil.ReadError, tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError, zlib.error)
     try:

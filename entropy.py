@@ -17,15 +17,16 @@ import random
 import re
 import sys
 
+import data  # before torch: OpenMP's idle threads sleep, and Ctrl-C or SIGTERM is one line
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import clip
-import data
+import runs
 import toyworld
 
-FORMAT = "dear-roles/1"
+FORMAT = "dear-roles/2"
 # the pool's 12 concepts: DeAR's five attributes (in the order of its tokens) and seven others
 ATTRIBUTES = ("color", "shape", "texture", "object", "location")
 CONCEPTS = ATTRIBUTES + ("animal", "person", "scene", "text", "style", "count", "lighting")
@@ -150,10 +151,40 @@ def decompose(model, images, layers):
 
 
 def head_contributions(model, images, layers):
-    """Each head's direct contribution [B, nL, H, E], divided (as TextSpan) by the norm of the
-    image embedding."""
+    """Each head's direct contribution [B, nL, H, E] and the image embedding [B, E], both divided
+    (as TextSpan) by the norm of the image embedding."""
     heads, rest = decompose(model, images, layers)
-    return heads / (heads.sum((1, 2)) + rest).norm(dim=-1).view(-1, 1, 1, 1)
+    embedding = heads.sum((1, 2)) + rest  # [B, E]
+    norm = embedding.norm(dim=-1, keepdim=True)  # [B, 1]
+    return heads / norm.view(-1, 1, 1, 1), embedding / norm
+
+
+@torch.no_grad()
+def ablation(model, loader, layers, means, classes, log=print):
+    """TextSpan's mean-ablation, head by head: the zero-shot accuracy of the probe images (their
+    labels, against frozen CLIP's class features `classes` [C, E]) with nothing ablated, and the
+    points it loses when one head's direct contribution is replaced by its mean over the probe
+    (means [nL, H, E], of head_contributions). Returns (accuracy %, costs [nL, H] in points).
+    A second pass over the probe: the means are known only after the first, and keeping every
+    image's class scores for every head would take N x heads x C numbers (9.6 GB for ImageNet
+    val at ViT-B/16)."""
+    device = model.visual.proj.device
+    classes = classes.to(device).float()
+    means = means.to(device).float()
+    right, n = torch.zeros((), device=device), 0
+    kept = torch.zeros(means.shape[:2], device=device)  # [nL, H]: images right once ablated
+    for i, (images, labels) in enumerate(loader):
+        heads, whole = head_contributions(model, images.to(device), layers)  # [b, nL, H, E], [b, E]
+        y = labels.to(device)
+        scores = whole @ classes.t()  # [b, C]
+        change = (means - heads) @ classes.t()  # [b, nL, H, C]: one head at its mean
+        right += (scores.argmax(-1) == y).sum()
+        kept += ((scores[:, None, None] + change).argmax(-1) == y[:, None, None]).sum(0)
+        n += len(y)
+        if i % 100 == 0:
+            log(f"mean-ablation, probe images: {n}/{len(loader.dataset)}")
+    accuracy = 100 * float(right) / n
+    return accuracy, accuracy - 100 * kept.cpu() / n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,11 +351,12 @@ def control_roles(roles, control, seed):
 # 6. The roles file and its report
 
 HEAD = dict(layer=int, head=int, role=str, attribute=(str, None), entropy=float, P=dict,
-            texts=[str])
+            texts=[str], ablation=float)
 ROLES_DOC = {"format": str, "model": str, "checkpoint_sha256": str, "num_layers": int,
              "num_heads": int, "layers": [int], "texts_per_head": int, "rank": int,
              "thresholds": {"low": float, "high": float},
-             "probe": {"dataset": str, "split": str, "images": int}, "heads": [HEAD]}
+             "probe": {"dataset": str, "split": str, "images": int}, "heads": [HEAD],
+             "ablation": {"zero_shot": slice(0, 100), "images": int, "by_role": dict}}
 FIX = "compute the roles anew with entropy.py (cached ones: delete them, dear.py computes them)"
 
 
@@ -401,24 +433,43 @@ def ties(doc):
     return "; ".join(said) + f"; so of the {len(doc['heads'])} heads: {counts} (not thirds)."
 
 
+def ablation_line(doc):
+    """One sentence: the probe's zero-shot accuracy and the mean cost of a head of each role."""
+    if "ablation" not in doc:
+        return ""
+    roles = ", ".join(f"{r} {v['mean']:.2f} ({v['heads']} heads)"
+                      for r, v in doc["ablation"]["by_role"].items())
+    return (f"Mean-ablation (TextSpan's): zero-shot accuracy {doc['ablation']['zero_shot']:.2f}% "
+            f"on the probe; the points one head costs when its direct contribution is replaced by "
+            f"its mean, on average by role: {roles}.")
+
+
 def write_report(doc, out_dir):
-    """roles.md (a blocks x heads table, the ground truth where known, every head's concepts and
-    texts) and roles.png (a map: colour = role, letter = attribute, concept entropy in bits) of a
+    """roles.md (blocks x heads tables of the roles and of what each head costs when
+    mean-ablated, the ground truth where known, every head's concepts and texts) and roles.png (a
+    map: colour = role, letter = attribute, concept entropy in bits, the ablation's cost) of a
     roles.json document."""
     from PIL import Image, ImageDraw
 
     H, layers, probe, t = doc["num_heads"], doc["layers"], doc["probe"], doc["thresholds"]
     at = {(e["layer"], e["head"]): e for e in doc["heads"]}
     where = f"probe {probe['dataset']} {probe['split']}, {probe['images']} images"
+    header = ["| block | " + " | ".join(f"head {h}" for h in range(H)) + " |", "|---" * (H + 1)
+              + "|"]
     md = [f"# Head roles of {doc['model']}", "",
           f"Blocks {layers[0]}-{layers[-1]}, {where}. TextSpan: {doc['texts_per_head']} texts "
           f"per head, rank {doc['rank']}. Thresholds: low {t['low']:.3f}, high {t['high']:.3f} "
           "bits. A = attribute head, G = generalization, M = mixed, S = other specialist; concept "
-          "entropy in bits. " + ties(doc), "",
-          "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |", "|---" * (H + 1) + "|"]
+          "entropy in bits. " + ties(doc), "", *header]
     for b in layers:
         cells = [f"{short_role(at[b, h])} {at[b, h]['entropy']:.2f}" for h in range(H)]
         md.append(f"| {b} | " + " | ".join(cells) + " |")
+    if "ablation" in doc:
+        md += ["", "## What each head costs (zero-shot points lost, mean-ablated)", "",
+               ablation_line(doc), "", *header]
+        for b in layers:
+            cells = [f"{short_role(at[b, h])} {at[b, h]['ablation']:.2f}" for h in range(H)]
+            md.append(f"| {b} | " + " | ".join(cells) + " |")
     if "decoding" in doc:  # the toy world: held-out accuracy (%) of a probe per known factor
         chance = doc["decoding"]["chance"]
         md += ["", f"## Ground truth ({doc['decoding']['probe']}; accuracy %)", "",
@@ -438,10 +489,13 @@ def write_report(doc, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     data.write_text(os.path.join(out_dir, "roles.md"), "\n".join(md))
     title = [f"Head roles of {doc['model']}: blocks {layers[0]}-{layers[-1]}, {where}",
-             f"number: the head's concept entropy H in bits; H <= {t['low']:.3f}: specialist, "
-             f"H >= {t['high']:.3f}: generalization, else mixed", ties(doc),
+             f"first number: the head's concept entropy H in bits; H <= {t['low']:.3f}: "
+             f"specialist, H >= {t['high']:.3f}: generalization, else mixed", ties(doc),
              "letter: the attribute (C color, S shape, T texture, O object, L location) or, for "
-             "another specialist, its concept"]
+             "another specialist, its concept",
+             "second number: the zero-shot points the head costs when mean-ablated"
+             + (f" (probe accuracy {doc['ablation']['zero_shot']:.1f}%)" if "ablation" in doc
+                else ": not measured")]
     img = Image.new("RGB", (max(48 + H * CELL, 760), TOP + len(layers) * CELL + 28), "white")
     draw = ImageDraw.Draw(img)
     for i, line in enumerate(title):
@@ -455,13 +509,72 @@ def write_report(doc, out_dir):
             e, x = at[b, h], 44 + h * CELL
             draw.rectangle([x, y, x + CELL - 2, y + CELL - 2], fill=ROLE_COLORS[e["role"]])
             letter = e["attribute"][0].upper() if e["attribute"] else e.get("concept", "")[:3]
-            draw.text((x + 5, y + 4), letter, fill="black")
-            draw.text((x + 5, y + 28), f"{e['entropy']:.2f}", fill="black")
+            draw.text((x + 5, y + 3), letter, fill="black")
+            draw.text((x + 5, y + 20), f"{e['entropy']:.2f}", fill="black")
+            if "ablation" in e:
+                draw.text((x + 5, y + 37), f"{e['ablation']:+.1f}", fill="black")
     for i, (role, color) in enumerate(ROLE_COLORS.items()):
         y = TOP + len(layers) * CELL + 8
         draw.rectangle([8 + i * 150, y, 20 + i * 150, y + 12], fill=color)
         draw.text((24 + i * 150, y), role + " head", fill="black")
     data.atomic_write(os.path.join(out_dir, "roles.png"), lambda tmp: img.save(tmp, format="PNG"))
+
+
+# The role-based mask, drawn: a panel per head, rows the attending positions (queries), columns
+# the attended ones (keys), in the order CLS, the five tokens, the patches (one row and one column:
+# every patch has the same rules)
+POSITIONS = ("C", "c", "s", "t", "o", "l", "P")
+MASK_CELL = 12
+
+
+def draw_mask(masks, roles, J, variant, path):
+    """mask.png of a run's additive masks [n, H, T, T] (blocks J..L) and the roles they were made
+    from: where a head lets a position attend to another, the cell has the head's role colour (as
+    the mask treats it: under generalization-only an attribute head acts as mixed); where the mask
+    blocks it, white."""
+    from PIL import Image, ImageDraw
+
+    n, H, T, _ = masks.shape
+    k = len(ATTRIBUTES)
+    groups = [[0]] + [[1 + a] for a in range(k)] + [list(range(1 + k, T))]
+    allowed = masks.isfinite().cpu()
+    side = len(groups) * MASK_CELL
+    width, height = side + 70, side + 44  # a panel and its gap
+    lines = [f"The role-based attention mask ({variant}) of blocks {J}-{J + n - 1}: a panel per "
+             "head, its role above it", "in a panel, row = the position that attends (query), "
+             "column = the one attended (key): C = CLS, c s t o l = the tokens color, shape, "
+             "texture, object, location, P = the patches",
+             "coloured: allowed (the colour of the head's role); white: blocked by the mask"]
+    top = 16 * len(lines) + 12
+    img = Image.new("RGB", (max(60 + H * width, 900), top + n * height + 30), "white")
+    draw = ImageDraw.Draw(img)
+    for i, line in enumerate(lines):
+        draw.text((6, 4 + 16 * i), line, fill="black")
+    for i in range(n):
+        y = top + i * height + 16
+        draw.text((4, y + side // 2 - 6), f"block {J + i}", fill="black")
+        for h in range(H):
+            x = 60 + h * width
+            e = roles[i][h]
+            acting = "mixed" if variant == "generalization-only" and e["role"] == "attribute" else \
+                e["role"]
+            draw.text((x, y - 14), f"head {h} {short_role(e)}", fill="black")
+            for r, rows in enumerate(groups):
+                for c, cols in enumerate(groups):
+                    ok = bool(allowed[i, h][rows][:, cols].all())
+                    box = [x + c * MASK_CELL, y + r * MASK_CELL, x + (c + 1) * MASK_CELL - 1,
+                           y + (r + 1) * MASK_CELL - 1]
+                    draw.rectangle(box, fill=ROLE_COLORS[acting] if ok else "white",
+                                   outline=(200, 200, 200))
+            if h == 0:  # the positions, once a row: down the left and along the bottom
+                for p, name in enumerate(POSITIONS):
+                    draw.text((x - 9, y + p * MASK_CELL + 1), name, fill="black")
+                    draw.text((x + p * MASK_CELL + 3, y + side + 2), name, fill="black")
+    for i, (role, color) in enumerate(ROLE_COLORS.items()):
+        y = top + n * height + 6
+        draw.rectangle([8 + i * 150, y, 20 + i * 150, y + 12], fill=color)
+        draw.text((24 + i * 150, y), role + " head", fill="black")
+    data.atomic_write(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -477,7 +590,7 @@ def collect_statistics(model, loader, layers, keep=False, log=print):
     stats = GramStatistics((len(layers), model.visual.heads), model.visual.proj.shape[1], device)
     kept = []
     for i, (images, _) in enumerate(loader):
-        contributions = head_contributions(model, images.to(device), layers)  # [b, nL, H, E]
+        contributions = head_contributions(model, images.to(device), layers)[0]  # [b, nL, H, E]
         stats.add(contributions)
         kept += [contributions.cpu()] if keep else []
         if i % 100 == 0:
@@ -485,11 +598,15 @@ def collect_statistics(model, loader, layers, keep=False, log=print):
     return stats, torch.cat(kept) if keep else None
 
 
-def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, factors, seed, log):
+def compute_roles(model, loader, pool, layers, o, factors=None, classes=None, log=print):
     """Concept Entropy of the heads of `layers` (from 1) on the probe images of `loader` -> the
-    roles.json document, less "probe" and "inputs". texts / concepts: the pool; low / high:
-    thresholds in bits (None: the 1/3 and 2/3 quantiles); factors: None, or the images' known
-    factors {name: [N] class ids} (ground truth: probe_factors, its folds drawn by seed)."""
+    roles.json document, less "probe" and "inputs". pool: (texts, concepts); o: the options n,
+    rank, low / high (thresholds in bits; None: the 1/3 and 2/3 quantiles) and seed; factors:
+    None, or the images' known factors {name: [N] class ids} (ground truth: probe_factors, its
+    folds drawn by seed); classes: frozen CLIP's features [C, E] of the probe's classes, for each
+    head's mean-ablation cost (None: not measured)."""
+    texts, concepts = pool
+    n, rank = o["n"], o["rank"]
     visual = model.visual
     N, E = len(loader.dataset), visual.proj.shape[1]
     if n > min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
@@ -507,16 +624,24 @@ def compute_roles(model, loader, texts, concepts, layers, n, rank, low, high, fa
                           "P": {c: round(p, 4) for c, p in P.items()},
                           "texts": [texts[j] for j in picks]})
     auto = default_thresholds([e["entropy"] for e in heads])
-    low = round(auto[0] if low is None else low, 4)
-    high = round(auto[1] if high is None else high, 4)
+    low = round(auto[0] if o["low"] is None else o["low"], 4)
+    high = round(auto[1] if o["high"] is None else o["high"], 4)
     for e in heads:
         e.update(assign_role(e["entropy"], e["P"], low, high))
     doc = {"format": FORMAT, "model": model.name, "checkpoint_sha256": model.sha256,
            "num_layers": visual.transformer.layers, "num_heads": visual.heads, "layers": layers,
            "texts_per_head": n, "rank": rank, "concepts": list(CONCEPTS),
            "thresholds": {"low": low, "high": high}}
+    if classes is not None:
+        accuracy, costs = ablation(model, loader, layers, stats.mean, classes, log)
+        for e, cost in zip(heads, costs.flatten().tolist()):
+            e["ablation"] = round(cost, 4)
+        costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r in ROLES}
+        by_role = {r: {"mean": round(sum(v) / len(v), 4), "heads": len(v)}
+                   for r, v in costs.items() if v}
+        doc["ablation"] = {"zero_shot": round(accuracy, 4), "images": N, "by_role": by_role}
     if factors is not None:
-        truth = probe_factors(contributions, factors, seed=seed)
+        truth = probe_factors(contributions, factors, seed=o["seed"])
         for i, e in enumerate(heads):
             li, h = divmod(i, visual.heads)
             e["decoding"] = {f: truth["accuracy"][f][li][h] for f in factors}
@@ -554,6 +679,9 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
     if dataset.startswith("folder:"):  # the same folder under any name
         dataset = "folder:" + data.dataset_folder(dataset, root)
     n = o["n"] or (toyworld.TEXTS_PER_HEAD if pool == "toy" else 20)
+    if pool == "toy":  # its few texts a head give a few entropies: thresholds between them
+        o["low"], o["high"] = (toyworld.THRESHOLDS[i] if o[k] is None else o[k]
+                               for i, k in enumerate(("low", "high")))
     pool_sha256 = hashlib.sha256(json.dumps([builtin, user]).encode()).hexdigest()
     inputs = {"model": model.name, "checkpoint_sha256": model.sha256, "layers": layers,
               "dataset": dataset, "split": split, "pool_sha256": pool_sha256, "n": n}
@@ -572,18 +700,20 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
     data.writable_folder(out_dir)  # before the work, not after it
     if dataset == "toyworld":
         toyworld.ensure_dataset(root)
-    items = getattr(data.build_dataset(dataset, root), split)
+    ds = data.build_dataset(dataset, root)
+    items = getattr(ds, split)
     if o["max_images"] is not None and len(items) > o["max_images"]:
         chosen = random.Random(o["seed"]).sample(range(len(items)), o["max_images"])
         items = [items[i] for i in sorted(chosen)]
-    texts, concepts = label_pool(model, builtin, user)
-    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images, {len(texts)} "
+    pool = label_pool(model, builtin, user)
+    log(f"Concept Entropy of {model.name}, blocks {layers}: {len(items)} images, {len(pool[0])} "
         "texts")
     images = data.ImageList(items, clip.transform(model.visual.input_resolution))
     loader = torch.utils.data.DataLoader(images, o["batch_size"], num_workers=o["workers"])
     factors = toyworld.factor_labels([p for p, _, _ in items]) if dataset == "toyworld" else None
-    doc = compute_roles(model, loader, texts, concepts, layers, n, o["rank"], o["low"], o["high"],
-                        factors, o["seed"], log)
+    prompts = [ds.template.format(c) for c in ds.classnames]
+    classes = encode_texts(model, prompts)  # [C, E]: the zero-shot classifier of the probe
+    doc = compute_roles(model, loader, pool, layers, dict(o, n=n), factors, classes, log)
     doc |= {"probe": {"dataset": dataset, "split": split, "images": len(items)}, "inputs": inputs}
     write_report(doc, out_dir)
     data.write_json(path, doc)  # last: a roles.json is a complete set
@@ -625,9 +755,7 @@ def roles_of(argv):
     if None not in (args.low, args.high) and args.low > args.high:
         raise data.UserError("--low must not exceed --high")
     options = {k: v for k, v in vars(args).items() if k in OPTIONS}
-    import dear  # the one backbone loader (imported here: dear.py imports this file)
-
-    model = dear.load_backbone(args.backbone, args.device)
+    model = runs.load_backbone(args.backbone, args.device)
     lines = []
 
     def log(line):  # printed, and kept: the last line says whether the roles were found or written

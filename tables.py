@@ -13,15 +13,15 @@ under the tables and on stderr.
 
 import argparse
 import csv
-import glob
 import io
 import math
 import os
+import re
 import sys
 from typing import NamedTuple
 
-import data
-import dear
+import data  # first: Ctrl-C and SIGTERM are one line
+import runs
 from data import B2N_DATASETS, DG_TARGETS
 
 PAPER_BACKBONE = "ViT-B/16"  # the published numbers were measured on it: shown beside its runs only
@@ -36,6 +36,10 @@ CLIP_PUB = "CLIP (published)"
 MMRL_PUB = "MMRL (published)"
 PAPER_DEAR = "DeAR (paper)"
 PEERS = ["VaMP (published)", "Promise (published)"]  # the strongest published peers at ViT-B/16
+READOUTS = ("fused", "class", "image", "text")  # what each evaluation records (dear.evaluate)
+BY_ROLE = {"mean": float, "heads": int}
+ROLES = {"ablation": {"by_role": {r + "?": BY_ROLE for r in ("attribute", "generalization", "mixed",
+                                                            "specialist")}}}  # of a roles.json
 DELTA = {CLIP_PUB: "Δ CLIP: this code − published", PAPER_DEAR: "Δ DeAR: this code − paper"}
 
 class Ref(NamedTuple):
@@ -78,14 +82,15 @@ def hm(b, n):
     return 0.0 if b + n == 0 else 2 * b * n / (b + n)
 
 
-def cell(runs, dataset, split):
-    """The accuracies of `dataset`/`split` over the seeds of `runs` (None without any)."""
+def cell(runs, dataset, split, readout=None):
+    """The accuracies of `dataset`/`split` (or one of their readouts) over the seeds of `runs`
+    (None without any)."""
     acc, src = {}, {}
     for r in runs:
         for e in r["evals"]:
             if (e["dataset"], e["split"]) == (dataset, split):
                 assert r["seed"] not in acc, f"{src[r['seed']]}, {r['path']}: one cell, two runs"
-                acc[r["seed"]] = float(e["accuracy"])
+                acc[r["seed"]] = float(e["readouts"][readout] if readout else e["accuracy"])
                 src[r["seed"]] = r["path"]
     if not acc:
         return None
@@ -120,15 +125,15 @@ def delta(ours, ref):
 
 
 def read_run(path):
-    """One results.json (dear.read_results: checked, accuracies in 0..100) -> the fields the tables
+    """One results.json (runs.read_results: checked, accuracies in 0..100) -> the fields the tables
     need. Of the flags that differ from the defaults (`changed`, as dear.py records them),
     `schedule` names the schedule's and `key` the rest but the backbone: the ablation, "" for the
     full method."""
-    res = dear.read_results(path)
+    res = runs.read_results(path)
     c = res["config"]
     changed = res["changed"]
     schedule = "_".join(f"{k}-{v}" for k, v in changed.items() if k in SCHEDULE)
-    key = "_".join(f"{k}-{v}" for k, v in changed.items() if k not in (*SCHEDULE, "backbone"))
+    key = ", ".join(f"{k} = {v}" for k, v in changed.items() if k not in (*SCHEDULE, "backbone"))
     run = {f: c[f] for f in ("backbone", "protocol", "method", "dataset", "shots", "seed")}
     return dict(run, path=path, evals=res["evals"], env=res["env"], schedule=schedule, key=key,
                 eval_only=c["eval_only"])
@@ -138,7 +143,7 @@ def load_runs(out):
     """(the runs of every usable results.json under `out` but --eval-only re-evaluations (their
     model's own run is read), [why each other file was skipped]): a file that is not a whole
     results.json of this version, or a second copy of a run."""
-    paths = sorted(glob.glob(os.path.join(glob.escape(out), "**", "results.json"), recursive=True))
+    paths = files(out, "results.json")
     runs, skipped, seen = [], [], {}
     for path in paths:
         try:
@@ -155,6 +160,17 @@ def load_runs(out):
         seen[same] = path
         runs.append(run)
     return runs, skipped
+
+
+def files(top, name):
+    """Every file called name under top, sorted; a link to a folder is followed once, never round
+    a cycle."""
+    seen, found = set(), []
+    for folder, subs, names in os.walk(top, followlinks=True):
+        seen.add(os.path.realpath(folder))
+        subs[:] = sorted(s for s in subs if os.path.realpath(os.path.join(folder, s)) not in seen)
+        found += [os.path.join(folder, name)] if name in names else []
+    return sorted(found)
 
 
 def select(runs, protocol, method, key="", shots=16):
@@ -242,7 +258,7 @@ def table_transfer(runs, show, kind):
     rows = compared([""], *ours, kind, [(d, "acc") for d in sources + cols + ["average"]], show)
     for key in sorted({r["key"] for r in select(runs, "xd", "dear", key=None)} - {""}):
         rs = select(runs, "xd", "dear", key=key)  # e.g. --novel-logits cls (the ablations stage)
-        label = f"DeAR, {key.replace('-', ' = ', 1)} (this code)"
+        label = f"DeAR, {key} (this code)"
         rows.append(["", label, *[cell(rs, d, "all") for d in sources], *with_average(rs, cols)])
     header = ["", "Method"] + [f"{pretty(s)} (source)" for s in sources]
     header += [*map(pretty, cols), "Average"]
@@ -276,18 +292,25 @@ def table_ablations(runs, show):
     names = [d for d in listed(B2N_DATASETS, found) if d in found]
     full = b2n_cells([r for r in mine if r["key"] == ""], names)[2]
     rows = []
-    for key in [""] + keys:
-        rs = [r for r in mine if r["key"] == key]
+    zero = select(runs, "b2n", "zeroshot")
+    for key in [None] + [""] + keys:  # None: zero-shot CLIP, beside the variants
+        rs = zero if key is None else [r for r in mine if r["key"] == key]
+        if key == "" and not rs:
+            continue  # a schedule of variants alone
         b, n, h = b2n_cells(rs, names)
-        label = key.replace("-", " = ", 1) or "DeAR (full, defaults)"
+        label = OURS_CLIP if key is None else key or "DeAR (full, defaults)"
+        seen = [average([cell(rs, d, "novel", k) for d in names]) for k in READOUTS[1:]]
         per_dataset = [b2n_cells(rs, [d])[2] for d in names]
-        rows.append(["", label, b, n, h, delta(h, full) if key else None, *per_dataset])
+        rows.append(["", label, b, n, h, delta(h, full) if key else None, *seen, *per_dataset])
     title = f"Table 5. Ablations (base-to-novel, averaged over {', '.join(map(pretty, names))})"
     header = ["", "Variant", "Base", "Novel", "HM", "ΔHM vs full"]
-    header += [f"HM {pretty(d)}" for d in names]
+    header += [f"novel: {k}" for k in READOUTS[1:]] + [f"HM {pretty(d)}" for d in names]
     notes = ["Base/Novel/HM: averages over the ablation datasets (HM of the averages).",
              "A variant is named after the dear.py flags that differ from the defaults (its run "
-             "folder)."]
+             "folder).", "The novel readouts say which side moved: class = the class logits "
+             "alone; image = the trained image feature against frozen CLIP's class features (the "
+             "image side alone); text = frozen CLIP's image feature against the trained class "
+             "features (the text side alone). Zero-shot CLIP scores the same in all three."]
     return (title, header, rows, notes) if keys else None
 
 
@@ -356,12 +379,21 @@ def markdown(title, header, rows, notes):
 
 
 def roles_section(out):
-    """Table 6: links to the roles.md and roles.png files of OUT/roles (dear.py --roles-only)."""
-    pattern = os.path.join(glob.escape(out), "roles", "**", "roles.md")
-    found = sorted(glob.glob(pattern, recursive=True))
-    links = [f"- [{os.path.relpath(md, out)}](../{os.path.relpath(md, out)}), beside it roles.png"
-             for md in found] or [f"– (no roles.md under {out}/roles; run the roles stage)"]
-    return "\n".join(["## Table 6. Head roles (Concept Entropy)", "", *links, ""])
+    """Table 6: links to the roles.md, roles.png and mask.png files of OUT/roles (dear.py
+    --roles-only), each with the zero-shot points a head of each role costs when mean-ablated."""
+    lines = []
+    for md in files(os.path.join(out, "roles"), "roles.md"):
+        rel = os.path.relpath(md, out)
+        lines.append(f"- [{rel}](../{rel}), beside it roles.png and mask.png")
+        try:
+            doc = data.read_json(os.path.join(os.path.dirname(md), "roles.json"), ROLES, "")
+        except data.UserError:
+            continue  # a roles.md without a whole roles.json: the link alone
+        by_role = doc["ablation"]["by_role"].items()
+        costs = [f"{r} {v['mean']:.2f} ({v['heads']})" for r, v in by_role]
+        lines[-1] += ". Mean-ablation, points a head costs, by role: " + ", ".join(costs)
+    lines = lines or [f"– (no roles.md under {out}/roles; run the roles stage)"]
+    return "\n".join(["## Table 6. Head roles (Concept Entropy)", "", *lines, ""])
 
 
 CSV_HEADER = ["backbone", "row", "group", "column", "mean", "std", "n_seeds", "source"]  # per cell
@@ -400,7 +432,10 @@ def build(out):
         print(f"tables.py: skipped {why}", file=sys.stderr)
     if skipped:
         parts += ["## Files skipped", ""] + [f"- {why}" for why in skipped] + [""]
-    os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    folder = data.makedirs_below(out, os.path.join(out, "tables"))
+    for old in set(os.listdir(folder)) - {n + ".csv" for n in csvs}:  # tables no longer made
+        if re.fullmatch(r"table\d_\w+\.csv", old):
+            data.remove(os.path.join(folder, old))
     for name, lines in csvs.items():
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(lines)

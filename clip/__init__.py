@@ -20,7 +20,8 @@ from torchvision.transforms import ToTensor
 from .model import CLIP, build_model
 from .tokenizer import tokenize
 
-__all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP", "transform"]
+__all__ = ["available_models", "load", "tokenize", "cache_dir", "build_model", "CLIP", "transform",
+           "crop"]
 
 # the SHA256 of OpenAI's checkpoint files, which their URLs hold (and _download checks)
 SHA256 = {
@@ -67,11 +68,15 @@ def _convert_image_to_rgb(image):
     return image.convert("RGB")
 
 
+def crop(n_px):
+    """The image OpenAI's preprocess sees: the shorter side to n_px (bicubic), the centre n_px x
+    n_px (a PIL image)."""
+    return Compose([Resize(n_px, interpolation=InterpolationMode.BICUBIC), CenterCrop(n_px)])
+
+
 def transform(n_px):
-    """OpenAI's preprocess: the shorter side to n_px (bicubic), the centre n_px x n_px, CLIP's
-    mean and std."""
-    return Compose([Resize(n_px, interpolation=InterpolationMode.BICUBIC), CenterCrop(n_px),
-                    _convert_image_to_rgb, ToTensor(), Normalize(MEAN, STD)])
+    """OpenAI's preprocess: crop(n_px), then RGB, CLIP's mean and std."""
+    return Compose([crop(n_px), _convert_image_to_rgb, ToTensor(), Normalize(MEAN, STD)])
 
 
 def load(name_or_path, device="cpu", download_root=None):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import clip
 import dear
+import predict
 from conftest import tiny_clip
 from dear import ATTRIBUTES, K, DeAR, role_mask
 
@@ -75,7 +76,7 @@ def test_masks_and_attention_maps_take_the_roles_of_their_block_counted_from_1()
     model = DeAR(tiny_clip(), roles_of(LAYOUTS), J=3)
     assert torch.equal(model.masks[0], role_mask(roles_of(LAYOUTS)[3], P))
     assert torch.equal(model.masks[-1], role_mask(roles_of(LAYOUTS)[4], P))
-    _, heads = model.attention_maps(torch.randn(1, 3, 32, 32))
+    _, heads = predict.attention_maps(model, torch.randn(1, 3, 32, 32))
     assert heads == [[0, 1, 2, 3], [3], [3], [3], [2], [0]]  # CLS, then ATTRIBUTES' order
 
 
@@ -177,8 +178,9 @@ def test_forward_equals_the_computation_written_out_by_hand(tokens, mask):
     with torch.no_grad():
         f_cls, f_attr, f0 = hand_vision(model, images, 2, 0.3, LAYOUTS if mask == "role" else None)
         t = hand_text(model, NAMES, "a photo of a {}.", 0.3)
+    plain = model.text_features_plain(NAMES, "a photo of a {}.")  # dear.py's plain statement
     for got, want in ((out["f_cls"], f_cls), (out["f_attr"], f_attr), (out["f0"], f0),
-                      (out["t"], t)):
+                      (out["t"], t), (plain, t)):
         assert torch.allclose(got, want, atol=2e-5)
     # the attribute and mixed heads carry the tokens into CLS
     assert (f_cls - f0).abs().max() > 1e-3

@@ -16,6 +16,7 @@ import clip
 import data
 import dear
 import entropy
+import runs
 import toyworld
 from conftest import reviewed, tiny_clip
 from entropy import CONCEPTS
@@ -52,9 +53,10 @@ def test_the_parts_add_up_to_the_image_embedding(layers):
     torch.testing.assert_close(heads.sum((1, 2)) + rest, embedding, atol=1e-5, rtol=1e-5)
     assert heads.abs().sum() > 0.01 * embedding.abs().sum()  # the heads matter
     # in units of the normalised embedding
-    scaled = entropy.head_contributions(model, images, layers)
+    scaled, whole = entropy.head_contributions(model, images, layers)
     torch.testing.assert_close(scaled * embedding.norm(dim=-1).view(-1, 1, 1, 1), heads, atol=1e-6,
                                rtol=1e-5)
+    torch.testing.assert_close(whole, torch.nn.functional.normalize(embedding, dim=-1))
 
 
 def test_one_head_by_hand_as_textspans_prs_logger():
@@ -90,7 +92,7 @@ def test_one_head_by_hand_as_textspans_prs_logger():
         n, w, beta = 2 * L + 1, visual.ln_post.weight, visual.ln_post.bias
         norm = model.encode_image(images).norm(dim=-1, keepdim=True)
         want = ((head - mean / (n * H)) * w / std + beta / (n * H)) @ visual.proj / norm
-    got = entropy.head_contributions(model, images, [2, 3])  # block 3 is the second analysed block
+    got = entropy.head_contributions(model, images, [2, 3])[0]  # block 3: the second analysed
     torch.testing.assert_close(got[:, 1, h], want, atol=1e-5, rtol=1e-4)
 
 
@@ -196,19 +198,35 @@ def fake_texts(monkeypatch, T=40, E=32, seed=0):
 def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeypatch):
     """23 images in batches of 5 against every image's contributions stored in one array:
     TextSpan restated on each head's matrix, entropy by hand, thresholds the 1/3 and 2/3 linear
-    quantiles; and the ground-truth probe on the stored contributions."""
+    quantiles; the ground-truth probe on the stored contributions; each head's mean-ablation
+    (TextSpan's: its contribution replaced by its mean over the images) by hand, in points of
+    zero-shot accuracy against 3 class features."""
     model = perturbed()
     texts, concepts, vectors = fake_texts(monkeypatch)
     images = torch.randn(23, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.zeros(23)),
+    stored, whole = entropy.head_contributions(model, images, [3, 4])  # [23, 2, 4, E], [23, E]
+    # 3 classes along three images' departures from the mean, each image labelled by them: every
+    # head's departure matters, unequally
+    classes = torch.nn.functional.normalize(whole[:3] - whole.mean(0), dim=-1)
+    labels = (whole @ classes.t()).argmax(-1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels),
                                          batch_size=5)
     # ground truth, decoded with folds drawn by the seed
     factors = {"parity": [i % 2 for i in range(23)]}
-    doc = entropy.compute_roles(model, loader, texts, concepts, [3, 4], 4, 6, None, None, factors,
-                                5, lambda line: None)
-    stored = entropy.head_contributions(model, images, [3, 4])  # [23, 2, 4, E]
+    options = dict(n=4, rank=6, low=None, high=None, seed=5)
+    doc = entropy.compute_roles(model, loader, (texts, concepts), [3, 4], options, factors,
+                                classes, lambda line: None)
     decoded = entropy.probe_factors(stored, factors, seed=5)["accuracy"]["parity"]
     assert [e["decoding"]["parity"] for e in doc["heads"]] == decoded[0] + decoded[1]
+    right = lambda f: 100 * float(((f @ classes.t()).argmax(-1) == labels).float().mean())
+    assert (doc["ablation"]["zero_shot"], doc["ablation"]["images"]) == (round(right(whole), 4), 23)
+    costs = [right(whole) - right(whole - stored[:, li, h] + stored[:, li, h].mean(0))
+             for li in range(2) for h in range(4)]
+    assert [e["ablation"] for e in doc["heads"]] == pytest.approx(costs, abs=1e-3)
+    assert len(set(costs)) > 2 and min(costs) > 0  # they differ: the comparison means something
+    for role, v in doc["ablation"]["by_role"].items():
+        mine = [c for c, e in zip(costs, doc["heads"]) if e["role"] == role]
+        assert v == {"mean": pytest.approx(sum(mine) / len(mine), abs=1e-3), "heads": len(mine)}
     stored = stored.double().numpy()
     want = {}
     for li, block in enumerate((3, 4)):
@@ -392,14 +410,16 @@ def make_doc(layers=(3, 4), H=4):
             role, attribute = kinds[(h + i) % 4]
             P = dict.fromkeys(CONCEPTS, 0.0) | {"animal" if role == "specialist" else "color": 1.0}
             e = {"layer": block, "head": h, "entropy": 0.25 * (h + i), "P": P,
-                 "texts": [f"text {block}.{h}"]}
+                 "texts": [f"text {block}.{h}"], "ablation": 0.5 * h - i}
             e |= {"role": role, "attribute": attribute}
             heads.append(e | ({"concept": "animal"} if role == "specialist" else {}))
+    costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r, _ in kinds}
+    by_role = {r: {"mean": sum(c) / len(c), "heads": len(c)} for r, c in costs.items()}
     return {"format": entropy.FORMAT, "model": "tiny", "checkpoint_sha256": "ab" * 32,
             "num_layers": 4, "num_heads": H, "layers": list(layers),
             "probe": {"dataset": "toy", "split": "test", "images": 8}, "texts_per_head": 1,
             "rank": 80, "concepts": list(CONCEPTS), "thresholds": {"low": 0.3, "high": 0.6},
-            "heads": heads}
+            "heads": heads, "ablation": {"zero_shot": 62.5, "images": 8, "by_role": by_role}}
 
 
 def test_roles_round_trip(tmp_path):
@@ -413,7 +433,7 @@ def test_roles_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("corrupt, kwargs, message", [
-    (lambda d: d.update(format="something/1"), {}, "not a dear-roles/1 file"),
+    (lambda d: d.update(format="something/1"), {}, f"not a {entropy.FORMAT} file"),
     (lambda d: d.pop("heads"), {}, "the document lacks 'heads'"),
     (None, {"sha256": "cd" * 32}, "computed for checkpoint abab.*, not for this one \\(cdcd"),
     (None, {"num_heads": 12}, "for a model of 4 blocks x 4 heads, not None x 12"),
@@ -456,11 +476,36 @@ def test_the_report_is_as_reviewed_and_its_map_shows_every_head(tmp_path):
                 entropy.TOP + doc["layers"].index(e["layer"]) * entropy.CELL)
         assert png.getpixel((x + entropy.CELL - 6,
                              y + entropy.CELL - 6)) == entropy.ROLE_COLORS[e["role"]]
-        # in black: its letter (an attribute's, or a specialist's concept), its entropy, the head's
-        # and the block's labels
-        texts = [(x + 5, y + 28), (x, entropy.TOP - 16), (4, y + 22)]
-        for x0, y0 in texts + [(x + 5, y + 4)] * (e["role"] in ("attribute", "specialist")):
+        # in black: its letter (an attribute's, or a specialist's concept), its entropy, its
+        # ablation's cost, the head's and the block's labels
+        texts = [(x + 5, y + 20), (x + 5, y + 37), (x, entropy.TOP - 16), (4, y + 22)]
+        for x0, y0 in texts + [(x + 5, y + 3)] * (e["role"] in ("attribute", "specialist")):
             assert pixels[y0 : y0 + 10, x0 : x0 + 12].sum(-1).min() < 180, (x0, y0)
+
+
+@pytest.mark.parametrize("variant", ["role", "generalization-only"])
+def test_the_mask_picture_colours_what_each_head_allows(tmp_path, variant):
+    """mask.png of DeAR's masks, read back cell by cell: in a head's panel the cell (query,
+    key) over CLS, the five tokens and the patches has the head's role colour exactly where the
+    paper's rules (test_dear.hand_allowed, on one position per group) allow, white elsewhere;
+    under generalization-only an attribute head is drawn as the mixed head it acts as."""
+    from test_dear import LAYOUTS, hand_allowed, roles_of
+
+    roles = roles_of(LAYOUTS)
+    masks = torch.stack([dear.role_mask(roles[b], 16, variant) for b in (3, 4)])
+    entropy.draw_mask(masks, [roles[3], roles[4]], 3, variant, tmp_path / "mask.png")
+    png = Image.open(tmp_path / "mask.png").convert("RGB")
+    cell, side = entropy.MASK_CELL, 7 * entropy.MASK_CELL
+    for i, b in enumerate((3, 4)):
+        for h, (role, attribute) in enumerate(LAYOUTS[b]):
+            acting = "mixed" if variant != "role" and role == "attribute" else role
+            allowed = hand_allowed(acting, attribute, 7)
+            x, y = 60 + h * (side + 70), 16 * 3 + 12 + i * (side + 44) + 16
+            for r in range(7):
+                for c in range(7):
+                    want = entropy.ROLE_COLORS[acting] if allowed[r, c] else (255, 255, 255)
+                    got = png.getpixel((x + c * cell + cell // 2, y + r * cell + cell // 2))
+                    assert got == want, (b, h, r, c)
 
 
 # ------------------------------------------------------------------------- run, cache, CLI
@@ -468,18 +513,18 @@ def test_the_report_is_as_reviewed_and_its_map_shows_every_head(tmp_path):
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    """run() on tiny CLIPs (dear.load_backbone: tiny, other) and 14 images listed as a dataset
+    """run() on tiny CLIPs (runs.load_backbone: tiny, other) and 14 images listed as a dataset
     (data.build_dataset replaced), with the CLIP cache in tmp_path; and a labelled user pool."""
     models = {"tiny": perturbed(blocks=6), "other": perturbed(blocks=6)}
     models["other"].sha256 = "cd" * 32
-    monkeypatch.setattr(dear, "load_backbone", lambda name, device: models[name])
+    monkeypatch.setattr(runs, "load_backbone", lambda name, device: models[name])
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
     g = np.random.default_rng(0)
     items = []
     for i in range(14):
         Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
         items.append((str(tmp_path / f"{i}.png"), 0, "x"))
-    split = types.SimpleNamespace(test=items, train=items[:10])
+    split = types.SimpleNamespace(test=items, train=items[:10], classnames=["x"], template="{}.")
     monkeypatch.setattr(data, "build_dataset", lambda name, root: split)
     pool = "".join(f"{CONCEPTS[j % 12]}\ttext {j}\n" for j in range(24))
     (tmp_path / "pool.txt").write_text(pool)
@@ -488,7 +533,7 @@ def world(tmp_path, monkeypatch):
 
 def test_the_cache_is_reused_only_for_equal_inputs(world):
     base = dict(texts=str(world / "pool.txt"), n=2, rank=8, log=lambda line: None)
-    tiny = dear.load_backbone("tiny", "cpu")
+    tiny = runs.load_backbone("tiny", "cpu")
     path = entropy.run(tiny, "imagenet", str(world), [3, 4], **base)
     folder = os.path.basename(os.path.dirname(path))
     assert os.path.dirname(os.path.dirname(path)) == str(world / "cache" / "roles")
@@ -511,7 +556,7 @@ def test_the_cache_is_reused_only_for_equal_inputs(world):
                 **base, key: value}
         if key == "seed":
             args["max_images"] = 12  # the seed draws the sample
-        paths.add(entropy.run(dear.load_backbone(args.pop("backbone"), "cpu"), **args))
+        paths.add(entropy.run(runs.load_backbone(args.pop("backbone"), "cpu"), **args))
     (world / "pool.txt").write_text((world / "pool.txt").read_text().replace("text 0", "text zero"))
     # the same file, other texts
     paths.add(entropy.run(tiny, "imagenet", str(world), [3, 4], **base))

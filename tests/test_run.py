@@ -17,16 +17,17 @@ import subprocess
 import time
 import types
 
-import numpy as np
 import pytest
 import torch
 import torchvision
-from PIL import Image
 
+import clip
 import data
 import dear
 import entropy
-from conftest import CLASSES, ROOT, tiny_state_dict
+import predict
+import runs
+from conftest import CLASSES, ROOT
 
 def argv(world, out, extra=""):
     return ["--dataset", f"folder:{world / 'shapes'}", "--root", str(world), "--backbone",
@@ -40,15 +41,23 @@ def eval_argv(world, rdir, extra=""):
             "--eval-only", "--load", str(rdir)] + shlex.split(extra)
 
 
+def folder_of(args):
+    """The run folder of a command line."""
+    c = dear.settings(*dear.parse_args(args))
+    return runs.run_dir(c, dear.changed_flags(c))[0]
+
+
 def run(world, out, extra="", capsys=None):
     results = dear.main(argv(world, out, extra))
-    return results, dear.run_dir(dear.resolve(dear.parse_args(argv(world, out, extra))))[0]
+    return results, folder_of(argv(world, out, extra))
 
 
 def tick(monkeypatch):
-    """dear's clock moves 100 s at each reading: the ETAs it logs are exact."""
+    """The clock moves 100 s at each reading: the ETAs logged are exact."""
     clock = itertools.count(0, 100).__next__
-    monkeypatch.setattr(dear, "time", types.SimpleNamespace(time=clock, strftime=time.strftime))
+    for module in (dear, runs):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(time=clock,
+                                                                  strftime=time.strftime))
 
 
 def logged(rdir):
@@ -59,9 +68,9 @@ def logged(rdir):
     return [tuple(int(v or 0) for v in m) for m in re.findall(line, log, re.M)]
 
 
-def fails(capsys, words, args):
+def fails(capsys, words, args, main=dear.main):
     with pytest.raises(SystemExit) as e:
-        dear.main(args)
+        main(args)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and words in err, err
     return err
@@ -147,10 +156,11 @@ def watch(monkeypatch):
         seen["loss"].append((lambda_reg, lambda_fusion, seen["model"][-1].beta))
         return real_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion)
 
-    def evaluate(model, items, classnames, template, c, rule="fused", *args):
-        seen["eval"].append(dict(rule=rule, beta=model.beta, classes=classnames, items=items,
-                                 template=template))
-        return real_evaluate(model, items, classnames, template, c, rule, *args)
+    def evaluate(model, ds, split, c, rule="fused", *args):
+        out = real_evaluate(model, ds, split, c, rule, *args)
+        seen["eval"].append(dict(rule=rule, beta=model.beta, classes=ds.classnames, items=ds.test,
+                                 template=ds.template, readouts=out["readouts"]))
+        return out
 
     monkeypatch.setattr(dear, "DeAR", model)
     monkeypatch.setattr(torch.optim, "AdamW", AdamW)
@@ -163,7 +173,7 @@ def watch(monkeypatch):
 def hand_roles(world, path):
     """The tiny CLIP's roles file, its heads' roles set by hand: per block an attribute head of
     colour, a generalization head, an attribute head of shape, a mixed head."""
-    c = dear.resolve(dear.parse_args(argv(world, path.parent)))
+    c = dear.settings(*dear.parse_args(argv(world, path.parent)))
     doc = json.load(open(dear.build(c, lambda line: None)[1]))
     kinds = [("attribute", "color"), ("generalization", None), ("attribute", "shape"),
              ("mixed", None)]
@@ -254,7 +264,7 @@ def trained(world, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         seen = watch(mp)
         results = dear.main(args)
-    rdir = dear.run_dir(dear.resolve(dear.parse_args(args)))[0]
+    rdir = folder_of(args)
     return dict(results, path=rdir, out=str(tmp / "out")), rdir, seen, roles
 
 
@@ -300,8 +310,8 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
         assert [e["split"] for e in r["evals"]] == ["base", "novel"]
         # predict on it: the class logits alone, at weight 1 (and no model.pt to read)
         image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
-        rdir = dear.run_dir(dear.resolve(dear.parse_args(args)))[0]
-        evidence = dear.main(["predict", "--load", rdir, image])[0]["evidence"]
+        rdir = folder_of(args)
+        evidence = predict.main(["--load", rdir, image])[0]["evidence"]
         assert list(evidence) == ["cls"] and evidence["cls"]["alpha"] == 1.0
 
 
@@ -317,34 +327,31 @@ def test_roles_only_writes_the_roles_of_its_J(world, tmp_path, capsys):
     assert capsys.readouterr().out.endswith(f"roles copied to {tmp_path / 'roles' / 'J4'}\n")
 
 
-# every flag a call does not read (dear.READS) is refused, with one line that names it
+# every flag a call does not read (runs.READS) is refused, given at any value (its default too),
+# with one line that names it
 MODES = {"dear": "", "zeroshot": "--method zeroshot", "eval-only": "--eval-only --load RUN",
          "roles-only": "--roles-only"}
+VALUES = dict(shots="3", seed="7", targets="dtd", J="4", beta="0.3", lambda_reg="0.3",
+              rep_dim="16", roles="r.json", epochs="3", batch_size="5", warmup_epochs="2", lr="0.1",
+              crop_scale="0.7", workers="1", backbone="b", load="RUN")
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_each_call_refuses_every_flag_it_does_not_read(mode):
-    values = dict(shots="3", seed="7", targets="dtd", J="4", beta="0.3", lambda_reg="0.3",
-                  lambda_fusion="0.3", alpha_cls="0.4", rep_dim="16", tokens="mmrl",
-                  mask="none", novel_logits="cls", target_beta="source", roles="r.json",
-                  roles_control="random", epochs="3", batch_size="5", warmup_epochs="2",
-                  lr="0.1", warmup_lr="0.1", weight_decay="0.1", crop_scale="0.7",
-                  eval_batch_size="7", workers="1", device="cpu", precision="bf16",
-                  eval_precision="bf16", protocol="fewshot", method="zeroshot",
-                  dataset="dtd", root="r", backbone="b", out="o", load="RUN")
+def test_each_call_refuses_every_flag_it_does_not_read_whatever_its_value(mode):
     for name, f in dear.FIELDS.items():
-        flag = dear.flag(name)
-        given = [flag] if f.type is bool else [flag, values[name]]
-        args = shlex.split(MODES[mode]) + given
         if name in ("method", "eval_only", "roles_only"):  # these choose the call
             continue
-        cfg = dear.parse_args(args)
-        xd = name in ("targets", "target_beta")
-        if name in dear.READS[mode] and not xd:
-            dear.refuse_unread(cfg)
-            continue
-        with pytest.raises(data.UserError, match=re.escape(flag) + ".*(run's own|drop it|add it)$"):
-            dear.refuse_unread(cfg)
+        for value in {VALUES.get(name), None if f.default is None else str(f.default)} - {None}:
+            flag = dear.flag(name)
+            cfg, given = dear.parse_args(shlex.split(MODES[mode]) + [flag] + [value] * (f.type
+                                                                                   is not bool))
+            xd = name in ("targets", "target_beta")
+            if runs.reads(mode, name) and not xd:
+                runs.refuse_unread(mode, given, cfg.protocol, dear.RECORDED)
+                continue
+            with pytest.raises(data.UserError, match=re.escape(flag)
+                               + ".*(run's own|drop it|add it)$"):
+                runs.refuse_unread(mode, given, cfg.protocol, dear.RECORDED)
 
 
 # what a rebuilt model must carry from the run it loads: (the observation, on the rebuilt model m
@@ -378,26 +385,24 @@ def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tm
             assert spy["classes"][0][1] == "a photo of a {}."  # the dataset's own
         else:
             sheets = []
-            monkeypatch.setattr(dear, "draw_explain", lambda rows, path: sheets.append(rows))
+            monkeypatch.setattr(predict, "draw_explain", lambda *a: sheets.append(a))
             image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
             capsys.readouterr()
-            report = dear.main(["predict", "--load", rdir, image, "--explain", "x.png"])
-            out = capsys.readouterr().out
+            report = predict.main(["--load", rdir, image, "--explain", "x.png"])
+            out, err = capsys.readouterr()
             assert spy["classes"] == [(CLASSES, "a blurry photo of a {}.")]
-            assert out.startswith(f"{image}: {report[0]['top5'][0][0]} ") and "wrote x.png" in out
+            assert out.startswith(f"{image}: {report[0]['top5'][0][0]} ") and "wrote x.png" in err
             assert "\n  by logit set: cls " in out
             top = report[0]["top5"][0]
-            assert sheets[0][0][0] == f"{image}: {top[0]} {top[1]:.0%}"  # each row's title
+            titles, _, _, heads, roles, _, path = sheets[0]
+            assert (titles, path) == ([f"{image}: {top[0]} {top[1]:.0%}"], "x.png")
             assert report[0]["image"] == image and len(report[0]["top5"]) == 5
-            roles = spy["model"][0].roles[-1]  # the explain tiles say whose heads they show
-            mixed = "mixed heads" if any(r["role"] == "mixed" for r in roles) else "no head"
-            heads = {a: [h for h, r in enumerate(roles) if r["attribute"] == a]
-                     for a in dear.ATTRIBUTES}
-            labels = [f"{a} (head {','.join(map(str, hs))})" if hs else f"{a} ({mixed})"
-                      for a, hs in heads.items()]
-            assert sheets[0][0][3][1:] == labels
+            assert roles == spy["model"][0].roles[-1]  # the last block's, for the tiles' labels
+            mixed = [h for h, r in enumerate(roles) if r["role"] == "mixed"]
+            assert heads[1:] == [[h for h, r in enumerate(roles) if r["attribute"] == a] or mixed
+                                 for a in dear.ATTRIBUTES]
             (tmp_path / "names.txt").write_text("red\ngreen\n")
-            again = dear.main(["predict", "--load", rdir, image, "--classes",
+            again = predict.main(["--load", rdir, image, "--classes",
                                str(tmp_path / "names.txt"), "--json"])
             assert spy["classes"][-1] == (["red", "green"], "a blurry photo of a {}.")
             assert json.loads(capsys.readouterr().out) == again
@@ -471,7 +476,11 @@ BAD = [("--beta 2", "--beta"), ("--beta nan", "--beta"), ("--lr 0", "--lr"),
        ("--seed -1", "--seed"), ("--crop-scale 0", "--crop"), ("--lambda-reg inf", "--lambda-reg"),
        ("--J 0", "--J"), ("--rep-dim 0", "--rep-dim"), ("--device cuda", "CUDA"),
        ("--J 9", "--J 9"), ("--dataset nosuchset", "nosuchset"),
-       ("--eval-only", "--eval-only needs --load RUN")]
+       ("--eval-only", "--eval-only needs --load RUN"),
+       ("--seed 4294967296", "--seed: '4294967296' is not a seed in [0, 2^32)"),
+       ("--protocol xd --targets dtd,dtd", "'dtd' is empty, the source or named twice"),
+       ("--protocol xd --targets folder:x --targets dtd --dataset dtd", "'dtd' is empty, the"),
+       ("--resume --force", "--resume continues a run and --force restarts it")]
 
 
 @pytest.mark.parametrize("flags, says", BAD)
@@ -515,7 +524,7 @@ def test_a_nonfinite_loss_stops_fp32_and_is_skipped_and_counted_under_fp16(world
 
 
 def test_one_process_per_run_folder_and_the_lock_never_follows_a_link(world, tmp_path, capsys):
-    rdir = dear.run_dir(dear.resolve(dear.parse_args(argv(world, tmp_path))))[0]
+    rdir = folder_of(argv(world, tmp_path))
     os.makedirs(rdir)
     with open(os.path.join(rdir, ".lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -538,128 +547,60 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     assert [dear.eval_beta(x, d) for d in ("imagenet", "dtd", "imagenet_a", "folder:x")] == [0.55,
             0.5, 0.8, 0.55]
     assert dear.eval_beta(dataclasses.replace(x, target_beta="source"), "dtd") == 0.55
-    targets = ["--protocol", "xd", "--targets", "folder:a,b", "--targets", "dtd,eurosat"]
-    assert dear.resolve(dear.parse_args(targets)).targets == ["folder:a,b", "dtd", "eurosat"]
+    targets = ["--protocol", "xd", "--targets", "folder:a,b", "--targets", "dtd,eurosat",
+               "--dataset", "imagenet"]
+    assert dear.resolve(dear.parse_args(targets)[0]).targets == ["folder:a,b", "dtd", "eurosat"]
 
 
-def test_predict_agrees_with_the_evaluation_and_explains(world, tmp_path, capsys, monkeypatch):
-    results, rdir = run(world, tmp_path, "--protocol fewshot")
-    test = dear.data.build_dataset(f"folder:{world / 'shapes'}", str(world)).test
-    items = test[:6]
-    report = dear.main(["predict", "--load", rdir, "--explain", str(tmp_path / "x.png"),
-                        *[p for p, _, _ in items]])
-    c = dear.resolve(dear.Config(**json.load(open(os.path.join(rdir, "config.json")))["config"]))
-    model, _ = dear.build(c, print, os.path.join(rdir, "roles.json"),
-                          os.path.join(rdir, "model.pt"))
-    r = dear.evaluate(model, items, CLASSES, "a photo of a {}.",
-                      dear.resolve(dear.Config(workers=0, device="cpu")))
-    right = sum(rep["top5"][0][0] == cls for rep, (_, _, cls) in zip(report, items))
-    assert sum(k["accuracy"] * k["n"] for k in r["per_class"]) / 100 == pytest.approx(right)
-    assert r["accuracy"] == pytest.approx(100 * right / len(items))
-    firsts = list({y: (f, y, k) for f, y, k in reversed(test)}.values())  # one image a class
-    r = dear.evaluate(model, firsts, CLASSES, "a photo of a {}.",
-                      dear.resolve(dear.Config(workers=0, device="cpu")))
-    assert 0 < r["accuracy"] == pytest.approx(sum(k["accuracy"] for k in r["per_class"]) / 12)
-    assert all(sum(p for _, p in rep["top5"]) <= 1 + 1e-3 for rep in report)
-    assert report[0]["evidence"]["cls"]["alpha"] == pytest.approx(results["fusion_weights"]["cls"],
-            abs=1e-4)
-    assert Image.open(tmp_path / "x.png").size[0] == 7 * 160 + 90
-    (tmp_path / "notes.txt").write_text("not an image")  # the advice: no dataset to fix here
-    fails(capsys, "; pass image files", ["predict", "--load", rdir, str(tmp_path / "notes.txt")])
-    tick(monkeypatch)  # a line every 50 batches: 100 s a reading, 50 batches a reading
-    lines = []
-    dear.evaluate(model, (test * 9)[:100], CLASSES, "{}", dear.resolve(dear.Config(
-        workers=0, device="cpu", eval_batch_size=1)), log=lines.append, name="x")
-    assert lines == ["  eval x: 50/100 batches, eta 100s", "  eval x: 100/100 batches, eta 0s"]
+def test_the_readouts_read_each_side_alone_in_the_evaluations_pass(world, tmp_path, spy):
+    """On a trained run's novel split, by hand from frozen CLIP's own encoders: image = the
+    trained f_cls against encode_text's class features; text = encode_image's feature against
+    the trained class features; class = the class logits; fused = the reported accuracy. One
+    pass over the images: one loader per evaluation."""
+    results, rdir = run(world, tmp_path)
+    model = spy["model"][0]
+    novel = data.build_dataset(f"folder:{world / 'shapes'}", "", 4, 1, "novel")
+    x = torch.stack([clip.transform(32)(data.open_image(p)) for p, _, _ in novel.test])
+    y = torch.tensor([label for _, label, _ in novel.test])
+    m, prompts = model.clip, [novel.template.format(c) for c in novel.classnames]
+    with torch.no_grad():
+        model.set_classes(novel.classnames, novel.template)
+        t = model.encode_classes()
+        out = model(x, t=t)
+        frozen_text = torch.nn.functional.normalize(m.encode_text(clip.tokenize(prompts)), dim=-1)
+        frozen_image = torch.nn.functional.normalize(m.encode_image(x), dim=-1)
+    right = lambda scores: 100 * float((scores.argmax(-1) == y).float().mean())
+    want = {"fused": right(out["fused"]), "class": right(out["logits"][:, 0]),
+            "image": right(out["f_cls"] @ frozen_text.t()), "text": right(frozen_image @ t.t())}
+    got = results["evals"][1]["readouts"]
+    assert got == pytest.approx(want) and got["fused"] == results["evals"][1]["accuracy"]
+    assert len(set(want.values())) > 1  # the sides differ here: the comparison means something
+    assert [k.get("batch_size") for _, k in loaders(spy, data.ImageList)].count(100) == 2
 
 
-def test_the_explain_sheet_draws_each_map_as_heat_over_the_image_in_grey(tmp_path):
-    """A tile is 0.35 grey + 0.65 heat of the patch's share of the row's largest attention
-    (dear.HEAT: pale yellow at the top, black at 0); a token that no head lets see the patches gets
-    a white tile; the scale runs from the top colour down to 0; every text is black on white.
-    Here all of CLS's attention is on the top-left patch of a 2 x 2 grid, in two rows."""
-    maps = torch.zeros(2, 4)
-    maps[0, 0] = 0.9
-    dear.draw_explain([(f"{n}.png: red 90%", Image.new("RGB", (32, 32), (v, v, v)), maps,
-                        ["CLS", "color"], [[0, 1], []]) for n, v in (("a", 128), ("b", 64))],
-                      tmp_path / "sheet.png")
-    page = np.asarray(Image.open(tmp_path / "sheet.png"), dtype=float)
-    assert page.shape == (2 * (44 + 160), 160 * 7 + 90, 3)
-    top, zero = dear.HEAT[-1], dear.HEAT[0]
-    for y, v in ((0, 128), (204, 64)):
-        assert np.abs(page[y + 44 + 5, 160 + 5] - (0.35 * v + 0.65 * top)).max() <= 1  # CLS tile
-        assert (page[y + 30, -3] == 255).all()  # the page: white
-        # the title, the tiles' labels, the note, the scale's title, top and 0%
-        for x0, y0 in ((4, 2), (2, 18), (162, 18), (322, 18), (326, 106), (488, 18), (516, 44),
-                       (516, 192)):
-            assert page[y + y0 : y + y0 + 10, x0 : x0 + 12].min() < 60, (x0, y0)
-    far = page[44 + 154, 160 + 154] - (0.35 * 128 + 0.65 * zero)  # bicubic rings a little
-    assert np.abs(far).max() <= 5
-    assert (page[44 + 150, 2 * 160 + 150] == 255).all()  # the token without a head: white
-    assert np.abs(page[44, 3 * 160 + 8 + 5] - top).max() <= 1  # the scale, 1 at the top
-    assert np.abs(page[44 + 159, 3 * 160 + 8 + 5] - zero).max() <= 1
+def test_each_epoch_draws_its_own_order_and_crops(world, tmp_path, spy):
+    """The batches of epoch 2 are another shuffle of the same images than epoch 1's, with other
+    seeds for their crops (a fixed per-image seed would crop alike every epoch)."""
+    run(world, tmp_path, "--epochs 2 --crop-scale 0.5")
+    samplers = [k["batch_sampler"] for d, k in loaders(spy, dear.SeededImages)]
+    first, second = ([i for batch in b for i, _ in batch] for b in samplers)
+    seeds = [{i: s for batch in b for i, s in batch} for b in samplers]
+    assert sorted(first) == sorted(second) and first != second
+    assert all(seeds[0][i] != seeds[1][i] for i in first)
 
 
-def test_attention_maps_equal_the_weights_computed_by_hand(world):
-    """The explain maps are the last block's attention of CLS (all heads) and of each token (its
-    expert heads) on the patches; a head a token is masked from contributes nothing."""
-    # fmt: off
-    heads = [("attribute", "color"), ("generalization", None), ("attribute", "shape"),
-             ("mixed", None)]
-    roles = {l: [{"role": r, "attribute": a} for r, a in heads] for l in (3, 4)}
-    # fmt: on
-    model = dear.DeAR(dear.clip.model.build_model(tiny_state_dict(text_layers=4)), roles, J=3)
-    images = torch.randn(2, 3, 32, 32)
-    maps, heads = model.attention_maps(images)
-    x = model.token_blocks(model.frozen_prefix(images), stop=1)  # the input of block 4
-    block = model.clip.visual.transformer.resblocks[3]
-    _, w = block.attn(block.ln_1(x), attn_mask=model.mask(1), need_weights=True)  # [B, H, T, T]
-    # color, shape: experts; texture: mixed
-    assert heads[1] == [0] and heads[2] == [2] and heads[3] == [3]
-    assert torch.allclose(maps[:, 1], w[:, 0, 1, 6:], atol=1e-6) and torch.allclose(maps[:, 0],
-            w[:, :, 0, 6:].mean(1))
-    # masked heads: nothing
-    assert w[:, 1, 1:6, 6:].abs().max() == 0 and w[:, 0, 2, 6:].abs().max() == 0
-    # no mixed head: a token without an expert has no head and an empty map; no roles: all mixed
-    roles[4][3] = {"role": "generalization", "attribute": None}
-    clip_model = model.clip
-    maps, heads = dear.DeAR(clip_model, roles, J=3).attention_maps(images)
-    assert heads[3] == [] and maps[:, 3].abs().max() == 0
-    maps, heads = dear.DeAR(clip_model, None, J=3, mask="none").attention_maps(images)
-    assert heads[1:] == [[0, 1, 2, 3]] * 5 and maps.isfinite().all()
-
-
-def test_toy_quick_start_beats_zero_shot(quick_start):
-    """The README's quick start, offline (run by conftest beside the other tests): DeAR on the
-    toy world beats the toy CLIP's zero-shot row by 3 base points and in HM; J = 3 of 4; the
-    roles were computed into the run. Why 3: seed 1 gives +4.17 (85.42 vs 81.25) here, and another
-    CPU's rounding moved one test image per split (0.26 points of 384), so 3 keeps a margin of
-    about 4 images; seeds 1-5 give +3.9 to +6.3."""
+def test_toy_quick_start_beats_zero_shot_on_the_novel_classes(quick_start):
+    """The README's quick start, offline (run by conftest beside the other tests): DeAR on the toy
+    world keeps the base classes (zero-shot's 98.96) and beats zero-shot on the novel ones by at
+    least 1 point (seed 1: +1.83, 97.40 vs 95.57, 7 of 384 images; other CPUs' rounding moved one
+    image a split before); J = 3 of 4; the roles and the mask were drawn into the run."""
     out, p = quick_start
     assert p.returncode == 0, open(out.parent.parent / "quick_start.log").read()[-3000:]
     deAR = json.load(open(out / "b2n/toyworld/dear-default-shots16-seed1/results.json"))
     zero = json.load(open(out / "b2n/toyworld/zeroshot-default-shots16-seed1/results.json"))
     assert deAR["config"]["J"] == 3
-    assert deAR["evals"][0]["accuracy"] >= zero["evals"][0]["accuracy"] + 3
+    assert deAR["evals"][0]["accuracy"] >= zero["evals"][0]["accuracy"] - 0.3
+    assert deAR["evals"][1]["accuracy"] >= zero["evals"][1]["accuracy"] + 1
     assert deAR["hm"] > zero["hm"]
-    assert os.path.exists(out / "b2n/toyworld/dear-default-shots16-seed1/roles.png")
-
-
-def test_the_colour_tokens_map_finds_the_object_on_the_quick_start_run(quick_start):
-    """--explain's maps mean something: on the toy test images (the object in one quadrant of a
-    4 x 4 patch grid, toyworld.LOCATIONS) the colour token's map peaks in the object's quadrant
-    far more often than chance (1/4)."""
-    out, p = quick_start
-    assert p.returncode == 0
-    run = out / "b2n/toyworld/dear-default-shots16-seed1"
-    c = dear.resolve(dear.Config(**dear.read_config(run)["config"], device="cpu"))
-    model = dear.build(c, lambda line: None, run / "roles.json", run / "model.pt")[0]
-    ds = data.build_dataset("toyworld", str(out.parent / "data"), subsample="novel")
-    items = ds.test[::4]  # 96 images
-    images = torch.stack([dear.clip.transform(32)(data.open_image(f)) for f, _, _ in items])
-    maps, heads = model.attention_maps(images)  # [B, 1+K, 16]
-    peak = maps[:, 1].argmax(-1)  # the colour token's
-    quadrant = (peak // 4 >= 2) * 2 + (peak % 4 >= 2)  # top left, top right, bottom left, right
-    where = dear.toyworld.factor_labels([f for f, _, _ in items])["location"]
-    assert heads[1] and (quadrant == where).float().mean() > 0.5
-
+    for name in ("roles.png", "mask.png"):
+        assert os.path.exists(out / "b2n/toyworld/dear-default-shots16-seed1" / name)

@@ -4,6 +4,7 @@ tests/test_entropy.py) roles.md. A change fails until `DEAR_REVIEW=1 python -m p
 the files, and `git diff tests/texts` shows it to the reviewer."""
 
 import argparse
+import json
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import bench
 import data
 import dear
 import entropy
+import predict
 import tables
 from conftest import reviewed
 from test_tables import b2n, put
@@ -21,8 +23,8 @@ PROBES = ["0", "1", "-1", "0.5", "nan", "9-12", "x"]  # what each type makes of 
 
 
 def kind(t):
-    if t in (None, str, int, float):
-        return getattr(t, "__name__", "str")
+    if t in (None, str, int, float, data.text):
+        return getattr(t, "what", getattr(t, "__name__", "str"))
     made = []
     for text in PROBES:
         try:
@@ -61,7 +63,7 @@ def test_every_scripts_options_are_as_reviewed(monkeypatch):
     monkeypatch.setattr(data.Parser, "parse_args", stop)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a CPU machine
     lines = []
-    for name, main in [("dear.py", dear.parse_args), ("dear.py predict", dear.predict),
+    for name, main in [("dear.py", dear.parse_args), ("predict.py", predict.predict),
                        ("data.py", data.check_or_download), ("entropy.py", entropy.roles_of),
                        ("tables.py", tables.tables), ("bench.py", bench.bench)]:
         with pytest.raises(SystemExit):
@@ -102,8 +104,12 @@ def test_tables_md_is_as_reviewed(tmp_path, capsys):
     b2n(tmp_path, "toyworld", 78.0, 55.0, method="zeroshot", backbone="toy")
     (tmp_path / "a" / "broken").mkdir()
     (tmp_path / "a" / "broken" / "results.json").write_text("{")
-    (tmp_path / "roles" / "J9").mkdir(parents=True)
-    (tmp_path / "roles" / "J9" / "roles.md").write_text("| 9 | G |")
+    for J in (9, 7):  # with a whole roles.json, its costs by role; else the link alone
+        (tmp_path / "roles" / f"J{J}").mkdir(parents=True)
+        (tmp_path / "roles" / f"J{J}" / "roles.md").write_text("| 9 | G |")
+    costs = {"attribute": {"mean": 1.25, "heads": 3}, "generalization": {"mean": 2.5, "heads": 4}}
+    by_role = json.dumps({"ablation": {"by_role": costs}})
+    (tmp_path / "roles" / "J9" / "roles.json").write_text(by_role)
     assert tables.main(["--out", str(tmp_path)]) == 0
     md = (tmp_path / "tables" / "tables.md").read_text()
     assert capsys.readouterr().out.strip() == md.strip()
