@@ -497,20 +497,14 @@ def parse_args(argv=None):
     return Config(**given), {name: flag(name) for name in given}
 
 
-def check_value(name, value):
-    """A field's value, checked as its flag would take it (None: a default still to fill)."""
-    if value is None and FIELDS[name].default is None:
-        return
-    wrong = data.mismatch(value, SCHEMA[name], flag(name))
-    if wrong:
-        raise UserError(wrong)
-
-
 def resolve(cfg: Config) -> Config:
     """The final config: every value checked (a Config built in code too), every None filled from
     the tables, J from the backbone's depth, the device and amp's precision from this machine."""
-    for name in FIELDS:
-        check_value(name, getattr(cfg, name))
+    for name, f in FIELDS.items():  # as its flag would take it (None: a default still to fill)
+        value = getattr(cfg, name)
+        wrong = data.mismatch(value, SCHEMA[name], flag(name))
+        if wrong and not (value is None and f.default is None):
+            raise UserError(wrong)
     c = dataclasses.replace(cfg)
     c.backbone = c.backbone or ("toy" if c.dataset == "toyworld" else "ViT-B/16")
     beta, lam = XD_DEFAULTS if c.protocol == "xd" else DATASET_DEFAULTS.get(c.dataset, (0.9, 1.0))
@@ -720,9 +714,8 @@ def build(c: Config, log, roles_file=None, trained=None):
         roles = entropy.load_roles(roles_file, L, heads, list(range(c.J, L + 1)), clip_model.sha256)
         roles = entropy.control_roles(roles, c.roles_control, c.seed)
     torch.manual_seed(c.seed)  # the tokens' initialisation
-    attr_tokens = c.method == "dear" and c.attr_tokens
-    model = DeAR(clip_model, roles, c.J, c.beta, c.rep_dim, c.mask, attr_tokens, c.alpha_cls,
-                 c.tokens).to(device)
+    model = DeAR(clip_model, roles, c.J, c.beta, c.rep_dim, c.mask, c.method == "dear" and
+                 c.attr_tokens, c.alpha_cls, c.tokens).to(device)
     if trained:
         model.load_trainable(data.read_torch(trained, "run it again (--force)", dict), trained)
     return model, roles_file if roles is not None else None

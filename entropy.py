@@ -10,6 +10,7 @@ Blocks count from 1 in flags and files (blocks 9-12 of ViT-B/16, as the paper), 
 """
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -435,8 +436,6 @@ def ties(doc):
 
 def ablation_line(doc):
     """One sentence: the probe's zero-shot accuracy and the mean cost of a head of each role."""
-    if "ablation" not in doc:
-        return ""
     roles = ", ".join(f"{r} {v['mean']:.2f} ({v['heads']} heads)"
                       for r, v in doc["ablation"]["by_role"].items())
     return (f"Mean-ablation (TextSpan's): zero-shot accuracy {doc['ablation']['zero_shot']:.2f}% "
@@ -445,31 +444,23 @@ def ablation_line(doc):
 
 
 def write_report(doc, out_dir):
-    """roles.md (blocks x heads tables of the roles and of what each head costs when
-    mean-ablated, the ground truth where known, every head's concepts and texts) and roles.png (a
-    map: colour = role, letter = attribute, concept entropy in bits, the ablation's cost) of a
-    roles.json document."""
-    from PIL import Image, ImageDraw
-
+    """roles.md (a blocks x heads table: each head's role, concept entropy and what it costs when
+    mean-ablated; the ground truth where known; every head's concepts and texts) and roles.png (a
+    map of the same) of a roles.json document."""
     H, layers, probe, t = doc["num_heads"], doc["layers"], doc["probe"], doc["thresholds"]
     at = {(e["layer"], e["head"]): e for e in doc["heads"]}
     where = f"probe {probe['dataset']} {probe['split']}, {probe['images']} images"
-    header = ["| block | " + " | ".join(f"head {h}" for h in range(H)) + " |", "|---" * (H + 1)
-              + "|"]
     md = [f"# Head roles of {doc['model']}", "",
           f"Blocks {layers[0]}-{layers[-1]}, {where}. TextSpan: {doc['texts_per_head']} texts "
           f"per head, rank {doc['rank']}. Thresholds: low {t['low']:.3f}, high {t['high']:.3f} "
-          "bits. A = attribute head, G = generalization, M = mixed, S = other specialist; concept "
-          "entropy in bits. " + ties(doc), "", *header]
+          "bits. A cell: the role (A = attribute head, G = generalization, M = mixed, S = other "
+          "specialist), the concept entropy in bits, the zero-shot points the head costs when "
+          "mean-ablated. " + ties(doc), "", ablation_line(doc), "",
+          "| block | " + " | ".join(f"head {h}" for h in range(H)) + " |", "|---" * (H + 1) + "|"]
     for b in layers:
-        cells = [f"{short_role(at[b, h])} {at[b, h]['entropy']:.2f}" for h in range(H)]
+        cells = [f"{short_role(e)} {e['entropy']:.2f}, {e['ablation']:+.2f}"
+                 for e in (at[b, h] for h in range(H))]
         md.append(f"| {b} | " + " | ".join(cells) + " |")
-    if "ablation" in doc:
-        md += ["", "## What each head costs (zero-shot points lost, mean-ablated)", "",
-               ablation_line(doc), "", *header]
-        for b in layers:
-            cells = [f"{short_role(at[b, h])} {at[b, h]['ablation']:.2f}" for h in range(H)]
-            md.append(f"| {b} | " + " | ".join(cells) + " |")
     if "decoding" in doc:  # the toy world: held-out accuracy (%) of a probe per known factor
         chance = doc["decoding"]["chance"]
         md += ["", f"## Ground truth ({doc['decoding']['probe']}; accuracy %)", "",
@@ -488,18 +479,13 @@ def write_report(doc, out_dir):
                f"{e['entropy']:.3f} ({shares})", "", "; ".join(e["texts"]), ""]
     os.makedirs(out_dir, exist_ok=True)
     data.write_text(os.path.join(out_dir, "roles.md"), "\n".join(md))
-    title = [f"Head roles of {doc['model']}: blocks {layers[0]}-{layers[-1]}, {where}",
-             f"first number: the head's concept entropy H in bits; H <= {t['low']:.3f}: "
-             f"specialist, H >= {t['high']:.3f}: generalization, else mixed", ties(doc),
-             "letter: the attribute (C color, S shape, T texture, O object, L location) or, for "
-             "another specialist, its concept",
-             "second number: the zero-shot points the head costs when mean-ablated"
-             + (f" (probe accuracy {doc['ablation']['zero_shot']:.1f}%)" if "ablation" in doc
-                else ": not measured")]
-    img = Image.new("RGB", (max(48 + H * CELL, 760), TOP + len(layers) * CELL + 28), "white")
-    draw = ImageDraw.Draw(img)
-    for i, line in enumerate(title):
-        draw.text((6, 4 + 16 * i), line, fill="black")
+    img, draw = canvas((max(48 + H * CELL, 760), TOP + len(layers) * CELL + 28), [
+        f"Head roles of {doc['model']}: blocks {layers[0]}-{layers[-1]}, {where}",
+        f"first number: the head's concept entropy H in bits; H <= {t['low']:.3f}: specialist, "
+        f"H >= {t['high']:.3f}: generalization, else mixed", ties(doc),
+        "letter: the attribute (C color, S shape, T texture, O object, L location) or, for "
+        "another specialist, its concept", "second number: the zero-shot points the head costs "
+        f"when mean-ablated (probe accuracy {doc['ablation']['zero_shot']:.1f}%)"])
     for h in range(H):
         draw.text((44 + h * CELL, TOP - 16), f"head {h}", fill="black")
     for row, b in enumerate(layers):
@@ -509,15 +495,28 @@ def write_report(doc, out_dir):
             e, x = at[b, h], 44 + h * CELL
             draw.rectangle([x, y, x + CELL - 2, y + CELL - 2], fill=ROLE_COLORS[e["role"]])
             letter = e["attribute"][0].upper() if e["attribute"] else e.get("concept", "")[:3]
-            draw.text((x + 5, y + 3), letter, fill="black")
-            draw.text((x + 5, y + 20), f"{e['entropy']:.2f}", fill="black")
-            if "ablation" in e:
-                draw.text((x + 5, y + 37), f"{e['ablation']:+.1f}", fill="black")
+            for dy, text in (3, letter), (20, f"{e['entropy']:.2f}"), (37, f"{e['ablation']:+.1f}"):
+                draw.text((x + 5, y + dy), text, fill="black")
+    key(draw, TOP + len(layers) * CELL + 8)
+    data.atomic_write(os.path.join(out_dir, "roles.png"), lambda tmp: img.save(tmp, format="PNG"))
+
+
+def canvas(size, lines):
+    """A white picture with its title lines in black: (the image, its drawing)."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    for i, line in enumerate(lines):
+        draw.text((6, 4 + 16 * i), line, fill="black")
+    return img, draw
+
+
+def key(draw, y):
+    """The role colours, a row at height y."""
     for i, (role, color) in enumerate(ROLE_COLORS.items()):
-        y = TOP + len(layers) * CELL + 8
         draw.rectangle([8 + i * 150, y, 20 + i * 150, y + 12], fill=color)
         draw.text((24 + i * 150, y), role + " head", fill="black")
-    data.atomic_write(os.path.join(out_dir, "roles.png"), lambda tmp: img.save(tmp, format="PNG"))
 
 
 # The role-based mask, drawn: a panel per head, rows the attending positions (queries), columns
@@ -532,48 +531,35 @@ def draw_mask(masks, roles, J, variant, path):
     from: where a head lets a position attend to another, the cell has the head's role colour (as
     the mask treats it: under generalization-only an attribute head acts as mixed); where the mask
     blocks it, white."""
-    from PIL import Image, ImageDraw
-
     n, H, T, _ = masks.shape
     k = len(ATTRIBUTES)
     groups = [[0]] + [[1 + a] for a in range(k)] + [list(range(1 + k, T))]
     allowed = masks.isfinite().cpu()
     side = len(groups) * MASK_CELL
-    width, height = side + 70, side + 44  # a panel and its gap
-    lines = [f"The role-based attention mask ({variant}) of blocks {J}-{J + n - 1}: a panel per "
-             "head, its role above it", "in a panel, row = the position that attends (query), "
-             "column = the one attended (key): C = CLS, c s t o l = the tokens color, shape, "
-             "texture, object, location, P = the patches",
-             "coloured: allowed (the colour of the head's role); white: blocked by the mask"]
-    top = 16 * len(lines) + 12
-    img = Image.new("RGB", (max(60 + H * width, 900), top + n * height + 30), "white")
-    draw = ImageDraw.Draw(img)
-    for i, line in enumerate(lines):
-        draw.text((6, 4 + 16 * i), line, fill="black")
+    width, height, top = side + 70, side + 44, 60  # a panel and its gap; the title's height
+    img, draw = canvas((max(60 + H * width, 900), top + n * height + 30), [
+        f"The role-based attention mask ({variant}) of blocks {J}-{J + n - 1}: a panel per head, "
+        "its role above it", "in a panel, row = the position that attends (query), column = the "
+        "one attended (key): C = CLS, c s t o l = the tokens color, shape, texture, object, "
+        "location, P = the patches", "coloured: allowed (the colour of the head's role); white: "
+        "blocked"])
     for i in range(n):
         y = top + i * height + 16
         draw.text((4, y + side // 2 - 6), f"block {J + i}", fill="black")
-        for h in range(H):
+        for h, e in enumerate(roles[i]):
             x = 60 + h * width
-            e = roles[i][h]
-            acting = "mixed" if variant == "generalization-only" and e["role"] == "attribute" else \
-                e["role"]
+            attribute = variant == "generalization-only" and e["role"] == "attribute"
+            fill = ROLE_COLORS["mixed" if attribute else e["role"]]
             draw.text((x, y - 14), f"head {h} {short_role(e)}", fill="black")
-            for r, rows in enumerate(groups):
-                for c, cols in enumerate(groups):
-                    ok = bool(allowed[i, h][rows][:, cols].all())
-                    box = [x + c * MASK_CELL, y + r * MASK_CELL, x + (c + 1) * MASK_CELL - 1,
-                           y + (r + 1) * MASK_CELL - 1]
-                    draw.rectangle(box, fill=ROLE_COLORS[acting] if ok else "white",
-                                   outline=(200, 200, 200))
-            if h == 0:  # the positions, once a row: down the left and along the bottom
-                for p, name in enumerate(POSITIONS):
-                    draw.text((x - 9, y + p * MASK_CELL + 1), name, fill="black")
-                    draw.text((x + p * MASK_CELL + 3, y + side + 2), name, fill="black")
-    for i, (role, color) in enumerate(ROLE_COLORS.items()):
-        y = top + n * height + 6
-        draw.rectangle([8 + i * 150, y, 20 + i * 150, y + 12], fill=color)
-        draw.text((24 + i * 150, y), role + " head", fill="black")
+            for r, c in itertools.product(range(len(groups)), repeat=2):
+                ok = bool(allowed[i, h][groups[r]][:, groups[c]].all())
+                box = [x + c * MASK_CELL, y + r * MASK_CELL, x + (c + 1) * MASK_CELL - 1,
+                       y + (r + 1) * MASK_CELL - 1]
+                draw.rectangle(box, fill=fill if ok else "white", outline=(200, 200, 200))
+        for p, name in enumerate(POSITIONS):  # once a row: down the left and along the bottom
+            draw.text((51, y + p * MASK_CELL + 1), name, fill="black")
+            draw.text((63 + p * MASK_CELL, y + side + 2), name, fill="black")
+    key(draw, top + n * height + 6)
     data.atomic_write(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
@@ -598,13 +584,13 @@ def collect_statistics(model, loader, layers, keep=False, log=print):
     return stats, torch.cat(kept) if keep else None
 
 
-def compute_roles(model, loader, pool, layers, o, factors=None, classes=None, log=print):
+def compute_roles(model, loader, pool, layers, o, classes, factors=None, log=print):
     """Concept Entropy of the heads of `layers` (from 1) on the probe images of `loader` -> the
     roles.json document, less "probe" and "inputs". pool: (texts, concepts); o: the options n,
-    rank, low / high (thresholds in bits; None: the 1/3 and 2/3 quantiles) and seed; factors:
-    None, or the images' known factors {name: [N] class ids} (ground truth: probe_factors, its
-    folds drawn by seed); classes: frozen CLIP's features [C, E] of the probe's classes, for each
-    head's mean-ablation cost (None: not measured)."""
+    rank, low / high (thresholds in bits; None: the 1/3 and 2/3 quantiles) and seed; classes:
+    frozen CLIP's features [C, E] of the probe's classes, for each head's mean-ablation cost;
+    factors: None, or the images' known factors {name: [N] class ids} (ground truth:
+    probe_factors, its folds drawn by seed)."""
     texts, concepts = pool
     n, rank = o["n"], o["rank"]
     visual = model.visual
@@ -632,14 +618,13 @@ def compute_roles(model, loader, pool, layers, o, factors=None, classes=None, lo
            "num_layers": visual.transformer.layers, "num_heads": visual.heads, "layers": layers,
            "texts_per_head": n, "rank": rank, "concepts": list(CONCEPTS),
            "thresholds": {"low": low, "high": high}}
-    if classes is not None:
-        accuracy, costs = ablation(model, loader, layers, stats.mean, classes, log)
-        for e, cost in zip(heads, costs.flatten().tolist()):
-            e["ablation"] = round(cost, 4)
-        costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r in ROLES}
-        by_role = {r: {"mean": round(sum(v) / len(v), 4), "heads": len(v)}
-                   for r, v in costs.items() if v}
-        doc["ablation"] = {"zero_shot": round(accuracy, 4), "images": N, "by_role": by_role}
+    accuracy, costs = ablation(model, loader, layers, stats.mean, classes, log)
+    for e, cost in zip(heads, costs.flatten().tolist()):
+        e["ablation"] = round(cost, 4)
+    costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r in ROLES}
+    by_role = {r: {"mean": round(sum(c) / len(c), 4), "heads": len(c)}
+               for r, c in costs.items() if c}
+    doc["ablation"] = {"zero_shot": round(accuracy, 4), "images": N, "by_role": by_role}
     if factors is not None:
         truth = probe_factors(contributions, factors, seed=o["seed"])
         for i, e in enumerate(heads):
@@ -713,7 +698,7 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
     factors = toyworld.factor_labels([p for p, _, _ in items]) if dataset == "toyworld" else None
     prompts = [ds.template.format(c) for c in ds.classnames]
     classes = encode_texts(model, prompts)  # [C, E]: the zero-shot classifier of the probe
-    doc = compute_roles(model, loader, pool, layers, dict(o, n=n), factors, classes, log)
+    doc = compute_roles(model, loader, pool, layers, dict(o, n=n), classes, factors, log)
     doc |= {"probe": {"dataset": dataset, "split": split, "images": len(items)}, "inputs": inputs}
     write_report(doc, out_dir)
     data.write_json(path, doc)  # last: a roles.json is a complete set

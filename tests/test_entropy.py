@@ -214,8 +214,8 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
     # ground truth, decoded with folds drawn by the seed
     factors = {"parity": [i % 2 for i in range(23)]}
     options = dict(n=4, rank=6, low=None, high=None, seed=5)
-    doc = entropy.compute_roles(model, loader, (texts, concepts), [3, 4], options, factors,
-                                classes, lambda line: None)
+    doc = entropy.compute_roles(model, loader, (texts, concepts), [3, 4], options, classes,
+                                factors, lambda line: None)
     decoded = entropy.probe_factors(stored, factors, seed=5)["accuracy"]["parity"]
     assert [e["decoding"]["parity"] for e in doc["heads"]] == decoded[0] + decoded[1]
     right = lambda f: 100 * float(((f @ classes.t()).argmax(-1) == labels).float().mean())
