@@ -77,9 +77,7 @@ def mean_std(values):
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
 
 
-def hm(b, n):
-    """The harmonic mean 2BN/(B+N)."""
-    return 0.0 if b + n == 0 else 2 * b * n / (b + n)
+hm = runs.harmonic_mean  # 2BN/(B+N)
 
 
 def cell(runs, dataset, split, readout=None):

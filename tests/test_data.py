@@ -1,9 +1,9 @@
 """data.py: every reader on a tiny fake dataset in its real layout, few-shot subsets equal to
 Dassl's, base/novel, folder datasets and their kept split, class names, images and transforms,
-downloads from a local HTTP server, the CLI.
-"""
+downloads from a local HTTP server, the CLI."""
 
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -23,8 +23,7 @@ import data
 
 def make_image(path, seed=0):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (10, 12, 3),
-            dtype=np.uint8)).save(path)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (10, 12, 3), np.uint8)).save(path)
 
 
 def write_split(path, image_dir, entries):
@@ -35,8 +34,7 @@ def write_split(path, image_dir, entries):
         json.dump({k: [list(e) for e in v] for k, v in entries.items()}, f, indent=4)
 
 
-def interleave(per_class):
-    """The items of several classes in a mixed order, as in the real split files."""
+def interleave(per_class):  # the items of several classes mixed, as in the real split files
     out = [item for items in per_class for item in items]
     random.Random(0).shuffle(out)
     return out
@@ -74,17 +72,14 @@ def build_json(root, name):
 
 def build_fgvc(root, name):
     folder, variants = os.path.join(root, "fgvc_aircraft"), ["707-320", "Cessna 172", "A300B4"]
-    os.makedirs(folder)
-    with open(os.path.join(folder, "variants.txt"), "w") as f:
-        f.write("\n".join(variants) + "\n")
     n = 0
-    for s, k in SIZES.items():
-        with open(os.path.join(folder, f"images_variant_{s}.txt"), "w") as f:
-            for _ in range(k):
-                for v in reversed(variants):  # file order is not label order
-                    n += 1
-                    make_image(os.path.join(folder, "images", f"{1000000 + n}.jpg"), seed=n)
-                    f.write(f"{1000000 + n} {v}\n")
+    for s, k in SIZES.items():  # file order is not label order
+        rows = [(1000000 + (n := n + 1), v) for _ in range(k) for v in reversed(variants)]
+        for i, _ in rows:
+            make_image(os.path.join(folder, "images", f"{i}.jpg"), seed=i - 1000000)
+        text = "".join(f"{i} {v}\n" for i, v in rows)
+        pathlib.Path(folder, f"images_variant_{s}.txt").write_text(text)
+    pathlib.Path(folder, "variants.txt").write_text("\n".join(variants) + "\n")
     return variants, (15, 9, 6)
 
 
@@ -93,58 +88,48 @@ WNIDS = {f"n0{i:07d}": name for i, name in enumerate(["tench", "great white shar
                                                       "sunglasses", "jay"])}
 
 
-def write_classnames(folder, n=len(WNIDS)):
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "classnames.txt"), "w") as f:
-        f.write("".join(f"{w} {c}\n" for w, c in list(WNIDS.items())[:n]))
+def write_classnames(folder):  # called after the images, which make the folder
+    pathlib.Path(folder, "classnames.txt").write_text("".join(f"{w} {WNIDS[w]}\n" for w in WNIDS))
 
 
 def build_imagenet(root, name):
     folder = os.path.join(root, "imagenet")
-    write_classnames(folder)
     for w in WNIDS:
         for s, n in (("train", 5), ("val", 2)):
             for i in range(n):
                 make_image(os.path.join(folder, "images", s, w, f"{w}_{9 - i}.JPEG"), seed=i)
+    write_classnames(folder)
     return list(WNIDS.values()), (25, 10, 10)
 
 
 def build_variant(root, name):
-    spec = data.DATASETS[name]
-    folder = os.path.join(root, spec.folder)
-    image_dir = os.path.join(folder, spec.images)
+    folder = os.path.join(root, data.DATASETS[name].folder)
+    image_dir = os.path.join(folder, data.DATASETS[name].images)
     if name == "imagenetv2":  # folders 0..11: sorted as strings, 10 and 11 would come before 2
-        names = [f"class {k}" for k in range(12)]
-        os.makedirs(folder)
-        with open(os.path.join(folder, "classnames.txt"), "w") as f:
-            f.write("".join(f"n{k:08d} {c}\n" for k, c in enumerate(names)))
         for k in range(12):
             make_image(os.path.join(image_dir, str(k), f"{k}abc.jpeg"), seed=k)
         for other in ("12", "extra"):  # no class of classnames.txt: not read
             make_image(os.path.join(image_dir, other, "0.jpeg"))
-        return names, (0, 0, 12)
-    write_classnames(folder)
+        text = "".join(f"n{k:08d} class {k}\n" for k in range(12))
+        pathlib.Path(folder, "classnames.txt").write_text(text)
+        return [f"class {k}" for k in range(12)], (0, 0, 12)
     # A and R: 200 of the 1000
     keep = list(WNIDS)[1:4] if name in ("imagenet_a", "imagenet_r") else list(WNIDS)
     for w in keep:
         for i in range(3):
             make_image(os.path.join(image_dir, w, f"{i}.jpg"), seed=i)
-    with open(os.path.join(image_dir, "README.txt"), "w") as f:
-        f.write("not a class\n")
+    write_classnames(folder)
+    pathlib.Path(image_dir, "README.txt").write_text("not a class\n")
     return [WNIDS[w] for w in keep], (0, 0, 3 * len(keep))
 
 
 BUILDERS = {**dict.fromkeys(JSON_LAYOUTS, build_json), "fgvc_aircraft": build_fgvc,
             "imagenet": build_imagenet, **dict.fromkeys(data.DG_TARGETS, build_variant)}
 TEMPLATES = {  # CoOp's trainers/zsclip.py CUSTOM_TEMPLATES; the rest are "a photo of a {}."
-    "oxford_pets": "a photo of a {}, a type of pet.",
-    "oxford_flowers": "a photo of a {}, a type of flower.",
-    "food101": "a photo of {}, a type of food.",
+    "oxford_pets": "a photo of a {}, a type of pet.", "food101": "a photo of {}, a type of food.",
+    "oxford_flowers": "a photo of a {}, a type of flower.", "dtd": "{} texture.",
     "fgvc_aircraft": "a photo of a {}, a type of aircraft.",
-    "dtd": "{} texture.",
-    "eurosat": "a centered satellite photo of {}.",
-    "ucf101": "a photo of a person doing {}.",
-}
+    "eurosat": "a centered satellite photo of {}.", "ucf101": "a photo of a person doing {}."}
 
 
 def test_tables():
@@ -154,57 +139,52 @@ def test_tables():
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_reader(tmp_path, name):
+def test_reader(tmp_path, capsys, name):
     classnames, sizes = BUILDERS[name](str(tmp_path), name)
     ds = data.build_dataset(name, str(tmp_path))
     assert ds.classnames == classnames and (len(ds.train), len(ds.val), len(ds.test)) == sizes
     assert ds.template == TEMPLATES.get(name, "a photo of a {}.")
     for path, label, classname in ds.train + ds.val + ds.test:
         assert os.path.isabs(path) and os.path.isfile(path) and classname == ds.classnames[label]
+        assert name != "imagenetv2" or os.path.basename(os.path.dirname(path)) == str(label)
     assert sorted({y for _, y, _ in ds.test}) == list(range(len(classnames)))
-    if name == "imagenetv2":
-        assert all(os.path.basename(os.path.dirname(p)) == str(y) for p, y, _ in ds.test)
     if name == "imagenet":  # files sorted by name; the official val set is the test (and val) set
         first = [os.path.basename(p) for p, y, _ in ds.train if y == 0]
         assert first == sorted(first) and ds.val == ds.test
+        assert capsys.readouterr().err == f"listing {tmp_path / 'imagenet' / 'images'} (once)\n"
+        few = data.build_dataset("imagenet", str(tmp_path), shots=2, seed=3)  # few-shot: train only
+        assert capsys.readouterr().err == ""  # its preprocessed.json
+        assert few.train == dassl_fewshot(ds.train, [], 2, 3)[0] and few.val == few.test == ds.test
 
 
 # ---------------------------------------------------------------------------------------- few-shot
-
-
 def dassl_fewshot(train, val, k, seed):
-    """Dassl's generate_fewshot_dataset as CoOp calls it, restated: the global random seeded
-    once, train with k, then val with min(k, 4), defaultdict grouping, all the items of a small
-    class."""
+    """Dassl's generate_fewshot_dataset as CoOp calls it, restated: the global random seeded once,
+    train with k, then val with min(k, 4), defaultdict grouping, all the items of a small class."""
     random.seed(seed)
     out = []
     for items, n in ((train, k), (val, min(k, 4))):
         tracker = collections.defaultdict(list)
         for item in items:
-            tracker[item[1]].append(item)
-        sampled = []
-        for label in tracker:
-            group = tracker[label]
-            sampled.extend(random.sample(group, n) if len(group) >= n else group)
-        out.append(sampled)
+            tracker[item[1]].append(tuple(item))
+        out.append([it for g in tracker.values() for it in (random.sample(g, n) if len(g) >= n
+                                                             else g)])
     return out
 
 
 def build_uneven_dtd(root, train_sizes=(6, 7, 1, 5, 9), val_sizes=(5, 3, 4, 2, 6)):
     names = ["banded", "blotchy", "braided", "bubbly", "bumpy"]
-    per_class = lambda s, sizes: interleave(
-        [[(f"{c}/{s}{i}.jpg", y, c) for i in range(sizes[y])] for y, c in enumerate(names)]
-    )
+    per_class = lambda s, sizes: interleave([[(f"{c}/{s}{i}.jpg", y, c) for i in range(sizes[y])]
+                                             for y, c in enumerate(names)])
     entries = {"train": per_class("t", train_sizes), "val": per_class("v", val_sizes),
                "test": [(f"{c}/s{i}.jpg", y, c) for y, c in enumerate(names) for i in range(2)]}
-    folder = os.path.join(root, "dtd")
-    write_split(os.path.join(folder, "split_zhou_DescribableTextures.json"),
-                os.path.join(folder, "images"), entries)
-    return entries, os.path.join(folder, "images")
+    image_dir = os.path.join(root, "dtd", "images")
+    write_split(f"{root}/dtd/split_zhou_DescribableTextures.json", image_dir, entries)
+    return entries, image_dir
 
 
 def rel(items, image_dir):
-    return [(os.path.relpath(p, image_dir), y) for p, y, _ in items]
+    return [(os.path.relpath(p, image_dir), y, c) for p, y, c in items]
 
 
 @pytest.mark.parametrize("shots", [1, 4, 5, 16])
@@ -213,54 +193,34 @@ def test_fewshot_equals_dassl(tmp_path, shots):
     for _ in range(2):  # drawn, then read back from the cache, for several seeds side by side
         for seed in (1, 2, 3):
             ds = data.build_dataset("dtd", str(tmp_path), shots=shots, seed=seed)
-            train, val = dassl_fewshot(entries["train"], entries["val"], shots, seed)
-            assert rel(ds.train, image_dir) == [(p, y) for p, y, _ in train]
-            assert rel(ds.val, image_dir) == [(p, y) for p, y, _ in val]
-            assert len(ds.test) == 10 and ds.shots_per_class == [min(shots, n) for n in (6, 7, 1, 5,
-                    9)]
-            # a class with fewer images than --shots is named
-            assert bool(ds.warnings) == (shots > 1)
+            want = dassl_fewshot(entries["train"], entries["val"], shots, seed)
+            assert [rel(ds.train, image_dir), rel(ds.val, image_dir)] == want and len(ds.test) == 10
+            assert ds.shots_per_class == [min(shots, n) for n in (6, 7, 1, 5, 9)]
+            assert bool(ds.warnings) == (shots > 1)  # a class with fewer than --shots images: named
     assert os.path.isfile(tmp_path / "dtd" / "split_fewshot" / f"shot_{shots}-seed_3.json")
 
 
-def test_fewshot_cache_follows_the_split(tmp_path):
+def test_fewshot_cache_follows_the_split_and_unkept_costs_a_note(tmp_path, capsys, monkeypatch):
+    """A changed split: drawn anew; a read-only dataset folder: made each time, with a note."""
     entries, image_dir = build_uneven_dtd(str(tmp_path))
     data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
     path = tmp_path / "dtd" / "split_zhou_DescribableTextures.json"
     split = json.loads(path.read_text())
-    split["val"] = split["val"][3:]
-    path.write_text(json.dumps(split))
+    path.write_text(json.dumps({**split, "val": split["val"][3:]}))
     ds = data.build_dataset("dtd", str(tmp_path), shots=2, seed=1)
-    assert rel(ds.val, image_dir) == [(p, y) for p, y,
-                                      _ in dassl_fewshot(entries["train"], split["val"], 2, 1)[1]]
-
-
-def test_a_cache_that_cannot_be_kept_costs_a_note(tmp_path, capsys, monkeypatch):
-    """A read-only dataset folder: the few-shot subset is made each time, with a note."""
-    build_uneven_dtd(str(tmp_path))
+    assert rel(ds.val, image_dir) == dassl_fewshot(entries["train"], split["val"][3:], 2, 1)[1]
 
     def full(path, doc):
         raise OSError(28, "No space left on device", path)
-
     monkeypatch.setattr(data, "write_json", full)
-    assert len(data.build_dataset("dtd", str(tmp_path), shots=2, seed=1).train) == 9  # 1 + 4 x 2
-    cache = tmp_path / "dtd" / "split_fewshot" / "shot_2-seed_1.json"
+    capsys.readouterr()
+    assert len(data.build_dataset("dtd", str(tmp_path), shots=2, seed=2).train) == 9  # 1 + 4 x 2
+    cache = tmp_path / "dtd" / "split_fewshot" / "shot_2-seed_2.json"
     assert capsys.readouterr().err.startswith(f"note: cannot keep {cache} ({cache}: No space")
 
 
-def test_imagenet_fewshot_samples_train_only(tmp_path, capsys):
-    build_imagenet(str(tmp_path), "imagenet")
-    full = data.build_dataset("imagenet", str(tmp_path))
-    assert capsys.readouterr().err == f"listing {tmp_path / 'imagenet' / 'images'} (once)\n"
-    ds = data.build_dataset("imagenet", str(tmp_path), shots=2, seed=3)
-    assert capsys.readouterr().err == ""  # its preprocessed.json
-    assert ds.train == dassl_fewshot(full.train, [], 2, 3)[0] and ds.val == ds.test == full.test
-
-
 # ------------------------------------------------------------------------------------- base / novel
-
-
-def test_subsample_classes_ranks_sorted_labels():
+def test_base_novel_ranks_sorted_labels_after_few_shot(tmp_path):
     """Labels 10, 0, 5, 2, 7: base = the ceil(5/2) = 3 smallest (0, 2, 5), novel = 7, 10,
     renumbered by rank."""
     train = [(f"t{y}", y, f"c{y}") for y in (10, 0, 5, 2, 7)]
@@ -269,15 +229,11 @@ def test_subsample_classes_ranks_sorted_labels():
     assert base[0] == [("t0", 0, "c0"), ("t5", 2, "c5"), ("t2", 1, "c2")]
     assert novel[2] == [("s7", 0, "c7"), ("s10", 1, "c10")]
     assert data.subsample_classes(train, [], test, "all") == (train, [], test)
-
-
-def test_base_novel(tmp_path):
     build_uneven_dtd(str(tmp_path))
     full = data.build_dataset("dtd", str(tmp_path), shots=4, seed=2)
     base, novel = (data.build_dataset("dtd", str(tmp_path), 4, 2, s) for s in ("base", "novel"))
     assert base.classnames == full.classnames[:3] and novel.classnames == full.classnames[3:]
-    # few-shot first, then the class split
-    assert base.train == [it for it in full.train if it[1] < 3]
+    assert base.train == [it for it in full.train if it[1] < 3]  # few-shot first, then the split
     assert novel.test == [(p, y - 3, c) for p, y, c in full.test if y >= 3]
     build_variant(str(tmp_path), "imagenet_a")  # a test-only set: classes from its test split
     a = data.build_dataset("imagenet_a", str(tmp_path), shots=16, subsample="novel")
@@ -285,8 +241,6 @@ def test_base_novel(tmp_path):
 
 
 # ----------------------------------------------------------------------------- folders, class names
-
-
 def fruit_folder(folder, counts=(10, 2, 3)):
     for c, n in zip(("pear", "plum", "red_apple"), counts):
         for i in range(n):
@@ -298,28 +252,23 @@ def test_folder_split_is_kept(tmp_path):
     name = fruit_folder(tmp_path / "fruit")
     ds = data.build_dataset(name, None)
     assert ds.classnames == ["pear", "plum", "red apple"] and ds.template == "a photo of a {}."
-    per_class = [[sum(y == k for _, y, _ in s) for s in (ds.train, ds.val,
-            ds.test)] for k in range(3)]
-    # 50/20/30, every class keeps a test image
-    assert per_class == [[5, 2, 3], [1, 0, 1], [2, 0, 1]]
+    n = [[sum(y == k for _, y, _ in s) for s in (ds.train, ds.val, ds.test)] for k in range(3)]
+    assert n == [[5, 2, 3], [1, 0, 1], [2, 0, 1]]  # 50/20/30, every class keeps a test image
     again = data.build_dataset(name, None, shots=2)  # the few-shot cache's folder is not a class
-    make_image(str(tmp_path / "fruit" / "plum" / "new.png"))
-    # kept
+    make_image(str(tmp_path / "fruit" / "plum" / "new.png"))  # the split is kept
     assert again.classnames == ds.classnames and data.build_dataset(name, None).test == ds.test
     os.remove(tmp_path / "fruit" / "split_folder.json")
     os.remove(tmp_path / "fruit" / "plum" / "new.png")
     assert data.build_dataset(name, None).train == ds.train  # split anew: the same draw (seed 1)
-    other = fruit_folder(tmp_path / "copy")  # the same files elsewhere: the same split
-    assert rel(data.build_dataset(other, None).test, tmp_path / "copy") == rel(ds.test,
-            tmp_path / "fruit")
+    other = data.build_dataset(fruit_folder(tmp_path / "copy"), None)  # the same files elsewhere
+    assert rel(other.test, tmp_path / "copy") == rel(ds.test, tmp_path / "fruit")  # the same split
 
 
 @pytest.mark.parametrize("a,b", [("Red_Apple", "red apple"), ("salt & pepper", "salt &amp; pepper"),
                                  ("a  b", "a b")])
 def test_equal_prompts_are_refused(tmp_path, a, b):
-    for c in (a, b):
-        for i in range(2):
-            make_image(str(tmp_path / c / f"{i}.png"))
+    for path in (tmp_path / c / f"{i}.png" for c in (a, b) for i in range(2)):
+        make_image(str(path))
     a = a.replace("_", " ")  # a folder's '_' reads as a space
     with pytest.raises(data.UserError,
                        match=re.escape(f"classes {a!r} and {b!r} give the same prompt")):
@@ -341,8 +290,6 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- errors, CLI
-
-
 def half_unpacked(root):
     build_json(root, "eurosat")
     with open(os.path.join(root, "eurosat", "split_zhou_EuroSAT.json")) as f:
@@ -391,37 +338,24 @@ def test_cli_check(tmp_path, capsys, monkeypatch):
         data.main(["check", "eurosat", "--shots", "0"])
     assert e.value.code == 2
     capsys.readouterr()
-    # each error on its line
     assert data.main(["check", "nope", "eurosat", "dtd"]) == 2
-    errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 2
-    assert errors[0].startswith("error: unknown dataset 'nope'")
+    errors = capsys.readouterr().err.splitlines()  # each error on its line
+    assert len(errors) == 2 and errors[0].startswith("error: unknown dataset 'nope'")
     assert "dtd/split_zhou" in errors[1]
 
 
 # ---------------------------------------------------------------------------------------- downloads
-
-
-def zip_bytes(files):
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for name, body in files.items():
-            z.writestr(name, body)
-    return buf.getvalue()
-
-
 def fake_eurosat(routes, url, monkeypatch, md5=None):
-    """EuroSAT.zip (2750/<class>/*.jpg) and its split JSON on 'Drive', served like the real
-    sources."""
-    files, entries = {}, {"train": [], "val": [], "test": []}
-    for y, (folder, name) in enumerate([("AnnualCrop", "Annual Crop Land"), ("Forest", "Forest")]):
-        for s, n in SIZES.items():
-            for i in range(n):
-                image = io.BytesIO()
-                Image.new("RGB", (8, 8), (i, y, 0)).save(image, "PNG")
-                files[f"2750/{folder}/{s}{i}.png"] = image.getvalue()
-                entries[s].append([f"{folder}/{s}{i}.png", y, name])
-    routes["/EuroSAT.zip"] = archive = zip_bytes(files)
+    """EuroSAT.zip (2750/<class>/*) and its split JSON on 'Drive', served like the real sources."""
+    buf, entries = io.BytesIO(), {"train": [], "val": [], "test": []}
+    with zipfile.ZipFile(buf, "w") as z:
+        for y, folder, name in [(0, "AnnualCrop", "Annual Crop Land"), (1, "Forest", "Forest")]:
+            for s, n in SIZES.items():
+                for i in range(n):
+                    Image.new("RGB", (8, 8), (i, y, 0)).save(image := io.BytesIO(), "PNG")
+                    z.writestr(f"2750/{folder}/{s}{i}.png", image.getvalue())
+                    entries[s].append([f"{folder}/{s}{i}.png", y, name])
+    routes["/EuroSAT.zip"] = archive = buf.getvalue()
     routes["/drive?id=SPLIT"] = json.dumps(entries).encode()
     md5 = md5 or hashlib.md5(archive).hexdigest()
     split = ("eurosat", "drive:SPLIT", "", "eurosat/split_zhou_EuroSAT.json", "", "")
@@ -430,21 +364,33 @@ def fake_eurosat(routes, url, monkeypatch, md5=None):
     monkeypatch.setattr(data, "DRIVE", f"{url}/drive?id=")
 
 
-def test_download_eurosat(tmp_path, server, monkeypatch):
-    fake_eurosat(*server, monkeypatch)
+def test_download_eurosat_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server,
+        monkeypatch, capsys):
+    routes, url = server
+    fake_eurosat(routes, url, monkeypatch, md5="0" * 32)
+    routes["/drive?id=SPLIT"] = b"<!DOCTYPE html><html>quota exceeded</html>"
+    bad = tmp_path / "bad"
+    with pytest.raises(data.UserError,
+                       match="EuroSAT.zip: not the MD5 0{32} of .*; run the command again"):
+        data.download("eurosat", str(bad))
+    assert not os.path.exists(bad / "eurosat" / "2750")
+    monkeypatch.setattr(data, "SOURCES", data.SOURCES[:1])
+    data.download("eurosat", str(bad))
+    drive = "https://drive.google.com/file/d/SPLIT/view"
+    assert f"fetch by hand: {drive}, as " in capsys.readouterr().err
+    assert not os.path.exists(bad / "eurosat" / "split_zhou_EuroSAT.json")
+    fake_eurosat(routes, url, monkeypatch)  # served right: fetched and unpacked
     assert data.main(["download", "eurosat", "--root", str(tmp_path)]) == 0
     ds = data.build_dataset("eurosat", str(tmp_path), shots=2)
-    assert ds.classnames == ["Annual Crop Land",
-                             "Forest"] and len(ds.test) == 4 and len(ds.train) == 4
+    assert ds.classnames == ["Annual Crop Land", "Forest"] and len(ds.test) == len(ds.train) == 4
     assert sorted(os.listdir(tmp_path / "eurosat")) == ["2750", "split_fewshot",
                                                         "split_zhou_EuroSAT.json"]
-    # the archive of a cut-off unpack
-    (tmp_path / "eurosat" / "EuroSAT.zip").write_bytes(server[0]["/EuroSAT.zip"])
-    # never mixed in
+    # the archive of a cut-off unpack: never mixed in
+    (tmp_path / "eurosat" / "EuroSAT.zip").write_bytes(routes["/EuroSAT.zip"])
     with pytest.raises(data.UserError, match="2750 is in the way of .*EuroSAT.zip: move it"):
         data.download("eurosat", str(tmp_path))
     os.rename(tmp_path / "eurosat" / "2750", tmp_path / "moved")
-    server[0].clear()  # nothing is fetched again: the archive is unpacked
+    routes.clear()  # nothing is fetched again: the archive is unpacked
     data.download("eurosat", str(tmp_path))
     assert (tmp_path / "eurosat" / "2750" / "Forest" / "test1.png").is_file()
     assert not (tmp_path / "eurosat" / "EuroSAT.zip").exists()
@@ -452,15 +398,13 @@ def test_download_eurosat(tmp_path, server, monkeypatch):
 
 def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp_path, server,
         monkeypatch, capsys):
-    """The archive's fgvc-aircraft-2013b/data/ becomes fgvc_aircraft/ (DATASETS.md; the rest of
-    the archive, its README and evaluation code, stays where it was unpacked); a source to
-    fetch by hand is said, and the ones after it are still fetched."""
+    """fgvc-aircraft-2013b/data/ becomes fgvc_aircraft/ (DATASETS.md; the archive's README and
+    evaluation code stay where unpacked); a source to fetch by hand is said, the next fetched."""
     routes, url = server
     build_fgvc(str(tmp_path / "made"), "fgvc_aircraft")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+    with tarfile.open(tmp_path / "fgvc.tar.gz", "w:gz") as t:
         t.add(tmp_path / "made" / "fgvc_aircraft", "fgvc-aircraft-2013b/data")
-    routes["/fgvc.tar.gz"] = buf.getvalue()
+    routes["/fgvc.tar.gz"] = (tmp_path / "fgvc.tar.gz").read_bytes()
     row = next(s for s in data.SOURCES if s[0] == "fgvc_aircraft")
     by_hand = ("fgvc_aircraft", "", "", "", "", "a note")
     monkeypatch.setattr(data, "SOURCES", [by_hand, (row[0], f"{url}/fgvc.tar.gz", *row[2:])])
@@ -473,25 +417,8 @@ def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp
         "707-320", "Cessna 172", "A300B4"]
 
 
-def test_download_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server,
-        monkeypatch, capsys):
-    routes, url = server
-    fake_eurosat(routes, url, monkeypatch, md5="0" * 32)
-    routes["/drive?id=SPLIT"] = b"<!DOCTYPE html><html>quota exceeded</html>"
-    with pytest.raises(data.UserError,
-                       match="EuroSAT.zip: not the MD5 0{32} of .*; run the command again"):
-        data.download("eurosat", str(tmp_path))
-    assert not os.path.exists(tmp_path / "eurosat" / "2750")
-    monkeypatch.setattr(data, "SOURCES", data.SOURCES[:1])
-    data.download("eurosat", str(tmp_path))
-    drive = "https://drive.google.com/file/d/SPLIT/view"
-    assert f"fetch by hand: {drive}, as " in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "eurosat" / "split_zhou_EuroSAT.json")
-
-
 def tar_bytes(member):
-    """A tar.gz with ok.txt and one more member: (name, kind, link target) with kind file | sym |
-    hard."""
+    """A tar.gz of ok.txt and member: (name, kind, link target), kind file | sym | hard."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
         for name, kind, target in [("ok.txt", "file", ""), member]:
@@ -507,23 +434,18 @@ def tar_bytes(member):
     (("../evil.txt", "file", ""), True),
     (("link", "sym", "../.."), True),
     (("hard", "hard", "{out}/secret.txt"), True),
-    # the filter strips the leading '/': it lands inside
-    (("{out}/evil.txt", "file", ""), False),
+    (("{out}/evil.txt", "file", ""), False),  # the filter strips the leading '/': it lands inside
 ])
 def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch, member, refused):
-    routes, url = server
-    out = tmp_path / "outside"
-    out.mkdir()
+    (out := tmp_path / "outside").mkdir()
     (out / "secret.txt").write_text("secret")
-    routes["/a.tar.gz"] = tar_bytes(tuple(m.format(out=out) for m in member))
-    monkeypatch.setattr(data, "SOURCES", [("dtd", f"{url}/a.tar.gz", "", "dtd/a.tar.gz",
+    server[0]["/a.tar.gz"] = tar_bytes(tuple(m.format(out=out) for m in member))
+    monkeypatch.setattr(data, "SOURCES", [("dtd", f"{server[1]}/a.tar.gz", "", "dtd/a.tar.gz",
                                            "dtd/images", "")])
-    if refused:
-        with pytest.raises(data.UserError, match="a.tar.gz cannot be unpacked safely and whole"):
-            data.download("dtd", str(tmp_path / "root"))
-    else:
+    with (pytest.raises(data.UserError, match="a.tar.gz cannot be unpacked safely and whole")
+          if refused else contextlib.nullcontext()):
         data.download("dtd", str(tmp_path / "root"))
-        assert os.path.isfile(tmp_path / "root" / "dtd" / str(out).lstrip("/") / "evil.txt")
+    assert refused or os.path.isfile(tmp_path / "root" / "dtd" / str(out).lstrip("/") / "evil.txt")
     assert sorted(os.listdir(out)) == ["secret.txt"]
     assert not os.path.exists(tmp_path / "root" / "evil.txt")
     # deleted: a rerun fetches it again

@@ -21,25 +21,21 @@ import toyworld as T
 
 
 def object_mask(shape="circle", texture="solid", location="top left", seed=0, **kw):
-    """The object's pixels: where the same image drawn in another colour differs (the same
-    draws)."""
+    """The object's pixels: where the same image drawn in another colour differs (same draws)."""
     a, b = (T.render(c, shape, texture, location, seed, noise=0.0, **kw) for c in ("red", "blue"))
     return (a != b).any(-1)  # [H, W]
 
 
+grid = lambda n: (np.mgrid[0:n, 0:n].astype(np.float64) + 0.5)[::-1]  # pixel centres x, y
 R, CX, CY = 100.0, 250.3, 249.6  # a centre off the pixel grid
-AREAS = {
-    "circle": math.pi * R**2,
-    "square": (2 * 0.85 * R) ** 2,
-    "triangle": 0.5 * (2 * R) * (1.8 * R),
-    "cross": 2 * (2 * R) * (2 * 0.33 * R) - (2 * 0.33 * R) ** 2,  # two arms less their overlap
-}
+AREAS = {"circle": math.pi * R**2, "square": (2 * 0.85 * R) ** 2,
+         "triangle": 0.5 * (2 * R) * (1.8 * R),
+         "cross": 2 * (2 * R) * (2 * 0.33 * R) - (2 * 0.33 * R) ** 2}  # two arms less their overlap
 
 
 @pytest.mark.parametrize("shape", T.SHAPES)
 def test_shapes_have_their_geometric_areas(shape):
-    y, x = np.mgrid[0:500, 0:500].astype(np.float64) + 0.5
-    mask = T.shape_mask(shape, x, y, CX, CY, R)
+    mask = T.shape_mask(shape, *grid(500), CX, CY, R)
     assert mask.sum() == pytest.approx(AREAS[shape], rel=0.01)
     rows = mask.any(1).nonzero()[0]
     if shape == "triangle":  # apex up at cy - r, base at cy + 0.8 r
@@ -52,14 +48,12 @@ def test_stripes_run_diagonally_and_dots_repeat_every_five_32nds():
     """Stripes: constant along x + y, half dark. Dots: period 5/32 of the image in x and y, each
     covering pi 0.28^2 of its cell. Solid: nothing dark."""
     rng = np.random.default_rng(0)
-    y, x = np.mgrid[0:320, 0:320].astype(np.float64) + 0.5
-    stripes = T.texture_mask("striped", x, y, 320, rng)
-    assert (stripes[1:, :-1] == stripes[:-1, 1:]).all() and stripes.mean() == pytest.approx(0.5,
-            abs=0.01)
-    y, x = np.mgrid[0:32, 0:32].astype(np.float64) + 0.5
-    dots = T.texture_mask("dotted", x, y, 32, rng)
+    stripes = T.texture_mask("striped", *grid(320), 320, rng)
+    assert (stripes[1:, :-1] == stripes[:-1, 1:]).all()
+    assert stripes.mean() == pytest.approx(0.5, abs=0.01)
+    dots = T.texture_mask("dotted", *grid(32), 32, rng)
     assert (dots[5:] == dots[:-5]).all() and (dots[:, 5:] == dots[:, :-5]).all() and dots.any()
-    y, x = np.mgrid[0:3200, 0:3200].astype(np.float64) + 0.5
+    x, y = grid(3200)
     fine = T.texture_mask("dotted", x, y, 3200, rng)[:3000, :3000]  # 6 x 6 whole cells
     assert fine.mean() == pytest.approx(math.pi * 0.28**2, rel=0.005)
     assert not T.texture_mask("solid", x, y, 3200, rng).any()
@@ -68,8 +62,7 @@ def test_stripes_run_diagonally_and_dots_repeat_every_five_32nds():
 @pytest.mark.parametrize("location, centre", [("top left", (8, 8)), ("top right", (8, 24)),
                                               ("bottom left", (24, 8)), ("bottom right", (24, 24))])
 def test_the_object_sits_in_its_quadrant(location, centre):
-    """A circle's centroid (row, column) is its quadrant's centre, up to the jitter of 0.04 of
-    the image."""
+    """A circle's centroid (row, column) is its quadrant's centre, up to a jitter of 0.04 x 32px."""
     for seed in range(5):
         ys, xs = object_mask(location=location, seed=seed).nonzero()
         assert abs(ys.mean() - centre[0]) < 1.8 and abs(xs.mean() - centre[1]) < 1.8, seed
@@ -94,8 +87,7 @@ def test_objects_are_pale_palette_colours_and_textures_darken_them(color):
 
 
 def test_the_transfer_shifts_shrink_the_object_and_add_noise():
-    """scale 0.6 leaves 0.36 of the object's area; noise is the std of what it adds to each
-    channel."""
+    """scale 0.6 leaves 0.36 of the object's area; noise is the std it adds to each channel."""
     for seed in range(3):
         small, big = (object_mask(seed=seed, size=256, scale=s).sum() for s in (0.6, 1.0))
         assert small / big == pytest.approx(0.36, abs=0.01)
@@ -104,13 +96,11 @@ def test_the_transfer_shifts_shrink_the_object_and_add_noise():
         assert added.std() / 255 == pytest.approx(0.08, rel=0.1)
 
 
-@pytest.mark.parametrize("named, text", [(("red", "circle", "striped", "top left"),
-                                          "a red striped circle in the top left"),
-                                         ((None, None, "striped", None), "a striped object"),
-                                         ((None, "circle", None, None), "a circle"),
-                                         (("orange", None, None, None), "a orange object"),
-                                         ((None, None, None, "bottom right"),
-        "a object in the bottom right")])
+@pytest.mark.parametrize("named, text", [
+    (("red", "circle", "striped", "top left"), "a red striped circle in the top left"),
+    ((None, None, "striped", None), "a striped object"), ((None, "circle", None, None), "a circle"),
+    (("orange", None, None, None), "a orange object"),
+    ((None, None, None, "bottom right"), "a object in the bottom right")])
 def test_captions_name_their_factors(named, text):
     assert T.caption(*named) == text
 
@@ -127,11 +117,8 @@ def test_the_text_pool_describes_each_factor_value_six_ways():
 
 
 def test_the_pixels_of_recipe_v3_are_pinned():
-    """Every dataset image, hashed: a change to the drawing must come with a new RECIPE (stale
-    files)."""
-    h = hashlib.sha256()
-    for _, _, _, factors, seed in T.dataset_items():
-        h.update(T.render(*factors, seed).tobytes())
+    """Every dataset image hashed: a drawing changed without a new RECIPE leaves stale files."""
+    h = hashlib.sha256(b"".join(T.render(*f, seed).tobytes() for *_, f, seed in T.dataset_items()))
     assert T.RECIPE == "v3"
     assert h.hexdigest()[:16] == "7b5d49606b1ed41b", "the drawing changed: bump toyworld.RECIPE"
 
@@ -144,7 +131,7 @@ def root(tmp_path_factory):
     return root
 
 
-def test_ensure_dataset_writes_the_split_data_py_reads(root):
+def test_ensure_dataset_writes_the_split_data_py_reads_once(root):
     """24 classes, 24 / 8 / 32 images a class: first the 12 base classes, a checkerboard over
     colour x shape (each colour twice), solid objects in every location; then the 12 novel ones,
     colour x texture (striped, dotted), every shape in every location: texture is what the novel
@@ -164,21 +151,15 @@ def test_ensure_dataset_writes_the_split_data_py_reads(root):
         named = ("color", "shape") if label < 12 else ("color", "texture")
         assert " ".join(next(iter(values[k])) for k in named) == ds.classnames[label]
         assert values["texture"] == ({"solid"} if label < 12 else {ds.classnames[label].split()[1]})
-
-
-def test_the_dataset_is_written_once_and_its_images_are_their_factors(root):
-    folder = root / "toyworld"
+    folder = root / "toyworld"  # the files: each image its factors, written once
     split = json.loads((folder / T.SPLIT_FILE).read_text())
     file, label, classname = split["test"][100]  # 32 a class: image 4 of label 3
     assert (file, label, classname) == ("green_cross/test_004.png", 3, "green_cross")
-    labels = T.factor_labels([str(folder / "images" / file)])
-    factors = [vocab[int(labels[name][0])] for name, vocab in T.FACTORS.items()]
+    novel_file = split["test"][32 * 14 + 9][0]  # a novel class, green striped: (9 + 14) % 16 = 7
+    labels = T.factor_labels([str(folder / "images" / f) for f in (file, novel_file)])
+    factors, striped = ([v[int(labels[k][i])] for k, v in T.FACTORS.items()] for i in (0, 1))
     assert factors == ["green", "cross", "solid", "bottom right"]  # (4 + 3) % 16 = 7: location 3
-    novel = split["test"][32 * 14 + 9][0]  # a novel class, green striped
-    labels = T.factor_labels([str(folder / "images" / novel)])
-    # (9 + 14) % 16 = 7: shape 3, location 1
-    assert [vocab[int(labels[name][0])] for name, vocab in T.FACTORS.items()] == [
-        "green", "cross", "striped", "top right"]
+    assert striped == ["green", "cross", "striped", "top right"]  # shape 3, location 1
     seed = 1_000_000 * 3 + 1000 * label + 4  # test split: the third
     assert np.array_equal(np.asarray(Image.open(folder / "images" / file)),
                           T.render(*factors, seed))
@@ -193,19 +174,18 @@ def test_the_dataset_is_written_once_and_its_images_are_their_factors(root):
         os.rename(folder / "recipe-v2", folder / "recipe-v3")
 
 
-@pytest.mark.parametrize("index, name, cls, i, factors, seed, shift",
-                         [(0, "noisy", "red_cross", 7, ("red", "cross", "striped", "bottom left"),
-        10_003_007, dict(noise=0.08)), (1, "small", "green_square", 0, ("green", "square", "solid",
-        "top left"), 20_005_000, dict(scale=0.6)),
-        (2, "textures", "red_dotted", 5, ("red", "square", "dotted", "top right"), 30_002_005, {})])
-def test_transfer_sets_are_folders_of_shifted_classes(root, index, name, cls, i, factors, seed,
-                                                      shift):
+@pytest.mark.parametrize("name, cls, i, factors, seed, shift", [
+    ("noisy", "red_cross", 7, ("red", "cross", "striped", "bottom left"), 10_003_007,
+     dict(noise=0.08)),
+    ("small", "green_square", 0, ("green", "square", "solid", "top left"), 20_005_000,
+     dict(scale=0.6)),
+    ("textures", "red_dotted", 5, ("red", "square", "dotted", "top right"), 30_002_005, {})])
+def test_transfer_sets_are_folders_of_shifted_classes(root, name, cls, i, factors, seed, shift):
     """Each set: a folder:PATH dataset of 40 images a class; the classes pair colour with shape
-    (24) or texture (18), the other factors cycle; seeds 10,000,000 x (set + 1) + 1000 x label +
-    image."""
+    (24) or texture (18), the other factors cycle; seeds 10^7 (set + 1) + 1000 label + image."""
     names = T.ensure_transfer(str(root))
-    assert names[index] == f"folder:{root}/toyworld-transfer/{name}"
-    folder = names[index][len("folder:") :]
+    assert names == [f"folder:{root}/toyworld-transfer/{n}" for n in ("noisy", "small", "textures")]
+    folder = f"{root}/toyworld-transfer/{name}"
     second = T.TEXTURES if name == "textures" else T.SHAPES
     assert sorted(os.listdir(folder)) == sorted(f"{c}_{s}" for c in T.COLORS for s in second)
     assert len(os.listdir(os.path.join(folder, cls))) == 40
@@ -214,10 +194,9 @@ def test_transfer_sets_are_folders_of_shifted_classes(root, index, name, cls, i,
 
 
 def test_pretraining_captions_name_one_true_factor_and_truth_is_every_match():
-    n = 64
+    n, vocab = 64, list(T.FACTORS.values())
     img_f, cap_f, texts, seeds = T.sample_batch(n, torch.Generator().manual_seed(7))
     images, tokens, truth = T.pretraining_batch(n, torch.Generator().manual_seed(7))
-    vocab = list(T.FACTORS.values())
     assert ((cap_f >= 0).sum(1) == 1).all() and ((cap_f < 0) | (cap_f == img_f)).all()
     assert set((cap_f >= 0).float().argmax(1).tolist()) == {0, 1, 2, 3}  # every factor gets named
     for f, text in zip(cap_f.tolist(), texts):
@@ -227,14 +206,12 @@ def test_pretraining_captions_name_one_true_factor_and_truth_is_every_match():
     assert min(seeds) >= 2**32 and len(set(seeds)) == n  # never a dataset image (seeds < 10**8)
     for i in (0, n - 1):  # pixels / 255, then CLIP's mean and std per channel
         a = T.render(*(v[k] for v, k in zip(vocab, img_f[i].tolist())), seeds[i]).astype(np.float64)
-        for c in range(3):
-            want = (a[..., c] / 255 - clip.MEAN[c]) / clip.STD[c]
-            assert np.allclose(images[i, c].numpy(), want, atol=1e-5)
+        want = (a / 255 - np.array(clip.MEAN)) / np.array(clip.STD)  # [H, W, 3]
+        assert np.allclose(images[i].numpy(), want.transpose(2, 0, 1), atol=1e-5)
     assert torch.equal(tokens, clip.tokenize(texts, context_length=16))
-    for i in range(n):
-        for j in range(n):
-            want = all(c == -1 or c == f for c, f in zip(cap_f[j].tolist(), img_f[i].tolist()))
-            assert bool(truth[i, j]) == want, (i, j)
+    for i, j in np.ndindex(n, n):
+        want = all(c == -1 or c == f for c, f in zip(cap_f[j].tolist(), img_f[i].tolist()))
+        assert bool(truth[i, j]) == want, (i, j)
 
 
 def test_contrastive_loss_is_cross_entropy_to_the_positives_both_ways():
@@ -258,10 +235,8 @@ def test_contrastive_loss_is_cross_entropy_to_the_positives_both_ways():
 @pytest.mark.parametrize("steps, n_warm", [(10, 3), (2, 1), (400, 20)])
 def test_the_learning_rate_warms_up_linearly_then_decays_on_a_cosine(steps, n_warm):
     for step in range(1, steps + 1):
-        if step <= n_warm:
-            want = 3.0 * step / n_warm
-        else:
-            want = 3.0 * (1 + math.cos(math.pi * (step - n_warm) / (steps - n_warm))) / 2
+        cosine = 3.0 * (1 + math.cos(math.pi * (step - n_warm) / (steps - n_warm))) / 2
+        want = 3.0 * step / n_warm if step <= n_warm else cosine
         assert T.warmup_cosine(3.0, step, steps, n_warm) == pytest.approx(want, abs=1e-12)
 
 
@@ -272,8 +247,7 @@ def test_the_two_tower_step_equals_one_backward_bit_for_bit():
         ours.logit_scale.fill_(2.0)  # not its init: a scale left out changes the loss
     reference = copy.deepcopy(ours)
     images, tokens, truth = T.pretraining_batch(16, torch.Generator().manual_seed(0))
-    logits, _ = reference(images, tokens)
-    loss = T.contrastive_loss(logits, truth)
+    loss = T.contrastive_loss(reference(images, tokens)[0], truth)
     loss.backward()
     with ThreadPoolExecutor(1) as worker:
         got, then = T.tower_step(ours, images, tokens, truth, worker, then=lambda: "next batch")
@@ -288,9 +262,8 @@ def test_pretraining_is_deterministic_for_any_thread_count():
     try:
         for n, seed in ((1, 3), (2, 3), (1, 4)):
             torch.set_num_threads(n)
-            buffer = io.BytesIO()
-            torch.save(T.pretrain(steps=2, seed=seed, batch_size=32,
-                                  log=lambda line: None).state_dict(), buffer)
+            model = T.pretrain(steps=2, seed=seed, batch_size=32, log=lambda line: None)
+            torch.save(model.state_dict(), buffer := io.BytesIO())
             runs[n, seed] = hashlib.sha256(buffer.getvalue()).hexdigest()
             assert torch.get_num_threads() == n
     finally:
@@ -299,28 +272,23 @@ def test_pretraining_is_deterministic_for_any_thread_count():
 
 
 def test_ensure_pretrained_saves_a_clip_checkpoint_once_with_its_record(tmp_path, monkeypatch):
-    """Pretrained once; the record beside it holds its SHA256 and head counts; a file that
-    disagrees with its record (or has none) is pretrained again, never used."""
-    lines = []
+    """The record holds its SHA256 and head counts; a file that disagrees with it is never used."""
+    lines, record = [], tmp_path / "toy-clip-v3-steps2.json"
     path = T.ensure_pretrained(str(tmp_path), log=lines.append, steps=2)
+    sha = lambda: hashlib.sha256(open(path, "rb").read()).hexdigest()
     assert path == str(tmp_path / "toy-clip-v3-steps2.pt") and "step 2/2" in lines[-1]
     assert sorted(os.listdir(tmp_path)) == ["toy-clip-v3-steps2.json", "toy-clip-v3-steps2.pt"]
-    record = json.loads((tmp_path / "toy-clip-v3-steps2.json").read_text())
-    assert record == {"sha256": hashlib.sha256(open(path, "rb").read()).hexdigest(),
-                      "vision_heads": 8, "text_heads": 4}
+    assert json.loads(record.read_text()) == {"sha256": sha(), "vision_heads": 8, "text_heads": 4}
     model, _ = clip.load(path)
     assert (model.visual.transformer.heads, model.transformer.heads) == (8, 4)
     calls, real = [], T.pretrain
     monkeypatch.setattr(T, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
-    # kept: not pretrained again
-    assert T.ensure_pretrained(str(tmp_path), steps=2) == path and not calls
+    assert T.ensure_pretrained(str(tmp_path), steps=2) == path and not calls  # kept, not redone
     for n, spoil in enumerate((lambda: open(path, "ab").write(b"x"),
                                lambda: os.remove(path[:-3] + ".json"))):
         spoil()  # a file that is not what was recorded, or one without a record: pretrained again
         T.ensure_pretrained(str(tmp_path), steps=2, log=lines.append)
-        sha = hashlib.sha256(open(path, "rb").read()).hexdigest()
-        assert len(calls) == n + 1
-        assert json.loads((tmp_path / "toy-clip-v3-steps2.json").read_text())["sha256"] == sha
+        assert len(calls) == n + 1 and json.loads(record.read_text())["sha256"] == sha()
 
 
 def test_the_default_toy_clip_knows_both_halves_zero_shot(toy_cache):
@@ -328,13 +296,12 @@ def test_the_default_toy_clip_knows_both_halves_zero_shot(toy_cache):
     texture is known before any fine-tuning, there to be kept or eroded."""
     model, _ = clip.load(os.path.join(toy_cache, T.checkpoint_name()))
     prompts = [T.TEMPLATE.format(f"{c} {s}") for c, s in T.class_list()]
-    test = [(label, T.render(*f, seed)) for split, label, _, f,
-            seed in T.dataset_items() if split == "test"]
-    labels = torch.tensor([label for label, _ in test])
+    test = [(label, T.render(*f, seed)) for split, label, _, f, seed in T.dataset_items()
+            if split == "test"]
+    labels, images = torch.tensor([y for y, _ in test]), T.to_tensor([a for _, a in test])
     with torch.no_grad():
         text = model.encode_text(clip.tokenize(prompts, context_length=16))
-        # [N, 24]
-        sims = model.similarity(model.encode_image(T.to_tensor([a for _, a in test])), text)
+        sims = model.similarity(model.encode_image(images), text)  # [N, 24]
     for lo, hi in ((0, 12), (12, 24)):  # base, novel: each among its own classes
         keep = (labels >= lo) & (labels < hi)
         accuracy = (sims[keep, lo:hi].argmax(1) + lo == labels[keep]).float().mean().item()
