@@ -36,15 +36,12 @@ from unittest import mock
 
 import data  # before torch: OpenMP's idle threads sleep, and Ctrl-C or SIGTERM is one line
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.benchmark import Timer
 from torch.utils.flop_counter import FlopCounterMode
 
 import clip
 import dear
-from clip.model import CLIP, length_buckets
-from dear import K
 
 
 def vit(resolution, layers, width, patch, text_width):
@@ -79,7 +76,7 @@ def classnames(n):
 def made_up_roles(L, H):
     """Every kind of head in every block (what a mask costs does not depend on the roles)."""
     kinds = ("generalization", "attribute", "mixed", "other")
-    head = lambda b, h: {"role": kinds[(b + h) % 4], "attribute": dear.ATTRIBUTES[(b + h) % K]}
+    head = lambda b, h: {"role": kinds[(b + h) % 4], "attribute": dear.ATTRIBUTES[(b + h) % dear.K]}
     return {b: [head(b, h) for h in range(H)] for b in range(1, L + 1)}
 
 
@@ -158,11 +155,10 @@ def whole_prompts(model, names, groups):
     in blocks J..L."""
     m = model.clip
     tokens = clip.tokenize([TEMPLATE.format(c) for c in names]).to(model.t0.device)
-    parts = []
+    start = model.text_blocks.start  # block J, counted from 0
     with torch.no_grad():  # blocks 1..J-1, once per class list, as set_classes
-        for n, idx, rows, pick in groups(tokens.argmax(-1)):
-            x = m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, model.text_blocks.start)
-            parts.append((x, idx, rows, pick))
+        parts = [(m.run_text_blocks(m.embed_text(tokens[idx, : n + 1]), 0, start), idx, rows, pick)
+                 for n, idx, rows, pick in groups(tokens.argmax(-1))]
 
     def encode_classes():
         t, order = [], []
@@ -170,11 +166,12 @@ def whole_prompts(model, names, groups):
             for i, b in enumerate(model.text_blocks):
                 fresh = model.F_t(model.R, i).to(x.dtype)  # [K, W]
                 x = dear.insert(x, fresh) if i == 0 else dear.mix(x, fresh, model.beta)
-                last = b == model.text_blocks[-1]
-                x = m.run_text_blocks(x, b, b + 1, rows=rows + K if last else None)  # [c, ., W]
+                last = b == model.text_blocks[-1]  # then only the rows read: x [c, ., W]
+                x = m.run_text_blocks(x, b, b + 1, rows=rows + dear.K if last else None)
             t.append(m.text_head(x, pick))
             order.append(idx)
-        return F.normalize(torch.cat(t)[torch.cat(order).argsort()], dim=-1)  # [C, E]
+        # [C, E]
+        return torch.nn.functional.normalize(torch.cat(t)[torch.cat(order).argsort()], dim=-1)
 
     return encode_classes
 
@@ -183,14 +180,13 @@ def without(model, names, shortcut):
     """A context in which the model computes the same without one shortcut (or all three), the
     plain way."""
     m, stack = model.clip, contextlib.ExitStack()
+    patch = lambda obj, name, new: stack.enter_context(mock.patch.object(obj, name, new))
     if shortcut in ("rows read", "all three"):
-        visual = every_row(m.visual.run_blocks)
-        stack.enter_context(mock.patch.object(m.visual, "run_blocks", visual))
-        stack.enter_context(mock.patch.object(m, "run_text_blocks", every_row(m.run_text_blocks)))
+        patch(m.visual, "run_blocks", every_row(m.visual.run_blocks))
+        patch(m, "run_text_blocks", every_row(m.run_text_blocks))
     if shortcut in ("past", "all three"):
-        groups = one_group if shortcut == "all three" else length_buckets
-        plain = whole_prompts(model, names, groups)
-        stack.enter_context(mock.patch.object(model, "encode_classes", plain))
+        groups = one_group if shortcut == "all three" else clip.model.length_buckets
+        patch(model, "encode_classes", whole_prompts(model, names, groups))
     if shortcut == "length groups":
         with mock.patch.object(clip.model, "length_buckets", one_group):
             model.set_classes(names, TEMPLATE)
@@ -215,9 +211,8 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
         model = dear.DeAR(clip_model, roles, J, tokens=kind).to(device)
         model.set_classes(names, TEMPLATE)
         step = measure(training_step(model, images, labels), device, min_time)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        what = f"b. DeAR training step, --tokens {kind}, vs a."
-        rows.append((what, where, step, base, trainable))
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # trainable
+        rows.append((f"b. DeAR training step, --tokens {kind}, vs a.", where, step, base, n_params))
     t = model.encode_classes()
     plain = measure(torch.no_grad()(lambda: model(images, t=t)), device, min_time)
     read = measure(torch.no_grad()(lambda: model(images, t=t, with_frozen=True)), device, min_time)
@@ -236,13 +231,13 @@ def bench_setting(clip_model, roles, J, C, B, device, min_time):
 def run(device, tiny=False):
     torch.manual_seed(0)
     with torch.device(device):
-        clip_model = CLIP(**(TINY if tiny else VIT_B16)).eval().requires_grad_(False)
+        clip_model = clip.CLIP(**(TINY if tiny else VIT_B16)).eval().requires_grad_(False)
     L, H = clip_model.visual.transformer.layers, clip_model.visual.transformer.heads
     J, roles = dear.default_J(L), made_up_roles(L, H)
-    per = [bench_setting(clip_model, roles, J, C, B, device, 0.05 if tiny else 1.0)
-           for C, B in SETTINGS]
-    costs, shortcuts = ([r for part in per for r in part[i]] for i in (0, 1))
-    return {"J": J, "costs": costs, "shortcuts": shortcuts}
+    # each setting's (cost rows, shortcut rows), gathered by kind
+    costs, shortcuts = zip(*[bench_setting(clip_model, roles, J, C, B, device,
+                                           0.05 if tiny else 1.0) for C, B in SETTINGS])
+    return {"J": J, "costs": sum(costs, []), "shortcuts": sum(shortcuts, [])}
 
 
 def table(header, rows):
@@ -258,16 +253,14 @@ def markdown(res, device, argv, tiny, elapsed):
              f"{res['J']}, made-up head roles (every kind in every block).", ""]
     g = lambda x: f"{x / 1e9:,.1f}" if x >= 1e9 else f"{x / 1e9:.3g}"
     mib = lambda r: "-" if r["mib"] is None else f"{r['mib']:,.0f} MiB"
-    header = ("row", "setting", "time", "GFLOP", "FLOP ratio", "time ratio", "trainable",
-              "peak memory")
+    header = "row|setting|time|GFLOP|FLOP ratio|time ratio|trainable|peak memory".split("|")
     lines += table(header, [(what, where, f"{r['s']:.3g} s", g(r["flops"]),
                              f"{r['flops'] / b['flops']:.2f}", f"{r['s'] / b['s']:.2f}",
                              f"{n:,}" if n else "-", mib(r))
                             for what, where, r, b, n in res["costs"]])
     lines += ["", "The exact shortcuts: FLOPs of one DeAR training step (--tokens mmrlpp) with and "
               "without each.", ""]
-    header = ("shortcut", "setting", "GFLOP with", "GFLOP without", "saves",
-              "loss without / with - 1")
+    header = "shortcut|setting|GFLOP with|GFLOP without|saves|loss without / with - 1".split("|")
     lines += table(header, [(s, where, g(a), g(b), f"{1 - a / b:.1%} of a step", f"{d:.0e}")
                             for s, where, a, b, d in res["shortcuts"]])
     return "\n".join(lines + ["", __doc__.split("\n\n", 3)[3]])

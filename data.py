@@ -28,7 +28,6 @@ import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads sleep
 
@@ -101,10 +100,9 @@ def interrupted(signum, frame):
 
 def uncaught(kind, value, tb, hook=sys.excepthook):
     """Ctrl-C before a script's main (during its imports): one line, not a traceback."""
-    if issubclass(kind, KeyboardInterrupt):
-        print("\ninterrupted", file=sys.stderr)
-    else:
-        hook(kind, value, tb)
+    if not issubclass(kind, KeyboardInterrupt):
+        return hook(kind, value, tb)
+    print("\ninterrupted", file=sys.stderr)
 
 
 # every script imports this file before torch: from here on, SIGTERM and Ctrl-C are handled alike
@@ -122,12 +120,9 @@ def guarded(main, *args, interrupted="interrupted"):
     except KeyboardInterrupt as e:
         print(f"\n{interrupted}", file=sys.stderr)
         sys.exit(128 + (signal.SIGTERM if e.args == ("SIGTERM",) else signal.SIGINT))
-    except UserError as e:
-        message = str(e)
-    except OSError as e:
-        message = os_error(e)
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    except (UserError, OSError) as e:
+        print(f"error: {e if isinstance(e, UserError) else os_error(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 NEXT_STEP = {
@@ -217,10 +212,9 @@ def makedirs_below(top, path):
     """Make the folder path (under top) with its parents; a link among them below top is refused:
     what is written there stays inside top."""
     parts = os.path.relpath(path, top).split(os.sep)
-    links = [p for p in (os.path.join(top, *parts[: i + 1]) for i in range(len(parts)))
-             if os.path.islink(p)]
-    if links:
-        raise UserError(f"{links[0]} is a symbolic link; remove it (nothing is written through it)")
+    for p in (os.path.join(top, *parts[: i + 1]) for i in range(len(parts))):
+        if os.path.islink(p):
+            raise UserError(f"{p} is a symbolic link; remove it (nothing is written through it)")
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -240,10 +234,9 @@ def regular(path, fix):
     try:
         if stat.S_ISREG(os.stat(path).st_mode):
             return path
-        problem = "not a regular file"
     except FileNotFoundError:
-        problem = "not found"
-    raise UserError(f"{path}: {problem}; {fix}")
+        raise UserError(f"{path}: not found; {fix}") from None
+    raise UserError(f"{path}: not a regular file; {fix}")
 
 
 def read_text(path, fix):
@@ -262,8 +255,7 @@ def read_json(path, schema, fix):
             doc = json.load(f)
     except ValueError as e:  # not JSON, or not UTF-8
         raise UserError(f"{path}: not a JSON file ({e}); {fix}") from None
-    wrong = mismatch(doc, schema)
-    if wrong:
+    if wrong := mismatch(doc, schema):
         raise UserError(f"{path}: {wrong}; {fix}")
     return doc
 
@@ -286,16 +278,14 @@ def mismatch(value, schema, at="the document"):
             k = key.removesuffix("?")
             if k not in value and k == key:
                 return f"{at} lacks {k!r}"
-            wrong = mismatch(value[k], s, f"{at}[{k!r}]") if k in value else ""
-            if wrong:
+            if k in value and (wrong := mismatch(value[k], s, f"{at}[{k!r}]")):
                 return wrong
         return ""
     if isinstance(schema, list):
         if not isinstance(value, list) or (len(schema) > 1 and len(value) != len(schema)):
             return f"{at} is not a list" + (f" of {len(schema)}" if len(schema) > 1 else "")
-        pairs = zip(value, schema if len(schema) > 1 else schema * len(value))
-        wrong = (mismatch(v, s, f"{at}[{i}]") for i, (v, s) in enumerate(pairs))
-        return next((w for w in wrong if w), "")
+        pairs = enumerate(zip(value, schema if len(schema) > 1 else schema * len(value)))
+        return next(filter(None, (mismatch(v, s, f"{at}[{i}]") for i, (v, s) in pairs)), "")
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(schema, str):
         return "" if value == schema else f"{at} = {json.dumps(value)[:40]} is not {schema!r}"
@@ -332,8 +322,7 @@ def read_torch(path, fix, schema=None):
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         why = str(e).strip().splitlines()[0][:80]
         raise UserError(f"{path}: not a whole torch file ({why}); {fix}") from None
-    wrong = mismatch(obj, schema) if schema is not None else ""
-    if wrong:
+    if schema is not None and (wrong := mismatch(obj, schema)):
         raise UserError(f"{path}: {wrong}; {fix}")
     return obj
 
@@ -355,12 +344,13 @@ def sha256_file(path):
 # ------------------------------------------------------------------------------ the datasets
 
 
-class Spec(NamedTuple):
-    coop: str  # CoOp's DATASET.NAME; the json reader reads <folder>/split_zhou_<coop>.json
-    folder: str  # under --root
-    images: str  # split paths are relative to <folder>/<images>
-    reader: str  # json | fgvc | imagenet | variant | v2 | folder
-    template: str  # CoOp's (trainers/zsclip.py CUSTOM_TEMPLATES)
+# A dataset's
+#   coop: CoOp's DATASET.NAME; the json reader reads <folder>/split_zhou_<coop>.json
+#   folder: under --root
+#   images: split paths are relative to <folder>/<images>
+#   reader: json | fgvc | imagenet | variant | v2 | folder
+#   template: CoOp's (trainers/zsclip.py CUSTOM_TEMPLATES)
+Spec = collections.namedtuple("Spec", "coop folder images reader template")
 
 
 PHOTO = "a photo of a {}."
@@ -398,10 +388,9 @@ RENAMES = {
     "caltech101": {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard",
                    "Motorbikes": "motorbike"},
     "eurosat": {"AnnualCrop": "Annual Crop Land", "Highway": "Highway or Road",
-                "HerbaceousVegetation": "Herbaceous Vegetation Land",
-                "Industrial": "Industrial Buildings", "Pasture": "Pasture Land",
-                "PermanentCrop": "Permanent Crop Land", "Residential": "Residential Buildings",
-                "SeaLake": "Sea or Lake"}}
+                "HerbaceousVegetation": "Herbaceous Vegetation Land", "Pasture": "Pasture Land",
+                "Industrial": "Industrial Buildings", "PermanentCrop": "Permanent Crop Land",
+                "Residential": "Residential Buildings", "SeaLake": "Sea or Lake"}}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 FEWSHOT_DIR = "split_fewshot"  # CoOp's; hidden in a folder:PATH dataset (.split_fewshot)
 FEWSHOT_FORMAT = "dear-fewshot/1"  # the caches' formats, kept from earlier versions
@@ -431,7 +420,6 @@ class Dataset:
 # name)]}); fix: what the user does about a file that is missing or unusable.
 
 ROW = [str, int, str]  # [relative path, label, class name]
-SPLIT = {"train": [ROW], "val": [ROW], "test": [ROW]}
 
 
 def list_dirs(folder):
@@ -444,13 +432,13 @@ def list_images(folder):
     return sorted(f for f in names if f.lower().endswith(IMAGE_EXTENSIONS))
 
 
-def cached(path, key, schema, make):
-    """The JSON document at path when it fits schema and was made for `key` (a dict); else
-    {**key, **make()}, stored there."""
+def cached(path, key, make):
+    """The train and val lists of the JSON document at path when it was made for `key` (a dict);
+    else {**key, **make()}, stored there."""
     try:
-        doc = read_json(path, schema, "")
+        doc = read_json(path, {"train": [ROW], "val": [ROW]}, "")
         if all(doc.get(k) == v for k, v in key.items()):
-            return doc
+            return {s: [tuple(row) for row in doc[s]] for s in ("train", "val")}
     except UserError:
         pass  # none there, or not usable: made again
     return keep(path, {**key, **make()})
@@ -469,7 +457,7 @@ def keep(path, doc):
 
 def read_split(path, fix):
     """A CoOp split file: {"train"|"val"|"test": [[relative path, label, classname], ...]}."""
-    doc = read_json(path, SPLIT, fix)
+    doc = read_json(path, {"train": [ROW], "val": [ROW], "test": [ROW]}, fix)
     return {k: [tuple(row) for row in doc[k]] for k in ("train", "val", "test")}
 
 
@@ -486,8 +474,7 @@ def read_fgvc(spec, folder, fix):
     for s in ("train", "val", "test"):
         path = os.path.join(folder, f"images_variant_{s}.txt")
         rows = [line.split(" ", 1) for line in read_text(path, fix)]
-        bad = [" ".join(r) for r in rows if len(r) < 2 or r[1] not in label]
-        if bad:
+        if bad := [" ".join(r) for r in rows if len(r) < 2 or r[1] not in label]:
             raise UserError(f"{path}: {bad[0]!r} is not '<image id> <variant>'; {fix}")
         split[s] = [(f"{image}.jpg", label[v], v) for image, v in rows]
     return os.path.join(folder, "images"), split
@@ -504,9 +491,8 @@ def read_classnames(folder, fix):
 
 def list_classes(image_dir, names, prefix=""):
     """The files of every sorted wnid folder; label = the folder's index (CoOp's rule)."""
-    wnids = list_dirs(image_dir)
-    return [(f"{prefix}{w}/{f}", y, names.get(w, w))
-            for y, w in enumerate(wnids) for f in list_images(os.path.join(image_dir, w))]
+    return [(f"{prefix}{w}/{f}", y, names.get(w, w)) for y, w in enumerate(list_dirs(image_dir))
+            for f in list_images(os.path.join(image_dir, w))]
 
 
 def read_imagenet(spec, folder, fix):
@@ -523,10 +509,8 @@ def read_imagenet(spec, folder, fix):
         return {s: list_classes(os.path.join(image_dir, s), names, f"{s}/")
                 for s in ("train", "val")}
 
-    schema = {"train": [ROW], "val": [ROW]}
-    doc = cached(os.path.join(folder, "preprocessed.json"), key, schema, make)
-    test = [tuple(x) for x in doc["val"]]
-    return image_dir, {"train": [tuple(x) for x in doc["train"]], "val": test, "test": test}
+    doc = cached(os.path.join(folder, "preprocessed.json"), key, make)
+    return image_dir, {"train": doc["train"], "val": doc["val"], "test": doc["val"]}
 
 
 def read_variant(spec, folder, fix):
@@ -572,11 +556,10 @@ def read_folder(spec, folder, fix):
             raise UserError(f"{folder}/{c}: {len(images)} image(s); a class needs 2 (one to train "
                             "on, one to test on)")
         rng.shuffle(images)
+        # train: half, at least one; then val: a fifth, leaving at least one to test on
         n_train = max(1, round(0.5 * len(images)))
-        n_val = min(round(0.2 * len(images)), len(images) - n_train - 1)
-        cut = n_train + n_val
-        parts = {"train": images[:n_train], "val": images[n_train:cut], "test": images[cut:]}
-        for s, part in parts.items():
+        cut = n_train + min(round(0.2 * len(images)), len(images) - n_train - 1)
+        for s, part in zip(split, (images[:n_train], images[n_train:cut], images[cut:])):
             split[s] += [(p, label, c) for p in part]
     return folder, keep(path, split)
 
@@ -611,10 +594,8 @@ def fewshot_split(cache, split, shots, seed, sample_val=True):
         train = fewshot_sample(source["train"], shots, rng)
         return {"train": train, "val": fewshot_sample(source["val"], min(shots, 4), rng)}
 
-    path = os.path.join(cache, f"shot_{shots}-seed_{seed}.json")
-    doc = cached(path, key, {"train": [ROW], "val": [ROW]}, make)
-    val = [tuple(x) for x in doc["val"]] if sample_val else split["val"]
-    return [tuple(x) for x in doc["train"]], val
+    doc = cached(os.path.join(cache, f"shot_{shots}-seed_{seed}.json"), key, make)
+    return doc["train"], doc["val"] if sample_val else split["val"]
 
 
 def subsample_classes(train, val, test, subsample="all"):
@@ -663,17 +644,17 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     fix = how_to_get(name, root)
     try:
         image_dir, split = READERS[spec.reader](spec, folder, fix)
-        for items in split.values():  # a half-unpacked dataset lacks the end of a split
-            for p in [items[0][0], items[-1][0]] if items else []:
-                regular(os.path.join(image_dir, p), fix)
+        # a half-unpacked dataset lacks the end of a split
+        for p, _, _ in [row for items in split.values() for row in items[:1] + items[-1:]]:
+            regular(os.path.join(image_dir, p), fix)
     except FileNotFoundError as e:  # a missing folder
         raise UserError(f"{e.filename}: not found; {fix}") from None
     labels = {y for items in split.values() for _, y, _ in items}
     if labels != set(range(len(labels))) and spec.reader not in TEST_ONLY:
         raise UserError(f"{name}: the labels are not 0..{len(labels) - 1}, one per class; {fix}")
     if shots >= 1 and spec.reader not in TEST_ONLY:
-        hidden = "." if spec.reader == "folder" else ""  # folder datasets: its folders are classes
-        cache = os.path.join(folder, hidden + FEWSHOT_DIR)
+        # hidden in a folder dataset, whose folders are classes
+        cache = os.path.join(folder, ("." if spec.reader == "folder" else "") + FEWSHOT_DIR)
         sample_val = spec.reader != "imagenet"
         split["train"], split["val"] = fewshot_split(cache, split, shots, seed, sample_val)
     renames = RENAMES.get(name, {})
@@ -682,16 +663,15 @@ def build_dataset(name, root, shots=-1, seed=1, subsample="all"):
     train, val, test = subsample_classes(split["train"], split["val"], split["test"], subsample)
     if not test:
         raise UserError(f"{name} ({subsample} classes) has no test images")
-    names = {}
-    for _, y, c in sorted(train + val + test, key=lambda item: item[1]):
-        names.setdefault(y, c)
-    ds = Dataset(name, train, val, test, list(names.values()), spec.template)
+    # each label's class name where it first appears (reversed: the first one is written last)
+    first = {y: c for _, y, c in reversed(train + val + test)}
+    ds = Dataset(name, train, val, test, [first[y] for y in sorted(first)], spec.template)
     if spec.reader not in CLIP_NAMES:
         check_prompts(ds.classnames, ds.template)
-    nested = 0  # images in a class folder's sub-folders, which read_folder does not read
-    for c in list_dirs(folder) if spec.reader == "folder" else []:
-        below = list(os.walk(os.path.join(folder, c)))[1:]  # its sub-folders, at any depth
-        nested += sum(len(list_images(d)) for d, _, _ in below)
+    # images in a class folder's sub-folders (at any depth), which read_folder does not read
+    classes = list_dirs(folder) if spec.reader == "folder" else []
+    below = [d for c in classes for d, _, _ in list(os.walk(os.path.join(folder, c)))[1:]]
+    nested = sum(len(list_images(d)) for d in below)
     ds.warnings = dataset_warnings(ds, shots, spec.reader in TEST_ONLY, nested)
     for w in ds.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -785,8 +765,7 @@ class ImageList:
 # MD5 (torchvision's tables) or "", saved as, done when this exists ("": the file itself); or, for
 # images without a stable public URL, what to fetch by hand. An archive is unpacked where it is
 # saved, then deleted.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "downloads.csv"),
-          encoding="utf-8") as f:
+with open(pathlib.Path(__file__).parent / "assets" / "downloads.csv", encoding="utf-8") as f:
     SOURCES = [tuple(row.values()) for row in csv.DictReader(f)]
 DRIVE = "https://drive.usercontent.google.com/download?export=download&confirm=t&id="
 ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz")
@@ -824,14 +803,13 @@ def unpack(archive):
     first (gone after any failure or Ctrl-C), whose entries then move in. tar: PEP 706's "data"
     filter refuses absolute names, links out of the target and devices; zip takes no filter
     (Python docs), and its unpacker skips absolute and '..' names."""
-    folder = os.path.dirname(archive)
     remove_leftovers(archive, "unpacking")
     tmp = f"{archive}.unpacking{os.getpid()}"
     bad = (shutil.ReadError, tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError, zlib.error)
     try:
         shutil.unpack_archive(archive, tmp, filter=None if archive.endswith(".zip") else "data")
         for name in sorted(os.listdir(tmp)):
-            dest = os.path.join(folder, name)
+            dest = os.path.join(os.path.dirname(archive), name)
             if os.path.lexists(dest):
                 raise UserError(f"{dest} is in the way of {archive}: move it, then run again")
             os.replace(os.path.join(tmp, name), dest)
@@ -865,8 +843,7 @@ def download(name, root):
             continue
         unpack(path)
         if name == "fgvc_aircraft":  # the archive's fgvc-aircraft-2013b/data: CoOp's fgvc_aircraft/
-            unpacked = os.path.join(root, "fgvc-aircraft-2013b", "data")
-            os.replace(unpacked, os.path.join(root, "fgvc_aircraft"))
+            os.replace(os.path.join(root, "fgvc-aircraft-2013b", "data"), os.path.join(root, name))
 
 
 # ------------------------------------------------------------------------------ command line
@@ -899,8 +876,7 @@ def check_or_download(argv):
     check_p.add_argument("--subsample", choices=["all", "base", "novel"], default="all",
                          help="the classes, or their base or novel half (default: all)")
     check_p.add_argument("--open", action="store_true", help="also open every image")
-    down_p = sub.add_parser("download", help="download datasets into --root")
-    for p in (check_p, down_p):
+    for p in (check_p, sub.add_parser("download", help="download datasets into --root")):
         p.add_argument("names", nargs="+", metavar="NAME", help="see data.py --help")
         p.add_argument("--root", default=DEFAULT_ROOT, help="the datasets ($DATA, else data)")
     args = parser.parse_args(argv)

@@ -373,13 +373,10 @@ def read_roles(path):
         known = e["layer"] in doc["layers"] and e["head"] in range(doc["num_heads"])
         if not known or (e["layer"], e["head"]) in seen:
             raise data.UserError(f"{where} is not one of its heads, or is listed twice; {FIX}")
-        attribute = e["attribute"]
-        if e["role"] == "attribute":
-            ok = attribute in ATTRIBUTES
-        else:
-            ok = e["role"] in ROLES and attribute is None
-        if not ok:
-            raise data.UserError(f"{where}: role {e['role']!r} with attribute {attribute!r}; {FIX}")
+        role, attribute = e["role"], e["attribute"]
+        named = attribute in ATTRIBUTES if role == "attribute" else attribute is None
+        if role not in ROLES or not named:
+            raise data.UserError(f"{where}: role {role!r} with attribute {attribute!r}; {FIX}")
         seen.add((e["layer"], e["head"]))
     if len(seen) != len(doc["layers"]) * doc["num_heads"]:
         raise data.UserError(f"{path}: lacks some heads; {FIX}")
@@ -409,7 +406,7 @@ def load_roles(path, num_layers=None, num_heads=None, layers=None, sha256=None):
 ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
                "mixed": (170, 170, 170), "specialist": (142, 103, 184)}
 CELL = 56  # pixels per head in roles.png
-TOP = 84  # pixels above its first row: the title's four lines and the heads' numbers
+TOP = 100  # pixels above its first row: the title's five lines and the heads' numbers
 
 
 def short_role(e):

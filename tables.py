@@ -27,9 +27,8 @@ from data import B2N_DATASETS, DG_TARGETS
 PAPER_BACKBONE = "ViT-B/16"  # the published numbers were measured on it: shown beside its runs only
 SCHEDULE = ("epochs", "batch_size", "lr", "warmup_epochs", "warmup_lr", "weight_decay")
 PRETTY = {name: spec.coop for name, spec in data.DATASETS.items()}  # CoOp's names, but these:
-PRETTY |= dict(oxford_flowers="Flowers102", dtd="DTD", imagenetv2="ImageNet-V2",
-               imagenet_sketch="ImageNet-Sketch", imagenet_a="ImageNet-A", imagenet_r="ImageNet-R",
-               average="Average")
+PRETTY |= dict(oxford_flowers="Flowers102", dtd="DTD", imagenetv2="ImageNet-V2", average="Average",
+               imagenet_sketch="ImageNet-Sketch", imagenet_a="ImageNet-A", imagenet_r="ImageNet-R")
 OURS_CLIP = "CLIP (zero-shot, this code)"
 OURS_DEAR = "DeAR (this code)"
 CLIP_PUB = "CLIP (published)"
@@ -37,9 +36,9 @@ MMRL_PUB = "MMRL (published)"
 PAPER_DEAR = "DeAR (paper)"
 PEERS = ["VaMP (published)", "Promise (published)"]  # the strongest published peers at ViT-B/16
 READOUTS = ("fused", "class", "image", "text")  # what each evaluation records (dear.evaluate)
-BY_ROLE = {"mean": float, "heads": int}
-ROLES = {"ablation": {"by_role": {r + "?": BY_ROLE for r in ("attribute", "generalization", "mixed",
-                                                            "specialist")}}}  # of a roles.json
+# what a roles.json holds: each role's mean-ablation cost
+ROLE_NAMES = ("attribute", "generalization", "mixed", "specialist")
+ROLES = {"ablation": {"by_role": {r + "?": {"mean": float, "heads": int} for r in ROLE_NAMES}}}
 DELTA = {CLIP_PUB: "Δ CLIP: this code − published", PAPER_DEAR: "Δ DeAR: this code − paper"}
 
 class Ref(NamedTuple):
@@ -92,8 +91,7 @@ def cell(runs, dataset, split, readout=None):
                 src[r["seed"]] = r["path"]
     if not acc:
         return None
-    behind = [r for r in runs if r["path"] in src.values()]
-    return Cell(mean_std(list(acc.values()))[0], acc, behind)
+    return Cell(mean_std(acc.values())[0], acc, [r for r in runs if r["path"] in src.values()])
 
 
 def average(cells):
@@ -128,8 +126,7 @@ def read_run(path):
     `schedule` names the schedule's and `key` the rest but the backbone: the ablation, "" for the
     full method."""
     res = runs.read_results(path)
-    c = res["config"]
-    changed = res["changed"]
+    c, changed = res["config"], res["changed"]
     schedule = "_".join(f"{k}-{v}" for k, v in changed.items() if k in SCHEDULE)
     key = ", ".join(f"{k} = {v}" for k, v in changed.items() if k not in (*SCHEDULE, "backbone"))
     run = {f: c[f] for f in ("backbone", "protocol", "method", "dataset", "shots", "seed")}
@@ -141,9 +138,8 @@ def load_runs(out):
     """(the runs of every usable results.json under `out` but --eval-only re-evaluations (their
     model's own run is read), [why each other file was skipped]): a file that is not a whole
     results.json of this version, or a second copy of a run."""
-    paths = files(out, "results.json")
     runs, skipped, seen = [], [], {}
-    for path in paths:
+    for path in files(out, "results.json"):
         try:
             run = read_run(path)
         except data.UserError as e:
@@ -152,10 +148,9 @@ def load_runs(out):
         if run["eval_only"]:
             continue
         same = tuple(v for k, v in run.items() if k not in ("path", "evals", "env"))
-        if same in seen:
+        if seen.setdefault(same, path) != path:  # the first copy of a run is the one read
             skipped.append(f"{path}: the same run as {seen[same]} (a copy?); move one of them away")
             continue
-        seen[same] = path
         runs.append(run)
     return runs, skipped
 
@@ -187,9 +182,8 @@ def listed(paper, found, always=False):
 
 
 def pretty(d):
-    if d.startswith("folder:"):
-        return "folder " + os.path.basename(os.path.normpath(d[7:]))
-    return PRETTY.get(d, d)
+    folder = "folder " + os.path.basename(os.path.normpath(d[7:]))  # of a folder:PATH dataset
+    return folder if d.startswith("folder:") else PRETTY.get(d, d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,19 +239,17 @@ def table_transfer(runs, show, kind):
     zs, de = select(runs, "xd", "zeroshot"), select(runs, "xd", "dear")
     sources = sorted({r["dataset"] for r in zs + de}) or ["imagenet"]
     found = {e["dataset"] for r in zs + de for e in r["evals"]} - set(sources)
-    dg = set(DG_TARGETS)
     # dg: ImageNet's variants; xd: the 10 datasets but ImageNet, then whatever else was evaluated
     # (the toy's transfer sets)
-    if kind == "dg":
-        cols = listed(DG_TARGETS, found & dg, show)
-    else:
-        cols = listed(B2N_DATASETS[1:], found - dg, show)
-    ours = [[cell(rs, d, "all") for d in sources] + with_average(rs, cols) for rs in (zs, de)]
-    rows = compared([""], *ours, kind, [(d, "acc") for d in sources + cols + ["average"]], show)
+    cols = (listed(DG_TARGETS, found & set(DG_TARGETS), show) if kind == "dg"
+            else listed(B2N_DATASETS[1:], found - set(DG_TARGETS), show))
+    # a row's cells: the accuracy on each source, then on each target, and the targets' average
+    accs = lambda rs: [cell(rs, d, "all") for d in sources] + with_average(rs, cols)
+    columns = [(d, "acc") for d in sources + cols + ["average"]]
+    rows = compared([""], accs(zs), accs(de), kind, columns, show)
     for key in sorted({r["key"] for r in select(runs, "xd", "dear", key=None)} - {""}):
-        rs = select(runs, "xd", "dear", key=key)  # e.g. --novel-logits cls (the ablations stage)
-        label = f"DeAR, {key} (this code)"
-        rows.append(["", label, *[cell(rs, d, "all") for d in sources], *with_average(rs, cols)])
+        # e.g. --novel-logits cls (the ablations stage)
+        rows.append(["", f"DeAR, {key} (this code)", *accs(select(runs, "xd", "dear", key=key))])
     header = ["", "Method"] + [f"{pretty(s)} (source)" for s in sources]
     header += [*map(pretty, cols), "Average"]
     notes = [f"Average = mean over the targets ({len(cols)}), shown only when every target has a "
@@ -291,7 +283,7 @@ def table_ablations(runs, show):
     full = b2n_cells([r for r in mine if r["key"] == ""], names)[2]
     rows = []
     zero = select(runs, "b2n", "zeroshot")
-    for key in [None] + [""] + keys:  # None: zero-shot CLIP, beside the variants
+    for key in [None, "", *keys]:  # None: zero-shot CLIP, beside the variants
         rs = zero if key is None else [r for r in mine if r["key"] == key]
         if key == "" and not rs:
             continue  # a schedule of variants alone
@@ -350,17 +342,12 @@ def more_notes(title, header, rows):
     (each also a warning on stderr)."""
     cells = [(row, col, c) for row in rows for col, c in zip(header[2:], row[2:])]
     refs = [c for _, _, c in cells if isinstance(c, Ref)]
-    letters = {r.letter for r in refs}
-    notes = [f"[{letter}] {meaning}" for letter, meaning in SOURCES.items() if letter in letters]
+    notes = [f"[{k}] {meaning}" for k, meaning in SOURCES.items() if k in {r.letter for r in refs}]
     notes += list(dict.fromkeys(r.remark for r in refs if r.remark))
-    differ = []
-    for row, col, c in cells:
-        fields = env_differences(c)
-        if fields:
-            differ.append(f"{' / '.join(filter(None, row[:2]))} / {col} ({', '.join(fields)})")
-    for cell_name in differ:
-        print(f"tables.py: warning: {title}: the runs of {cell_name} differ in env",
-              file=sys.stderr)
+    differ = [f"{' / '.join(filter(None, row[:2]))} / {col} ({', '.join(fields)})"
+              for row, col, c in cells if (fields := env_differences(c))]
+    for name in differ:
+        print(f"tables.py: warning: {title}: the runs of {name} differ in env", file=sys.stderr)
     if differ:
         notes.append("The runs of these cells differ in env: " + "; ".join(differ) + ".")
     return notes
@@ -368,11 +355,10 @@ def more_notes(title, header, rows):
 
 def markdown(title, header, rows, notes):
     k = 0 if header[0] else 1  # Table 1's Dataset column: each dataset named on its first row only
-    lines = [f"## {title}", "", "| " + " | ".join(header[k:]) + " |"]
-    lines.append("|---" * len(header[k:]) + "|")
+    lines = [f"## {title}", "", f"| {' | '.join(header[k:])} |", "|---" * len(header[k:]) + "|"]
     for prev, row in zip([[None]] + rows, rows):
         shown = [row[0] if row[0] != prev[0] else "", *row[1:]][k:]
-        lines.append("| " + " | ".join(map(text, shown)) + " |")
+        lines.append(f"| {' | '.join(map(text, shown))} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes] + [""])
 
 
@@ -401,19 +387,17 @@ def build(out):
     """Writes OUT/tables/tables.md and one CSV per table (and schedule); returns the Markdown."""
     runs, skipped = load_runs(out)
     csvs = {}
-    parts = ["# DeAR reproduction: results", "",
-             f"{len(runs)} runs under `{out}`. Cells: mean ± std over seeds (n = number of seeds); "
-             "– = no result. A title names its backbone and any non-default schedule (zero-shot "
-             "CLIP has none: it is in each).", "",
+    parts = ["# DeAR reproduction: results", "", f"{len(runs)} runs under `{out}`. Cells: mean ± "
+             "std over seeds (n = number of seeds); – = no result. A title names its backbone and "
+             "any non-default schedule (zero-shot CLIP has none: it is in each).", "",
              f"Beside ours, for {PAPER_BACKBONE} only: the published numbers of zero-shot CLIP, "
              "MMRL, DeAR and its strongest peers, each as its source prints it, with a letter "
              "saying where it comes from (see the notes).", ""]
     for bb in sorted({r["backbone"] for r in runs}) or [PAPER_BACKBONE]:
         mine = [r for r in runs if r["backbone"] == bb]
-        trained = [r for r in mine if r["method"] != "zeroshot"]
         for name, protocol, make in MAKERS:
             # a table per schedule of its own protocol's DeAR runs (none: the zero-shot rows alone)
-            schedules = sorted({r["schedule"] for r in trained if r["protocol"] == protocol})
+            schedules = sorted({r["schedule"] for r in select(mine, protocol, "dear", None, None)})
             for s in schedules or [""]:
                 t = make([r for r in mine if r["method"] == "zeroshot" or r["schedule"] == s],
                          bb == PAPER_BACKBONE)
@@ -426,9 +410,8 @@ def build(out):
                 lines += [[bb, r[1], r[0], col, *csv_cells(c)]
                           for r in rows for col, c in zip(header[2:], r[2:])]
     parts.append(roles_section(out))
-    for why in skipped:
-        print(f"tables.py: skipped {why}", file=sys.stderr)
     if skipped:
+        print("\n".join(f"tables.py: skipped {why}" for why in skipped), file=sys.stderr)
         parts += ["## Files skipped", ""] + [f"- {why}" for why in skipped] + [""]
     folder = data.makedirs_below(out, os.path.join(out, "tables"))
     for old in set(os.listdir(folder)) - {n + ".csv" for n in csvs}:  # tables no longer made

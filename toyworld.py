@@ -86,6 +86,8 @@ PALETTE = {"red": (0.86, 0.18, 0.18), "green": (0.20, 0.67, 0.24), "blue": (0.20
 TOY_CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
                   vision_patch_size=8, context_length=16, vocab_size=49408, transformer_width=128,
                   transformer_heads=4, transformer_layers=4, vision_heads=8)
+# the head counts a checkpoint carries beside its weights, and its record (ensure_pretrained)
+HEADS = dict(vision_heads=TOY_CONFIG["vision_heads"], text_heads=TOY_CONFIG["transformer_heads"])
 SATURATION = 0.25  # pale objects, so that colour is not by far the easiest factor to see
 DARK = 0.35  # stripes and dots: the object's colour times DARK
 SPLIT_SIZES = {"train": 24, "val": 8, "test": 32}  # images per class; 16-shot training needs >= 16
@@ -127,8 +129,7 @@ def texture_mask(texture, x, y, size, rng):
         return ((x + y + phase) % period) < period / 2
     if texture == "dotted":
         period = size * 5 / 32
-        gx = (x + phase) % period - period / 2
-        gy = (y + phase) % period - period / 2
+        gx, gy = ((v + phase) % period - period / 2 for v in (x, y))
         return gx**2 + gy**2 <= (0.28 * period) ** 2
     raise ValueError(f"unknown texture {texture!r}")
 
@@ -185,8 +186,7 @@ def class_list():
     """The 24 classes in label order: the 12 base classes pair a colour and a shape ("red circle",
     (i + j) even on the colour x shape grid; always solid), the 12 novel ones a colour and a texture
     ("red striped", any shape): novel classes need texture, which no base class does."""
-    grid = [(i, j) for i in range(len(COLORS)) for j in range(len(SHAPES))]
-    base = [(COLORS[i], SHAPES[j]) for i, j in grid if (i + j) % 2 == 0]
+    base = [(c, s) for i, c in enumerate(COLORS) for j, s in enumerate(SHAPES) if (i + j) % 2 == 0]
     return base + [(c, t) for c in COLORS for t in TEXTURES[1:]]
 
 
@@ -198,10 +198,10 @@ def dataset_items():
         for label, (color, second) in enumerate(class_list()):
             for i in range(SPLIT_SIZES[split]):
                 k = (i + label) % 16  # the free factors cycle, offset per class
-                if second in SHAPES:  # base: solid, the location cycling
-                    factors = (color, second, "solid", LOCATIONS[k % 4])
-                else:  # novel: the shape and the location cycling through their 16 pairs
-                    factors = (color, SHAPES[k % 4], second, LOCATIONS[k // 4])
+                # base: solid, the location cycling; novel: the shape and the location cycling
+                # through their 16 pairs
+                factors = ((color, second, "solid", LOCATIONS[k % 4]) if second in SHAPES
+                           else (color, SHAPES[k % 4], second, LOCATIONS[k // 4]))
                 seed = 1_000_000 * (s + 1) + 1000 * label + i
                 items.append((split, label, f"{color}_{second}/{split}_{i:03d}.png", factors, seed))
     return items
@@ -261,8 +261,7 @@ def transfer_images():
         for label, (a, b) in enumerate((a, b) for a in COLORS for b in FACTORS[second]):
             for i in range(TRANSFER_IMAGES):
                 f = dict(color=a, shape=SHAPES[i % 4], texture=TEXTURES[i % 3],
-                         location=LOCATIONS[(i // 3) % 4])
-                f[second] = b
+                         location=LOCATIONS[(i // 3) % 4]) | {second: b}
                 seed = 10_000_000 * (t + 1) + 1000 * label + i  # above every dataset seed
                 yield f"{name}/{a}_{b}/{i:03d}.png", render(**f, seed=seed, **shift)
 
@@ -304,11 +303,14 @@ def sample_batch(n, g):
     cap_f = torch.full_like(img_f, -1).scatter(1, named, img_f.gather(1, named))  # [n, 4]
     photo = torch.rand(n, generator=g) < 0.5
     seeds = torch.randint(0, 2**31 - 1, (n,), generator=g) + 2**32  # above every dataset seed
-    texts = []
-    for f, p in zip(cap_f.tolist(), photo.tolist()):
-        text = caption(*(v[k] if k >= 0 else None for v, k in zip(FACTORS.values(), f)))
-        texts.append(f"a photo of {text}." if p else text)
+    texts = [caption(*factor_words(f)) for f in cap_f.tolist()]
+    texts = [f"a photo of {text}." if p else text for text, p in zip(texts, photo.tolist())]
     return img_f, cap_f, texts, seeds.tolist()
+
+
+def factor_words(indices):
+    """Value indices of the four factors -> their words (None for -1, a factor not named)."""
+    return [v[k] if k >= 0 else None for v, k in zip(FACTORS.values(), indices)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,8 +322,7 @@ def pretraining_batch(n, g):
     """(images [n, 3, 32, 32], tokens [n, 16], truth [n, n]): truth[i, j] = caption j is true of
     image i."""
     img_f, cap_f, texts, seeds = sample_batch(n, g)
-    images = [render(*(v[k] for v, k in zip(FACTORS.values(), f)), seed)
-              for f, seed in zip(img_f.tolist(), seeds)]
+    images = [render(*factor_words(f), seed) for f, seed in zip(img_f.tolist(), seeds)]
     truth = ((cap_f[None] == img_f[:, None]) | (cap_f[None] < 0)).all(-1)  # [n, n]
     return to_tensor(images), torch.stack([tokens_of(t) for t in texts]), truth
 
@@ -330,9 +331,8 @@ def contrastive_loss(logits, truth):
     """CLIP's symmetric loss with soft targets: logits [B, B] image x text, each direction the
     cross-entropy to the uniform distribution over a row's (column's) positives."""
     t = truth.float()
-    loss_i = -(t / t.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
-    loss_t = -(t / t.sum(0, keepdim=True) * logits.log_softmax(0)).sum(0).mean()
-    return (loss_i + loss_t) / 2
+    one_way = lambda d: -(t / t.sum(d, keepdim=True) * logits.log_softmax(d)).sum(d).mean()
+    return (one_way(1) + one_way(0)) / 2  # image -> text, text -> image
 
 
 def warmup_cosine(lr, step, steps, n_warm):
@@ -375,12 +375,12 @@ def pretrain(steps=STEPS, seed=SEED, batch_size=128, lr=1e-3, log=print):
     # those.
     model.token_embedding.sparse = True
     params = [(n, p) for n, p in model.named_parameters() if n != "token_embedding.weight"]
-    decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
-    rest = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
+    # weight decay on the weight matrices, not on the embeddings, biases and gains
+    groups = [{"params": [p for n, p in params if (p.ndim >= 2 and "embedding" not in n) == decay],
+               "weight_decay": 0.05 if decay else 0.0} for decay in (True, False)]
     adam = dict(lr=lr, betas=(0.9, 0.98), eps=1e-6)
-    groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
-    sparse = [model.token_embedding.weight]
-    opts = [torch.optim.AdamW(groups, **adam), torch.optim.SparseAdam(sparse, **adam)]
+    opts = [torch.optim.AdamW(groups, **adam),
+            torch.optim.SparseAdam([model.token_embedding.weight], **adam)]
     n_warm, t0, avg = max(1, int(0.05 * steps)), time.time(), None
     threads = torch.get_num_threads()
     # one thread per tower, for any OMP_NUM_THREADS: two would sum floats otherwise
@@ -390,22 +390,20 @@ def pretrain(steps=STEPS, seed=SEED, batch_size=128, lr=1e-3, log=print):
         with ThreadPoolExecutor(1) as worker:
             batch = pretraining_batch(batch_size, g)
             for step in range(1, steps + 1):
-                for opt in opts:
-                    for group in opt.param_groups:
-                        group["lr"] = warmup_cosine(lr, step, steps, n_warm)
-                    opt.zero_grad(set_to_none=True)
                 draw = None if step == steps else lambda: pretraining_batch(batch_size, g)
                 loss, batch = tower_step(model, *batch, worker, then=draw)
                 for opt in opts:
+                    for group in opt.param_groups:
+                        group["lr"] = warmup_cosine(lr, step, steps, n_warm)
                     opt.step()
+                    opt.zero_grad(set_to_none=True)
                 with torch.no_grad():
                     model.logit_scale.clamp_(0, math.log(100))  # as CLIP
                 avg = loss.item() if avg is None else 0.9 * avg + 0.1 * loss.item()
                 if step % 20 == 0 or step == steps:
                     seconds = time.time() - t0
-                    left = seconds / step * (steps - step)
                     log(f"toy CLIP step {step}/{steps}  loss {avg:.3f}  {seconds:.0f} s, "
-                        f"{left:.0f} s to go")
+                        f"{seconds / step * (steps - step):.0f} s to go")
     finally:
         torch.set_num_threads(threads)
     model.token_embedding.sparse = False
@@ -422,10 +420,8 @@ def ensure_pretrained(cache_dir, log=print, steps=STEPS):
     disagrees with it is pretrained again."""
     path = os.path.join(os.path.expanduser(cache_dir), checkpoint_name(steps))
     record = path.removesuffix(".pt") + ".json"
-    heads = {"vision_heads": TOY_CONFIG["vision_heads"]}
-    heads["text_heads"] = TOY_CONFIG["transformer_heads"]
     try:
-        made = {"sha256": data.sha256_file(path), **heads}
+        made = {"sha256": data.sha256_file(path), **HEADS}
         if data.read_json(record, {"sha256": str}, "") == made:
             return path
     except (data.UserError, OSError):
@@ -436,9 +432,9 @@ def ensure_pretrained(cache_dir, log=print, steps=STEPS):
     log(f"Pretraining the toy CLIP once ({steps} steps, a minute or two) into {path}")
     model = pretrain(steps, log=log)
     # build_model cannot infer 8 heads of width 16 from the shapes: the state dict carries them
-    state = dict(model.state_dict(), **{k: torch.tensor(v) for k, v in heads.items()})
+    state = dict(model.state_dict(), **{k: torch.tensor(v) for k, v in HEADS.items()})
     data.write_torch(path, state)
-    data.write_json(record, {"sha256": data.sha256_file(path), **heads})
+    data.write_json(record, {"sha256": data.sha256_file(path), **HEADS})
     return path
 
 

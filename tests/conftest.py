@@ -38,10 +38,9 @@ def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, pa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CLIP(embed_dim=embed_dim, image_resolution=resolution, vision_layers=vision_layers,
-                     vision_width=vision_width, vision_patch_size=patch,
+                     vision_width=vision_width, vision_patch_size=patch, vision_heads=vision_heads,
                      context_length=context_length, vocab_size=49408, transformer_width=text_width,
-                     transformer_heads=text_heads, transformer_layers=text_layers,
-                     vision_heads=vision_heads)
+                     transformer_heads=text_heads, transformer_layers=text_layers)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sd["vision_heads"], sd["text_heads"] = torch.tensor(vision_heads), torch.tensor(text_heads)
     return sd
@@ -63,11 +62,6 @@ def reviewed(name, text):
         os.makedirs(TEXTS, exist_ok=True)
         pathlib.Path(path).write_text(text)
     assert text.splitlines() == pathlib.Path(path).read_text().splitlines(), name
-
-
-@pytest.fixture
-def tiny_model():
-    return tiny_clip()
 
 
 def pytest_configure(config):
@@ -96,9 +90,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def toy_dir():
-    names = ("toyworld.py", "clip/model.py", "clip/__init__.py")
     h = hashlib.sha256(torch.__version__.encode())
-    for name in names:
+    for name in ("toyworld.py", "clip/model.py", "clip/__init__.py"):
         with open(os.path.join(ROOT, name), "rb") as f:
             h.update(f.read())
     keep = os.environ.get("DEAR_TEST_CACHE", os.path.expanduser("~/.cache/dear/tests"))
@@ -108,8 +101,8 @@ def toy_dir():
 PRETRAIN, BACKGROUND = {}, {}
 # Every test process reads CLIP checkpoints and head roles from here (the toy CLIP once pretrained,
 # the roles that tests compute for their own tiny checkpoints, keyed by their SHA256)
-os.environ["CLIP_CACHE"] = toy_dir()
-os.makedirs(os.environ["CLIP_CACHE"], exist_ok=True)
+TOY = os.environ["CLIP_CACHE"] = toy_dir()
+os.makedirs(TOY, exist_ok=True)
 WORK = tempfile.mkdtemp(prefix="dear-tests-")
 # The two slowest checks run as commands of their own beside the other tests, once the toy CLIP is
 # there: `run_all.sh --smoke`, and the README's quick start (DeAR on the toy, then zero-shot).
@@ -118,20 +111,16 @@ QUICK_START = (f"import sys; sys.path.insert(0, {ROOT!r}); import dear; a = ['--
                "dear.main(a + ['--method', 'zeroshot'])")
 COMMANDS = {"smoke": ["bash", os.path.join(ROOT, "run_all.sh"), "--smoke"],
             "quick_start": [sys.executable, "-c", QUICK_START]}
-
-
-def pretrain_command(folder):
-    return [sys.executable, "-c", "import sys, toyworld; toyworld.ensure_pretrained(sys.argv[1])",
-            folder]
+PRETRAIN_COMMAND = [sys.executable, "-c",
+                    "import sys, toyworld; toyworld.ensure_pretrained(sys.argv[1])", TOY]
 
 
 def start_pretraining():
-    folder = toy_dir()
-    if os.path.exists(os.path.join(folder, "done")) or PRETRAIN:
+    if os.path.exists(os.path.join(TOY, "done")) or PRETRAIN:
         return
-    log = open(os.path.join(folder, "pretrain.log"), "w")
-    PRETRAIN["proc"] = subprocess.Popen(pretrain_command(folder), stdout=log,
-                                        stderr=subprocess.STDOUT, cwd=ROOT)
+    log = open(os.path.join(TOY, "pretrain.log"), "w")
+    PRETRAIN["proc"] = subprocess.Popen(PRETRAIN_COMMAND, stdout=log, stderr=subprocess.STDOUT,
+                                        cwd=ROOT)
 
 
 def start_background():
@@ -140,7 +129,7 @@ def start_background():
     if proc is not None and proc.poll() is None:
         return
     if proc is not None and proc.returncode == 0:
-        open(os.path.join(toy_dir(), "done"), "w").close()
+        open(os.path.join(TOY, "done"), "w").close()
     for name, running in BACKGROUND.items():
         if running is None:
             os.makedirs(os.path.join(WORK, name))
@@ -159,37 +148,32 @@ def pytest_runtest_logfinish(nodeid, location):
 @pytest.fixture(scope="session")
 def toy_cache():
     """$CLIP_CACHE, once it holds the pretrained toy CLIP."""
-    folder = toy_dir()
     if "proc" in PRETRAIN:
         if PRETRAIN["proc"].wait() != 0:
-            pytest.fail(open(os.path.join(folder, "pretrain.log")).read()[-2000:])
-        open(os.path.join(folder, "done"), "w").close()
-    elif not os.path.exists(os.path.join(folder, "done")):
-        subprocess.run(pretrain_command(folder), check=True, cwd=ROOT)
-        open(os.path.join(folder, "done"), "w").close()
-    return folder
+            pytest.fail(open(os.path.join(TOY, "pretrain.log")).read()[-2000:])
+    elif not os.path.exists(os.path.join(TOY, "done")):
+        subprocess.run(PRETRAIN_COMMAND, check=True, cwd=ROOT)
+    open(os.path.join(TOY, "done"), "w").close()
+    return TOY
 
 
-def finished(name):
-    """Wait for a background command (starting it first if the pretraining is still going on)."""
+def finished(name, runs):
+    """Wait for a background command (starting it first if the pretraining has just ended):
+    (its runs folder, its process)."""
     if BACKGROUND.get(name) is None:
-        if PRETRAIN.get("proc") is not None and PRETRAIN["proc"].wait() != 0:
-            pytest.fail(open(os.path.join(toy_dir(), "pretrain.log")).read()[-2000:])
         start_background()
     BACKGROUND[name].wait()
-    return pathlib.Path(WORK) / name, BACKGROUND[name]
+    return pathlib.Path(WORK) / name / runs, BACKGROUND[name]
 
 
 @pytest.fixture(scope="session")
-def smoke():
-    folder, proc = finished("smoke")
-    return folder / "runs-smoke", proc
+def smoke(toy_cache):  # the toy CLIP first: a failed pretraining fails here
+    return finished("smoke", "runs-smoke")
 
 
 @pytest.fixture(scope="session")
-def quick_start():
-    folder, proc = finished("quick_start")
-    return folder / "runs", proc
+def quick_start(toy_cache):
+    return finished("quick_start", "runs")
 
 
 def pytest_sessionfinish(session):
@@ -209,7 +193,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
     torch.save(tiny_state_dict(text_layers=4), root / "tiny.pt")
     gen = torch.Generator().manual_seed(0)
-    for k, name in enumerate(CLASSES):
+    for name in CLASSES:
         os.makedirs(root / "shapes" / name)
         colour = torch.rand(3, generator=gen) * 255
         for i in range(10):
@@ -232,8 +216,7 @@ def server():
             self.end_headers()
             self.wfile.write(body or b"")
 
-        def log_message(self, *args):
-            pass
+        log_message = lambda self, *args: None
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01},

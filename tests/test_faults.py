@@ -57,7 +57,6 @@ def checkpoint(run, path):
 
 
 def resumed(path):
-    """checkpoint.pt at path, resumed into the run's model, optimiser and GradScaler."""
     with runs.RunFolder(str(path.parent), str(path.parent)) as folder:
         return folder.resume(*built(path.parent)[:3], "fp32", 1)
 
@@ -66,46 +65,39 @@ def without(d, key):
     return {k: v for k, v in d.items() if k != key}
 
 
-def edited(doc, keys, value):
-    inner = doc
+def edit_json(path, keys, value):
+    """The value at keys in the JSON file at path set to value (DROP: deleted)."""
+    doc = inner = json.loads(path.read_text())
     for k in keys[:-1]:
         inner = inner[k]
+    inner[keys[-1]] = value
     if value is DROP:
         del inner[keys[-1]]
-    else:
-        inner[keys[-1]] = value
-    return doc
+    path.write_text(json.dumps(doc))
 
 
-# Each kind of file the project reads back: (how it is made from the finished run, its reader,
-# {kind of fault: (the edit, words of the refusal)}). JSON edits are (keys, value); torch edits
-# change the loaded object.
-NAN = float("nan")
+# Each kind of file the project reads back: (how it is made from the finished run (None: the
+# run's own), its reader, {kind of fault: (the edit, words of the refusal)}). JSON edits are
+# (keys, value); torch edits change the loaded object.
 FILES = {
-    "config.json": (
-        lambda run, p: shutil.copy(run / "config.json", p),
-        lambda p: runs.read_config(p.parent, dear.CONFIG),
-        {"lacks a key": ((("inputs", "backbone_sha256"), DROP), "lacks 'backbone_sha256'"),
-         "a string for a count": ((("config", "shots"), "16"), "is not a whole number"),
-         "not finite": ((("config", "beta"), NAN), "['beta'] = NaN is not in [0, 1]"),
-         "out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]"),
-         "a boolean for a count": ((("config", "epochs"), True), "= true is not a whole number"),
-         "from another version": ((("config", "pool"), 3), "'pool' is not a setting of this")}),
-    "results.json": (
-        lambda run, p: shutil.copy(run / "results.json", p),
-        lambda p: runs.read_results(p, dear.CONFIG),
-        {"lacks a key": ((("evals",), DROP), "lacks 'evals'"),
-         "a string for a count": ((("evals", 0, "n"), "16"), "is not a whole number"),
-         "not finite": ((("evals", 0, "accuracy"), NAN), "is not a number in [0, 100]"),
-         "out of range": ((("evals", 1, "accuracy"), 150), "= 150 is not a number in [0, 100]"),
-         "a setting out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]")}),
-    "roles.json": (
-        lambda run, p: shutil.copy(run / "roles.json", p),
-        entropy.read_roles,
-        {"lacks a key": ((("num_heads",), DROP), "lacks 'num_heads'"),
-         "a string for a count": ((("heads", 0, "head"), "0"), "is not a whole number"),
-         "not finite": ((("heads", 2, "entropy"), NAN), "is not a finite number"),
-         "out of range": ((("heads", 1, "layer"), 9), "block 9 head 1 is not one of its heads")}),
+    "config.json": (None, lambda p: runs.read_config(p.parent, dear.CONFIG), {
+        "lacks a key": ((("inputs", "backbone_sha256"), DROP), "lacks 'backbone_sha256'"),
+        "a string for a count": ((("config", "shots"), "16"), "is not a whole number"),
+        "not finite": ((("config", "beta"), np.nan), "['beta'] = NaN is not in [0, 1]"),
+        "out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]"),
+        "a boolean for a count": ((("config", "epochs"), True), "= true is not a whole number"),
+        "from another version": ((("config", "pool"), 3), "'pool' is not a setting of this")}),
+    "results.json": (None, lambda p: runs.read_results(p, dear.CONFIG), {
+        "lacks a key": ((("evals",), DROP), "lacks 'evals'"),
+        "a string for a count": ((("evals", 0, "n"), "16"), "is not a whole number"),
+        "not finite": ((("evals", 0, "accuracy"), np.nan), "is not a number in [0, 100]"),
+        "out of range": ((("evals", 1, "accuracy"), 150), "= 150 is not a number in [0, 100]"),
+        "a setting out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]")}),
+    "roles.json": (None, entropy.read_roles, {
+        "lacks a key": ((("num_heads",), DROP), "lacks 'num_heads'"),
+        "a string for a count": ((("heads", 0, "head"), "0"), "is not a whole number"),
+        "not finite": ((("heads", 2, "entropy"), np.nan), "is not a finite number"),
+        "out of range": ((("heads", 1, "layer"), 9), "block 9 head 1 is not one of its heads")}),
     "split_folder.json": (
         lambda run, p: shutil.copy(os.path.join(runs.read_config(run, dear.CONFIG)["inputs"]
                                                 ["dataset_folder"], p.name), p),
@@ -113,20 +105,17 @@ FILES = {
         {"lacks a key": ((("test",), DROP), "lacks 'test'"),
          "a string for a count": ((("train", 3, 1), "0"), "[3][1] = \"0\" is not a whole number")}),
     "model.pt": (
-        lambda run, p: shutil.copy(run / "model.pt", p),
-        lambda p: built(p.parent)[0].load_trainable(data.read_torch(p, "train it again"), p),
+        None, lambda p: built(p.parent)[0].load_trainable(data.read_torch(p, "train it again"), p),
         {"lacks a key": (lambda sd: without(sd, "R"), "does not fit this model"),
          "a string for a tensor": (lambda sd: dict(sd, R="0"), "does not fit this model"),
-         "not finite": (lambda sd: dict(sd, R=sd["R"] * NAN), "does not fit this model"),
+         "not finite": (lambda sd: dict(sd, R=sd["R"] * np.nan), "does not fit this model"),
          "out of range": (lambda sd: dict(sd, R=sd["R"][:2]), "R is [2, 512]")}),
-    "checkpoint.pt": (
-        checkpoint,
-        resumed,
-        {"lacks a key": (lambda ck: without(ck, "epoch"), "lacks 'epoch'"),
-         "a string for a count": (lambda ck: dict(ck, epoch="1"), "is not a whole number"),
-         "not finite": (lambda ck: dict(ck, model=dict(ck["model"], w=ck["model"]["w"] * NAN)),
-                        "does not fit this model"),
-         "out of range": (lambda ck: dict(ck, epoch=3), "holds epoch 3, not one of 1..1")}),
+    "checkpoint.pt": (checkpoint, resumed, {
+        "lacks a key": (lambda ck: without(ck, "epoch"), "lacks 'epoch'"),
+        "a string for a count": (lambda ck: dict(ck, epoch="1"), "is not a whole number"),
+        "not finite": (lambda ck: dict(ck, model=dict(ck["model"], w=ck["model"]["w"] * np.nan)),
+                       "does not fit this model"),
+        "out of range": (lambda ck: dict(ck, epoch=3), "holds epoch 3, not one of 1..1")}),
     "backbone.pt": (
         lambda run, p: torch.save(tiny_state_dict(vision_width=32, text_width=32), p),
         lambda p: runs.load_backbone(str(p), "cpu"),
@@ -137,12 +126,10 @@ FILES = {
                     lambda p: data.read_text(str(p), "one class a line"), {}),
     "image.png": (lambda run, p: Image.new("RGB", (8, 8)).save(p), data.open_image, {}),
 }
-# every kind of file: what may stand in its place
-ANY = {"missing": "not found", "a FIFO": "not a regular file", "a folder": "not a regular file",
-       "cut off": "", "not UTF-8": ""}
 CUT = {".json": "not a JSON file", ".pt": "not a", ".txt": "", ".png": "not a readable image"}
-BINARY = {".json": "not a JSON file", ".pt": "not a", ".txt": "not UTF-8 text",
-          ".png": "not a readable image"}
+# every kind of file: what may stand in its place (the words, or by the file's extension)
+ANY = {"missing": "not found", "a FIFO": "not a regular file", "a folder": "not a regular file",
+       "cut off": CUT, "not UTF-8": {**CUT, ".txt": "not UTF-8 text"}}
 CASES = [(name, kind) for name, (_, _, edits) in FILES.items() for kind in [*ANY, *edits]
          if (name, kind) not in (("classes.txt", "cut off"),  # half a text file is still text
                                  ("checkpoint.pt", "missing"))]  # none: nothing to resume
@@ -152,27 +139,23 @@ CASES = [(name, kind) for name, (_, _, edits) in FILES.items() for kind in [*ANY
 def test_every_reader_refuses_each_kind_of_bad_file_in_one_line_naming_it(run, tmp_path, name,
         kind):
     make, read, edits = FILES[name]
-    path = tmp_path / name
-    make(run, path)
+    path, ext = tmp_path / name, (tmp_path / name).suffix
     for f in ("config.json", "roles.json", "model.pt"):  # what built() reads beside the file
-        if f != name:
-            shutil.copy(run / f, tmp_path / f)
+        shutil.copy(run / f, tmp_path / f)
+    (make or (lambda run, p: shutil.copy(run / name, p)))(run, path)
     read(path)  # as made, it reads
-    ext = path.suffix
     if kind in ("missing", "a FIFO", "a folder"):
         path.unlink()
         {"a FIFO": os.mkfifo, "a folder": os.mkdir}.get(kind, lambda p: None)(path)
-    elif kind == "cut off":
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    elif kind == "not UTF-8":
-        path.write_bytes(b"\xff\xfe\x00" + path.read_bytes())
+    elif kind in ("cut off", "not UTF-8"):
+        b = path.read_bytes()
+        path.write_bytes(b[: len(b) // 2] if kind == "cut off" else b"\xff\xfe\x00" + b)
     elif ext == ".json":
-        keys, value = edits[kind][0]
-        path.write_text(json.dumps(edited(json.loads(path.read_text()), keys, value)))
+        edit_json(path, *edits[kind][0])
     else:
         torch.save(edits[kind][0](torch.load(path, weights_only=True)), path)
-    words = ANY.get(kind) or {"cut off": CUT, "not UTF-8": BINARY}.get(kind, {}).get(ext)
-    words = words if kind in ANY else edits[kind][1]
+    words = edits[kind][1] if kind in edits else ANY[kind]
+    words = words[ext] if isinstance(words, dict) else words
     with pytest.raises((data.UserError, FileNotFoundError)) as e:
         read(path)
     message = str(e.value)
@@ -182,12 +165,11 @@ def test_every_reader_refuses_each_kind_of_bad_file_in_one_line_naming_it(run, t
 
 def test_a_bad_image_in_a_loader_process_is_one_line(tmp_path):
     """X1: the worker's traceback arrives as a UserError whose message is its last line."""
-    (tmp_path / "bad.png").write_bytes(b"not an image")
-    images = data.ImageList([(str(tmp_path / "bad.png"), 0)], lambda im: 0)
+    (bad := tmp_path / "bad.png").write_bytes(b"not an image")
+    images = data.ImageList([(str(bad), 0)], lambda im: 0)
     with pytest.raises(data.UserError) as e:
         list(torch.utils.data.DataLoader(images, num_workers=1))
-    assert str(e.value).startswith(f"{tmp_path / 'bad.png'}: not a readable image")
-    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{bad}: not a readable image") and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ writes
@@ -201,7 +183,6 @@ def failing_replace(monkeypatch, suffix, fault):
         if str(dst).endswith(suffix):
             raise fault
         return real(src, dst, *a, **k)
-
     monkeypatch.setattr(os, "replace", replace)
 
 
@@ -210,33 +191,18 @@ def debris(*folders):
             if ".tmp" in p.name or ".unpacking" in p.name]
 
 
-def write_explain(tmp, monkeypatch, server):
-    predict.draw_explain(["a.png"], [Image.new("RGB", (8, 8))], torch.rand(1, 6, 4), [[0]] * 6,
-                         None, {"cls": 1.0}, str(tmp / "sheet.png"))
-
-
-def write_download(tmp, monkeypatch, server):
-    fake_eurosat(*server, monkeypatch)
-    data.download("eurosat", str(tmp))
-
-
-def write_toy_clip(tmp, monkeypatch, server):
-    monkeypatch.setattr(toyworld, "pretrain", lambda *a, **k: torch.nn.Linear(1, 1))
-    toyworld.ensure_pretrained(str(tmp), log=lambda line: None)
-
-
 # every kind of write: (how to make it (None: a run of dear.py), the file whose placing fails)
 WRITES = {
-    "run: roles": (None, "roles.json"), "run: report": (None, "roles.png"),
-    "run: mask": (None, "mask.png"),
-    "run: config": (None, "config.json"), "run: checkpoint": (None, "checkpoint.pt"),
-    "run: weights": (None, "model.pt"), "run: results": (None, "results.json"),
-    "explain sheet": (write_explain, "sheet.png"),
-    "tables": (lambda tmp, *a: tables.tables(["--out", str(tmp)]), "tables.md"),
-    "download": (write_download, "EuroSAT.zip"), "unpacking": (write_download, "2750"),
-    "toy world": (lambda tmp, *a: toyworld.write_folder(str(tmp / "w"), [], [("a", "b")]), "w"),
-    "toy CLIP": (write_toy_clip, ".pt"),
-}
+    **{f"run: {f}": (None, f) for f in ["roles.json", "roles.png", "mask.png", "config.json",
+                                        "checkpoint.pt", "model.pt", "results.json"]},
+    "explain sheet": (lambda tmp: predict.draw_explain(
+        ["a.png"], [Image.new("RGB", (8, 8))], torch.rand(1, 6, 4), [[0]] * 6, None,
+        {"cls": 1.0}, str(tmp / "sheet.png")), "sheet.png"),
+    "tables": (lambda tmp: tables.tables(["--out", str(tmp)]), "tables.md"),
+    "download": (lambda tmp: data.download("eurosat", str(tmp)), "EuroSAT.zip"),
+    "unpacking": (lambda tmp: data.download("eurosat", str(tmp)), "2750"),
+    "toy world": (lambda tmp: toyworld.write_folder(str(tmp / "w"), [], [("a", "b")]), "w"),
+    "toy CLIP": (lambda tmp: toyworld.ensure_pretrained(str(tmp), log=lambda line: None), ".pt")}
 
 
 @pytest.mark.parametrize("fault", ["disk full", "Ctrl-C", "SIGTERM"])
@@ -244,16 +210,14 @@ WRITES = {
 def test_every_write_is_whole_or_absent_after_a_full_disk_or_ctrl_c(world, tmp_path, monkeypatch,
         capsys, server, what, fault):
     make, target = WRITES[what]
-    error = OSError(errno.ENOSPC, "No space left on device")
-    cache = os.environ["CLIP_CACHE"]
-    before = set(debris(cache))
-    signal = {"Ctrl-C": KeyboardInterrupt(), "SIGTERM": KeyboardInterrupt("SIGTERM")}
-    failing_replace(monkeypatch, target, signal.get(fault, error))  # as data.interrupted raises
+    fake_eurosat(*server, monkeypatch)  # the downloads' source, and a toy CLIP pretrained at once
+    monkeypatch.setattr(toyworld, "pretrain", lambda *a, **k: torch.nn.Linear(1, 1))
+    before = set(debris(cache := os.environ["CLIP_CACHE"]))
+    failing_replace(monkeypatch, target, {  # as data.interrupted raises
+        "disk full": OSError(errno.ENOSPC, "No space left on device"),
+        "Ctrl-C": KeyboardInterrupt(), "SIGTERM": KeyboardInterrupt("SIGTERM")}[fault])
     with pytest.raises((KeyboardInterrupt, OSError, SystemExit)) as e:
-        if make is None:
-            dear.main(argv(world, tmp_path, "--epochs 1"))
-        else:
-            make(tmp_path, monkeypatch, server)
+        make(tmp_path) if make else dear.main(argv(world, tmp_path, "--epochs 1"))
     monkeypatch.undo()
     assert not debris(tmp_path) and set(debris(cache)) == before
     assert not [p for p in tmp_path.rglob("*" + target) if p.is_file()]
@@ -272,9 +236,8 @@ def test_every_write_is_whole_or_absent_after_a_full_disk_or_ctrl_c(world, tmp_p
 
 
 MAINS = {"dear.py": (dear, "call"), "predict.py": (predict, "predict"),
-         "data.py": (data, "check_or_download"),
-         "entropy.py": (entropy, "roles_of"), "tables.py": (tables, "tables"),
-         "bench.py": (bench, "bench")}
+         "data.py": (data, "check_or_download"), "entropy.py": (entropy, "roles_of"),
+         "tables.py": (tables, "tables"), "bench.py": (bench, "bench")}
 RAISED = {"a user error": (data.UserError("x.json: not a JSON file; fix it"), 2,
                            "error: x.json: not a JSON file; fix it"),
           "a read-only place": (OSError(errno.EROFS, "Read-only file system", "/r/a"), 2,
@@ -289,13 +252,8 @@ RAISED = {"a user error": (data.UserError("x.json: not a JSON file; fix it"), 2,
 @pytest.mark.parametrize("script", MAINS)
 def test_every_main_turns_user_errors_os_errors_and_ctrl_c_into_one_line(monkeypatch, capsys,
         script, raised):
-    module, inner = MAINS[script]
-    exc, code, line = RAISED[raised]
-
-    def fail(*args, **kwargs):
-        raise exc
-
-    monkeypatch.setattr(module, inner, fail)
+    (module, inner), (exc, code, line) = MAINS[script], RAISED[raised]
+    monkeypatch.setattr(module, inner, lambda *a, **k: (_ for _ in ()).throw(exc))
     with pytest.raises(SystemExit) as e:
         module.main([])
     err = capsys.readouterr().err.strip()
@@ -326,9 +284,8 @@ LAYOUTS = {
     "images in a class's sub-folder": ({"red": 4, "red/old": 3, "blue": 4},
                                        ("warns", "3 images in sub-folders of class folders")),
     "a hidden folder": ({".thumbnails": 4, "red": 4, "blue": 4}, ("classes", ["blue", "red"])),
-    "an empty path": ({}, ("refused", "folder: needs a path")),
     "a class of one image": ({"red": 1, "blue": 4}, ("refused", "red: 1 image(s); a class needs")),
-}
+    "an empty path": ({}, ("refused", "folder: needs a path"))}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -347,8 +304,7 @@ def test_folder_datasets_keep_their_classes_and_the_caches_apart(tmp_path, capsy
     ds = data.build_dataset(spec, "", shots=1)
     if what == "classes":
         assert sorted(ds.classnames) == expect
-        assert sorted(os.listdir(tmp_path)) == sorted([*folders, ".split_fewshot",
-                                                       "split_folder.json"])
+        assert set(os.listdir(tmp_path)) == {*folders, ".split_fewshot", "split_folder.json"}
     else:
         assert ds.warnings == [f"folder:{tmp_path}: {expect} are not read (only a class "
                                "folder's own images are)"]
@@ -366,23 +322,20 @@ def test_the_advice_names_what_fixes_it(tmp_path, name, advice):
 
 
 # ------------------------------------------------------------------------- round five, by class
-# Each class of the fifth hostile pass: a table of its cases against the one mechanism that closes
-# it.
+# Each class of the fifth hostile pass: a table of its cases against the one mechanism closing it.
 
-# an empty value is never a path, name, template, list or output (data.Parser's text type)
-EMPTY = [(dear.main, "--out"), (dear.main, "--root"), (dear.main, "--backbone"),
-         (dear.main, "--targets"), (dear.main, "--dataset"), (dear.main, "--roles"),
-         (predict.main, "--load"), (predict.main, "--template"), (predict.main, "--classes"),
-         (predict.main, "--explain"), (entropy.main, "--texts"), (entropy.main, "--out"),
-         (tables.main, "--out"), (bench.main, "--out"), (data.main, "--root")]
+# an empty value is never a path, name, template, list or output (data.Parser's text type):
+# {main: (the arguments it needs besides, its flags)}
+EMPTY = {dear.main: (["--protocol", "xd"], "--out --root --backbone --targets --dataset --roles"),
+         predict.main: (["--load", "RUN", "a.png"], "--load --template --classes --explain"),
+         entropy.main: (["--dataset", "dtd"], "--texts --out"), tables.main: ([], "--out"),
+         bench.main: ([], "--out"), data.main: (["check", "dtd"], "--root")}
 
 
-@pytest.mark.parametrize("main, flag", EMPTY)
-def test_an_empty_value_is_refused_with_the_flags_name(main, flag, capsys, tmp_path):
-    args = {predict.main: ["--load", "RUN", "a.png"], entropy.main: ["--dataset", "dtd"],
-            data.main: ["check", "dtd"]}.get(main, ["--protocol", "xd"] * (main is dear.main))
+@pytest.mark.parametrize("main, flag", [(m, f) for m, (_, fs) in EMPTY.items() for f in fs.split()])
+def test_an_empty_value_is_refused_with_the_flags_name(main, flag, capsys):
     with pytest.raises(SystemExit) as e:
-        main(args + [flag, ""])
+        main(EMPTY[main][0] + [flag, ""])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == f"error: argument {flag}: an empty value; give one, or " \
         "leave the flag out (see --help)\n"
@@ -390,24 +343,18 @@ def test_an_empty_value_is_refused_with_the_flags_name(main, flag, capsys, tmp_p
 
 def edit_run(run, tmp, what):
     """A copy of the finished run, with one input it recorded changed."""
-    copy = tmp / "copy"
-    shutil.copytree(run, copy)
+    shutil.copytree(run, copy := tmp / "copy")
     if what == "its weights":
         state = torch.load(copy / "model.pt")
         torch.save(dict(state, R=state["R"] + 1), copy / "model.pt")
     elif what == "its roles":
-        doc = json.loads((copy / "roles.json").read_text())
-        doc["heads"][0]["role"], doc["heads"][0]["attribute"] = "mixed", None
-        (copy / "roles.json").write_text(json.dumps(doc))
-    elif what == "its roles, gone (the cache's differ)":
+        edit_json(copy / "roles.json", ("heads", 0, "role"), "mixed")
+        edit_json(copy / "roles.json", ("heads", 0, "attribute"), None)
+    elif what == "its roles, gone (the cache's differ)":  # what a cache changed since would show
         os.remove(copy / "roles.json")
-        config = json.loads((copy / "config.json").read_text())
-        config["inputs"]["roles_sha256"] = "0" * 64  # what a cache changed since would show
-        (copy / "config.json").write_text(json.dumps(config))
+        edit_json(copy / "config.json", ("inputs", "roles_sha256"), "0" * 64)
     elif what == "its backbone":
-        config = json.loads((copy / "config.json").read_text())
-        config["inputs"]["backbone_sha256"] = "0" * 64
-        (copy / "config.json").write_text(json.dumps(config))
+        edit_json(copy / "config.json", ("inputs", "backbone_sha256"), "0" * 64)
     return copy
 
 
@@ -417,15 +364,13 @@ def edit_run(run, tmp, what):
     ("its roles, gone (the cache's differ)", "roles_sha256"), ("its backbone", "backbone_sha256")])
 def test_a_run_is_used_only_with_the_inputs_it_recorded(run, world, tmp_path, capsys, use, what,
                                                         says):
-    copy = edit_run(run, tmp_path, what)
+    copy, shapes = edit_run(run, tmp_path, what), f"folder:{world / 'shapes'}"
     if use == "predict":
-        image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
-        args, main = ["--load", str(copy), image], predict.main
+        main, args = predict.main, [data.build_dataset(shapes, "").test[0][0]]
     else:
-        args, main = ["--dataset", f"folder:{world / 'shapes'}", "--eval-only", "--load",
-                      str(copy), "--workers", "0"], dear.main
+        main, args = dear.main, ["--dataset", shapes, "--eval-only", "--workers", "0"]
     with pytest.raises(SystemExit):
-        main(args)
+        main(args + ["--load", str(copy)])
     err = capsys.readouterr().err
     assert f"{copy}: not the inputs it was run with" in err and says in err, err
     assert not (copy / "eval").exists() or not list((copy / "eval").rglob("results.json"))
@@ -442,22 +387,16 @@ def test_a_folder_datasets_split_follows_its_class_folders(world, tmp_path):
 
 @pytest.mark.parametrize("link", ["log.txt", "the run folder's parent"])
 def test_no_write_goes_through_a_link_in_the_out_tree(world, tmp_path, capsys, link):
-    target = tmp_path / "precious"
-    target.mkdir()
+    (target := tmp_path / "precious").mkdir()
     (target / "log.txt").write_text("keep me")
-    args = argv(world, tmp_path / "out", "--epochs 1")
-    folder = pathlib.Path(folder_of(args))
-    if link == "log.txt":
-        folder.mkdir(parents=True)
-        os.symlink(target / "log.txt", folder / "log.txt")
-    else:
-        folder.parent.parent.mkdir(parents=True)
-        os.symlink(target, folder.parent)
+    folder = pathlib.Path(folder_of(args := argv(world, tmp_path / "out", "--epochs 1")))
+    at, to = (folder / link, target / link) if link == "log.txt" else (folder.parent, target)
+    at.parent.mkdir(parents=True)
+    os.symlink(to, at)
     with pytest.raises(SystemExit):
         dear.main(args)
     assert "symbolic link" in capsys.readouterr().err
-    assert sorted(os.listdir(target)) == ["log.txt"] and (target / "log.txt").read_text() == \
-        "keep me"
+    assert os.listdir(target) == ["log.txt"] and (target / "log.txt").read_text() == "keep me"
 
 
 def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path):
@@ -534,9 +473,8 @@ def test_a_seed_at_the_top_of_its_range_draws_batches(world, tmp_path):
     ("no class names", "no class names"), ("a J beyond the depth", "--J 7: "),
     ("a float image in [0, 1]", None), ("a float image in [0, 255]", "floating-point pixels")])
 def test_recorded_and_given_values_are_checked_before_use(run, tmp_path, capsys, what, says):
-    image = tmp_path / "f.tiff"
     pixels = np.full((8, 8), 0.5 if "[0, 1]" in what else 200.0, np.float32)
-    Image.fromarray(pixels, mode="F").save(image)
+    Image.fromarray(pixels, mode="F").save(image := tmp_path / "f.tiff")
     args = ["--load", str(run), str(image)]
     if "field" in what or "{}" in what:
         args += ["--template", "a {} of a {}." if "{}" in what else "a {name}."]
@@ -544,10 +482,8 @@ def test_recorded_and_given_values_are_checked_before_use(run, tmp_path, capsys,
         (tmp_path / "names.txt").write_text("\n\n")
         args += ["--classes", str(tmp_path / "names.txt")]
     elif "J" in what:
-        config = json.loads((run / "config.json").read_text())
         shutil.copytree(run, tmp_path / "copy")
-        config["config"]["J"] = 7
-        (tmp_path / "copy" / "config.json").write_text(json.dumps(config))
+        edit_json(tmp_path / "copy" / "config.json", ("config", "J"), 7)
         args[1] = str(tmp_path / "copy")
     if says is None:
         assert predict.main(args)[0]["top5"]  # scaled by 255, classified
@@ -557,18 +493,16 @@ def test_recorded_and_given_values_are_checked_before_use(run, tmp_path, capsys,
     assert says in capsys.readouterr().err
 
 
-def test_reads_never_block_on_a_fifo(world, tmp_path, capsys):
+def test_reads_never_block_on_a_fifo(world, tmp_path, capsys, monkeypatch):
     """A FIFO where a run's lock or the toy checkpoint is expected: refused, or made again, never
     waited on."""
-    args = argv(world, tmp_path, "--epochs 1")
-    folder = pathlib.Path(folder_of(args))
+    folder = pathlib.Path(folder_of(args := argv(world, tmp_path, "--epochs 1")))
     folder.mkdir(parents=True)
     os.mkfifo(folder / ".lock")
     with pytest.raises(SystemExit):
         dear.main(args)
     assert ".lock: not a regular file" in capsys.readouterr().err
     os.mkfifo(tmp_path / toyworld.checkpoint_name())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(toyworld, "pretrain", lambda *a, **k: torch.nn.Linear(1, 1))
-        path = toyworld.ensure_pretrained(str(tmp_path), log=lambda line: None)
+    monkeypatch.setattr(toyworld, "pretrain", lambda *a, **k: torch.nn.Linear(1, 1))
+    path = toyworld.ensure_pretrained(str(tmp_path), log=lambda line: None)
     assert os.path.isfile(path)

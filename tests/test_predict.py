@@ -21,10 +21,8 @@ from test_run import fails, run
 
 @pytest.fixture(scope="module")
 def fewshot(world, tmp_path_factory):
-    """A few-shot run on the folder dataset (all 12 classes): (its results, its folder, its model
-    rebuilt, the test items)."""
-    tmp = tmp_path_factory.mktemp("fewshot")
-    results, rdir = run(world, tmp, "--protocol fewshot")
+    """A few-shot run on the 12 folder classes: (its results, folder, model rebuilt, test items)."""
+    results, rdir = run(world, tmp_path_factory.mktemp("fewshot"), "--protocol fewshot")
     c = dear.resolve(dear.Config(**runs.read_config(rdir, dear.CONFIG)["config"]))
     model = dear.build(c, print, os.path.join(rdir, "roles.json"), os.path.join(rdir, "model.pt"))
     test = data.build_dataset(f"folder:{world / 'shapes'}", str(world)).test
@@ -37,12 +35,11 @@ def test_predict_agrees_with_the_model_and_names_each_logit_sets_own_first(fewsh
     first, as the rebuilt model computes them; --json: JSON alone on stdout, the sheet's line on
     stderr."""
     results, rdir, model, test = fewshot
-    items = test[:6]
-    report = predict.main(["--load", rdir, "--json", "--explain", str(tmp_path / "x.png"),
-                           *[p for p, _, _ in items]])
+    paths = [p for p, _, _ in test[:6]]
+    report = predict.main(["--load", rdir, "--json", "--explain", str(tmp_path / "x.png"), *paths])
     out, err = capsys.readouterr()
     assert json.loads(out) == report and err.endswith(f"wrote {tmp_path / 'x.png'}\n")
-    x = torch.stack([clip.transform(32)(data.open_image(p)) for p, _, _ in items])
+    x = torch.stack([clip.transform(32)(data.open_image(p)) for p in paths])
     model.set_classes(CLASSES, "a photo of a {}.")
     with torch.no_grad():
         logits = model(x)["logits"]  # [6, 1+K, 12]
@@ -67,20 +64,18 @@ def test_predict_agrees_with_the_model_and_names_each_logit_sets_own_first(fewsh
 def test_the_sheet_is_written_only_where_the_user_meant(fewshot, tmp_path, capsys, name, why):
     """--explain takes a new .png, or a sheet it wrote before; never an image given to classify
     (`--explain mine.jpg red.png` took the JPEG as the sheet's name), never a user's file."""
-    rdir, test = fewshot[1], fewshot[3]
-    image = test[0][0]
+    rdir, image = fewshot[1], fewshot[3][0][0]
     Image.new("RGB", (8, 8), "red").save(tmp_path / "photo.png")
     before = open(image, "rb").read()
     path = image if name == "input" else str(tmp_path / name)
-    if why is None:  # a sheet written before is written again
-        predict.main(["--load", rdir, "--explain", path, image])
-        assert Image.open(path).text["Software"] == predict.SHEET
     args = ["--load", rdir, "--explain", path, image]
-    if why:
+    if why is None:  # a sheet written before is written again
+        predict.main(args)
+        assert Image.open(path).text["Software"] == predict.SHEET
+        predict.main(args)
+    else:
         fails(capsys, why, args, predict.main)
         assert open(image, "rb").read() == before
-    else:
-        predict.main(args)
 
 
 def test_the_sheet_shows_the_crop_the_model_saw_on_its_patch_grid(fewshot, tmp_path):

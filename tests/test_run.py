@@ -35,14 +35,7 @@ def argv(world, out, extra=""):
             "--batch-size", "4", "--workers", "0", "--J", "3"] + shlex.split(extra)
 
 
-def eval_argv(world, rdir, extra=""):
-    """An --eval-only call: the dataset and where to read, the rest from the run."""
-    return ["--dataset", f"folder:{world / 'shapes'}", "--root", str(world), "--workers", "0",
-            "--eval-only", "--load", str(rdir)] + shlex.split(extra)
-
-
 def folder_of(args):
-    """The run folder of a command line."""
     c = dear.settings(*dear.parse_args(args))
     return runs.run_dir(c, dear.changed_flags(c))[0]
 
@@ -50,14 +43,6 @@ def folder_of(args):
 def run(world, out, extra="", capsys=None):
     results = dear.main(argv(world, out, extra))
     return results, folder_of(argv(world, out, extra))
-
-
-def tick(monkeypatch):
-    """The clock moves 100 s at each reading: the ETAs logged are exact."""
-    clock = itertools.count(0, 100).__next__
-    for module in (dear, runs):
-        monkeypatch.setattr(module, "time", types.SimpleNamespace(time=clock,
-                                                                  strftime=time.strftime))
 
 
 def logged(rdir):
@@ -107,10 +92,9 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     config["inputs"]["backbone_sha256"] = "0" * 64
     json.dump(config, open(os.path.join(rdir, "config.json"), "w"))
     fails(capsys, "backbone_sha256", argv(world, tmp_path))
-    results_path = os.path.join(rdir, "results.json")
-    r = json.load(open(results_path))
+    r = json.load(open(os.path.join(rdir, "results.json")))
     r["evals"][0]["accuracy"] = 150.0
-    json.dump(r, open(results_path, "w"))
+    json.dump(r, open(os.path.join(rdir, "results.json"), "w"))
     json.dump(dict(config, inputs=again["inputs"]), open(os.path.join(rdir, "config.json"), "w"))
     fails(capsys, "= 150.0 is not a number in [0, 100]", argv(world, tmp_path))
     forced, _ = run(world, tmp_path, "--force")  # clears the folder, and runs again
@@ -118,11 +102,6 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
 
 
 # ------------------------------------------------------------------------------ wiring
-
-
-@pytest.fixture
-def spy(monkeypatch):
-    return watch(monkeypatch)
 
 
 def watch(monkeypatch):
@@ -170,23 +149,8 @@ def watch(monkeypatch):
     return seen
 
 
-def hand_roles(world, path):
-    """The tiny CLIP's roles file, its heads' roles set by hand: per block an attribute head of
-    colour, a generalization head, an attribute head of shape, a mixed head."""
-    c = dear.settings(*dear.parse_args(argv(world, path.parent)))
-    doc = json.load(open(dear.build(c, lambda line: None)[1]))
-    kinds = [("attribute", "color"), ("generalization", None), ("attribute", "shape"),
-             ("mixed", None)]
-    for e in doc["heads"]:
-        e["role"], e["attribute"] = kinds[e["head"]]
-    path.write_text(json.dumps(doc))
-    return entropy.load_roles(str(path))
-
-
-def loaders(seen, kind):
-    return [(d, k) for d, k in seen["loader"] if type(d) is kind]
-
-
+spy = pytest.fixture(watch, name="spy")
+loaders = lambda seen, kind: [(d, k) for d, k in seen["loader"] if type(d) is kind]
 P = 16  # the tiny CLIP's patches
 TRAIN = ("--shots 3 --seed 7 --J 4 --beta 0.35 --lambda-reg 0.3 --lambda-fusion 0.25 "
          "--alpha-cls 0.4 --rep-dim 16 --tokens mmrl --mask generalization-only --roles-control "
@@ -198,17 +162,14 @@ TRAIN = ("--shots 3 --seed 7 --J 4 --beta 0.35 --lambda-reg 0.3 --lambda-fusion 
 # results, s: what the spy saw, w: the world, roles: the roles file's, by block).
 WIRING = {
     "dataset": lambda r, s, w, roles: s["eval"][0]["classes"] == CLASSES[:6],
-    "root": "test_a_missing_dataset_is_looked_for_under_root",
+    "root": "test_bad_input_is_one_line_and_exit_2",
     "protocol": "test_xd_and_zero_shot_runs_read_their_own_flags",
     "method": "test_xd_and_zero_shot_runs_read_their_own_flags",
     "shots": lambda r, s, w, roles: len(loaders(s, dear.SeededImages)[0][0]) == 6 * 3,
-    "seed": lambda r, s, w, roles: (
-        sorted(loaders(s, dear.SeededImages)[0][0].items) == sorted(data.build_dataset(
-            f"folder:{w / 'shapes'}", "", 3, 7, "base").train)
-        and torch.equal(s["init"][0]["R"], torch.randn(5, 16, generator=torch.Generator()
-                        .manual_seed(7)) * 0.02)),
-    "backbone": lambda r, s, w, roles: s["model"][0].clip.sha256 == data.sha256_file(
-        w / "tiny.pt"),
+    "seed": lambda r, s, w, roles: sorted(loaders(s, dear.SeededImages)[0][0].items) == sorted(
+        data.build_dataset(f"folder:{w / 'shapes'}", "", 3, 7, "base").train) and torch.equal(
+        s["init"][0]["R"], torch.randn(5, 16, generator=torch.Generator().manual_seed(7)) * 0.02),
+    "backbone": lambda r, s, w, roles: s["model"][0].clip.sha256 == data.sha256_file(w / "tiny.pt"),
     "targets": "test_xd_and_zero_shot_runs_read_their_own_flags",
     "out": lambda r, s, w, roles: r["path"].startswith(r["out"]),
     "J": lambda r, s, w, roles: s["model"][0].blocks == range(3, 4),
@@ -233,8 +194,7 @@ WIRING = {
     and r["train"]["skipped_steps"] == 0,  # bf16: nothing skips a step
     "batch_size": lambda r, s, w, roles: {len(b) for b in loaders(s, dear.SeededImages)[0][1][
         "batch_sampler"]} == {5},
-    "warmup_epochs": lambda r, s, w, roles: [g["lr"] for g in s["step"][::3]] == [3e-4, 3e-4,
-                                                                                   2e-3],
+    "warmup_epochs": lambda r, s, w, roles: [g["lr"] for g in s["step"][::3]] == [3e-4, 3e-4, 2e-3],
     "lr": lambda r, s, w, roles: s["step"][-1]["lr"] == 2e-3,
     "warmup_lr": lambda r, s, w, roles: s["step"][0]["lr"] == 3e-4,
     "weight_decay": lambda r, s, w, roles: {g["weight_decay"] for g in s["step"]} == {0.02},
@@ -259,7 +219,16 @@ def trained(world, tmp_path_factory):
     """The run with TRAIN's flags and a roles file set by hand: (results, run folder, what the spy
     saw, the roles file's roles)."""
     tmp = tmp_path_factory.mktemp("trained")
-    roles = hand_roles(world, tmp / "roles.json")
+    # the tiny CLIP's roles file, its heads' roles set by hand: per block an attribute head of
+    # colour, a generalization head, an attribute head of shape, a mixed head
+    c = dear.settings(*dear.parse_args(argv(world, tmp)))
+    doc = json.load(open(dear.build(c, lambda line: None)[1]))
+    kinds = [("attribute", "color"), ("generalization", None), ("attribute", "shape"),
+             ("mixed", None)]
+    for e in doc["heads"]:
+        e["role"], e["attribute"] = kinds[e["head"]]
+    (tmp / "roles.json").write_text(json.dumps(doc))
+    roles = entropy.load_roles(str(tmp / "roles.json"))
     args = argv(world, tmp / "out", f"{TRAIN} --roles {tmp / 'roles.json'}")
     with pytest.MonkeyPatch.context() as mp:
         seen = watch(mp)
@@ -310,14 +279,8 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
         assert [e["split"] for e in r["evals"]] == ["base", "novel"]
         # predict on it: the class logits alone, at weight 1 (and no model.pt to read)
         image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
-        rdir = folder_of(args)
-        evidence = predict.main(["--load", rdir, image])[0]["evidence"]
+        evidence = predict.main(["--load", folder_of(args), image])[0]["evidence"]
         assert list(evidence) == ["cls"] and evidence["cls"]["alpha"] == 1.0
-
-
-def test_a_missing_dataset_is_looked_for_under_root(world, tmp_path, capsys):
-    args = argv(world, tmp_path, f"--dataset eurosat --root {tmp_path / 'elsewhere'}")
-    fails(capsys, str(tmp_path / "elsewhere" / "eurosat"), args)
 
 
 def test_roles_only_writes_the_roles_of_its_J(world, tmp_path, capsys):
@@ -380,7 +343,8 @@ def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tm
     os.rename(config["config"]["roles"], tmp_path / "moved.json")
     try:
         if mode == "eval-only":
-            dear.main(eval_argv(world, rdir, "--force"))
+            dear.main(["--dataset", f"folder:{world / 'shapes'}", "--root", str(world), "--workers",
+                       "0", "--eval-only", "--load", str(rdir), "--force"])  # the rest from the run
             assert [e["rule"] for e in spy["eval"]] == ["fused", "cls"]
             assert spy["classes"][0][1] == "a photo of a {}."  # the dataset's own
         else:
@@ -424,28 +388,29 @@ def test_every_recorded_difference_stops_reuse_and_resume(world, trained, tmp_pa
              ("config.json", "inputs", "roles_sha256", "0" * 64),
              ("results.json", "config", "lambda_reg", 9.0),
              ("results.json", "inputs", "backbone_sha256", "0" * 64)]
-    for state in ("finished", "interrupted"):
-        for file, group, key, value in edits:
-            if state == "interrupted" and file == "results.json":
-                continue
-            copy = tmp_path / "out" / os.path.relpath(rdir, trained[0]["out"])
-            shutil.rmtree(tmp_path / "out", ignore_errors=True)
-            shutil.copytree(rdir, copy)
-            if state == "interrupted":
-                os.remove(copy / "results.json")
-                (copy / "checkpoint.pt").write_bytes(b"")
-            doc = json.load(open(copy / file))
-            doc[group][key] = value
-            data.write_json(copy / file, doc)
-            extra = ["--resume"] if state == "interrupted" else []
-            fails(capsys, f"{group}.{key}: ", args + extra)
+    for state, (file, group, key, value) in itertools.product(("finished", "interrupted"), edits):
+        if state == "interrupted" and file == "results.json":
+            continue
+        copy = tmp_path / "out" / os.path.relpath(rdir, trained[0]["out"])
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        shutil.copytree(rdir, copy)
+        if state == "interrupted":
+            os.remove(copy / "results.json")
+            (copy / "checkpoint.pt").write_bytes(b"")
+        doc = json.load(open(copy / file))
+        doc[group][key] = value
+        data.write_json(copy / file, doc)
+        fails(capsys, f"{group}.{key}: ", args + ["--resume"] * (state == "interrupted"))
 
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers(world, tmp_path,
         monkeypatch, capsys):
     """... and the log: steps 3 and 6 of 6 each epoch (every steps // 2), the ETA by the time per
     step so far times the steps left in this call, 0 s at its end."""
-    tick(monkeypatch)
+    clock = itertools.count(0, 100).__next__  # 100 s at each reading: the ETAs logged are exact
+    for module in (dear, runs):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(time=clock,
+                                                                  strftime=time.strftime))
     _, full = run(world, tmp_path / "a", "--epochs 3")
     etas = [500, 400, 300, 200, 100, 0]  # 100 s a reading: 100 k / (3 k) * (18 - 3 k)
     assert logged(full) == [(e, s, 0, eta) for (e, s), eta in
@@ -480,15 +445,17 @@ BAD = [("--beta 2", "--beta"), ("--beta nan", "--beta"), ("--lr 0", "--lr"),
        ("--seed 4294967296", "--seed: '4294967296' is not a seed in [0, 2^32)"),
        ("--protocol xd --targets dtd,dtd", "'dtd' is empty, the source or named twice"),
        ("--protocol xd --targets folder:x --targets dtd --dataset dtd", "'dtd' is empty, the"),
-       ("--resume --force", "--resume continues a run and --force restarts it")]
+       ("--resume --force", "--resume continues a run and --force restarts it"),
+       ("--dataset eurosat --root {tmp}/elsewhere", "{tmp}/elsewhere/eurosat")]  # under --root
 
 
 @pytest.mark.parametrize("flags, says", BAD)
 def test_bad_input_is_one_line_and_exit_2(world, tmp_path, capsys, flags, says):
     if says == "CUDA" and torch.cuda.is_available():
         pytest.skip("CUDA is available")
+    flags, says = flags.format(tmp=tmp_path), says.format(tmp=tmp_path)
     args = argv(world, tmp_path, flags)
-    if flags.startswith("--dataset"):
+    if "nosuchset" in flags:
         args = args[2:] + ["--dataset", "nosuchset"]
     fails(capsys, says, ["--eval-only", "--dataset", "toyworld"] if "needs" in says else args)
     assert not os.path.exists(tmp_path / "b2n") or says in ("--J 9", "CUDA")
@@ -547,17 +514,23 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     assert [dear.eval_beta(x, d) for d in ("imagenet", "dtd", "imagenet_a", "folder:x")] == [0.55,
             0.5, 0.8, 0.55]
     assert dear.eval_beta(dataclasses.replace(x, target_beta="source"), "dtd") == 0.55
-    targets = ["--protocol", "xd", "--targets", "folder:a,b", "--targets", "dtd,eurosat",
-               "--dataset", "imagenet"]
+    targets = "--protocol xd --targets folder:a,b --targets dtd,eurosat --dataset imagenet".split()
     assert dear.resolve(dear.parse_args(targets)[0]).targets == ["folder:a,b", "dtd", "eurosat"]
 
 
-def test_the_readouts_read_each_side_alone_in_the_evaluations_pass(world, tmp_path, spy):
-    """On a trained run's novel split, by hand from frozen CLIP's own encoders: image = the
-    trained f_cls against encode_text's class features; text = encode_image's feature against
-    the trained class features; class = the class logits; fused = the reported accuracy. One
-    pass over the images: one loader per evaluation."""
-    results, rdir = run(world, tmp_path)
+def test_epochs_reshuffle_and_reseed_and_the_readouts_read_each_side_alone(world, tmp_path, spy):
+    """The batches of epoch 2 are another shuffle of the same images than epoch 1's, with other
+    seeds for their crops (a fixed per-image seed would crop alike every epoch). The readouts, on
+    the trained run's novel split, by hand from frozen CLIP's own encoders: image = the trained
+    f_cls against encode_text's class features; text = encode_image's feature against the trained
+    class features; class = the class logits; fused = the reported accuracy. One pass over the
+    images: one loader per evaluation."""
+    results, rdir = run(world, tmp_path, "--epochs 2 --crop-scale 0.5")
+    samplers = [k["batch_sampler"] for d, k in loaders(spy, dear.SeededImages)]
+    first, second = ([i for batch in b for i, _ in batch] for b in samplers)
+    seeds = [{i: s for batch in b for i, s in batch} for b in samplers]
+    assert sorted(first) == sorted(second) and first != second
+    assert all(seeds[0][i] != seeds[1][i] for i in first)
     model = spy["model"][0]
     novel = data.build_dataset(f"folder:{world / 'shapes'}", "", 4, 1, "novel")
     x = torch.stack([clip.transform(32)(data.open_image(p)) for p, _, _ in novel.test])
@@ -576,17 +549,6 @@ def test_the_readouts_read_each_side_alone_in_the_evaluations_pass(world, tmp_pa
     assert got == pytest.approx(want) and got["fused"] == results["evals"][1]["accuracy"]
     assert len(set(want.values())) > 1  # the sides differ here: the comparison means something
     assert [k.get("batch_size") for _, k in loaders(spy, data.ImageList)].count(100) == 2
-
-
-def test_each_epoch_draws_its_own_order_and_crops(world, tmp_path, spy):
-    """The batches of epoch 2 are another shuffle of the same images than epoch 1's, with other
-    seeds for their crops (a fixed per-image seed would crop alike every epoch)."""
-    run(world, tmp_path, "--epochs 2 --crop-scale 0.5")
-    samplers = [k["batch_sampler"] for d, k in loaders(spy, dear.SeededImages)]
-    first, second = ([i for batch in b for i, _ in batch] for b in samplers)
-    seeds = [{i: s for batch in b for i, s in batch} for b in samplers]
-    assert sorted(first) == sorted(second) and first != second
-    assert all(seeds[0][i] != seeds[1][i] for i in first)
 
 
 def test_toy_quick_start_beats_zero_shot_on_the_novel_classes(quick_start):

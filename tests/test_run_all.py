@@ -5,6 +5,7 @@ Every test but the last runs run_all.sh with a stand-in PYTHON (FAKE below) that
 arguments instead of training, so they take seconds.
 """
 
+import itertools
 import json
 import os
 import shlex
@@ -59,8 +60,7 @@ def run(tmp_path):
             return subprocess.Popen(cmd, **kw)
         p = subprocess.run(cmd, timeout=60, **kw)
         log = tmp_path / "calls.jsonl"
-        lines = log.read_text().splitlines() if log.exists() else []
-        p.calls = [json.loads(line) for line in lines]
+        p.calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
         return p
 
@@ -93,32 +93,25 @@ def stage_of(j):
 
 
 def test_list_covers_every_table(run):
-    common = ("--root DATA", "--out OUT", "--backbone ViT-B/16")
-    want = Counter()
-    for flags in [("--roles-only", f"--J {J}", "--dataset imagenet") for J in (9, 7, 11)]:
-        want[tuple(sorted(common + flags))] += 1
-    targets = tuple(f"--targets {t}" for t in DG + B2N[1:])
+    want, common = Counter(), ("--root DATA", "--out OUT", "--backbone ViT-B/16")
+    add = lambda *flags: want.update([tuple(sorted(common + flags))])
+    for J in (9, 7, 11):
+        add("--roles-only", f"--J {J}", "--dataset imagenet")
+    xd = ("--dataset imagenet", "--protocol xd", "--resume") + tuple(f"--targets {t}"
+                                                                     for t in DG + B2N[1:])
     for run_flags in [("--method zeroshot",)] + [(f"--seed {s}",) for s in (1, 2, 3)]:
-        want[tuple(sorted(common + ("--dataset imagenet", "--protocol xd",
-                                    "--resume") + targets + run_flags))] += 1
+        add(*xd, *run_flags)
     for s in (1, 2, 3):  # MMRL's class-only logits on the xd targets
-        flags = ("--dataset imagenet", "--protocol xd", "--resume", f"--seed {s}",
-                 "--novel-logits cls")
-        want[tuple(sorted(common + flags + targets))] += 1
+        add(*xd, f"--seed {s}", "--novel-logits cls")
     for ds in B2N:
         for protocol, shots in (("b2n", [None]), ("fewshot", [1, 2, 4, 8, 16])):
-            zero = (f"--dataset {ds}", f"--protocol {protocol}", "--method zeroshot", "--resume")
-            want[tuple(sorted(common + zero))] += 1
-            for k in shots:
-                for s in (1, 2, 3):
-                    flags = (f"--dataset {ds}", f"--protocol {protocol}",
-                             f"--seed {s}") + (f"--shots {k}",) * bool(k)
-                    want[tuple(sorted(common + flags + ("--resume",)))] += 1
-    for ds in ("dtd", "eurosat", "oxford_flowers"):
-        for ablation in ABLATIONS:
-            for s in (1, 2, 3):
-                flags = (f"--dataset {ds}", "--protocol b2n", f"--seed {s}", "--resume") + ablation
-                want[tuple(sorted(common + flags))] += 1
+            add(f"--dataset {ds}", f"--protocol {protocol}", "--method zeroshot", "--resume")
+            for k, s in itertools.product(shots, (1, 2, 3)):
+                add(f"--dataset {ds}", f"--protocol {protocol}", f"--seed {s}", "--resume",
+                    *[f"--shots {k}"] * bool(k))
+    for ds, ablation, s in itertools.product(("dtd", "eurosat", "oxford_flowers"), ABLATIONS,
+                                             (1, 2, 3)):
+        add(f"--dataset {ds}", "--protocol b2n", f"--seed {s}", "--resume", *ablation)
     p = run("--list", "--root", "DATA", "--out", "OUT")
     jobs = listed(p)
     assert Counter(jobs) == want
@@ -134,9 +127,7 @@ def test_toy_transfer_sets_reach_dear_py_as_separate_targets(run):
     assert len(xd) == 1 + 5 + 5  # zero-shot, seeds 1-5, seeds 1-5 with --novel-logits cls
     for args in xd:
         assert [args[i + 1] for i, a in enumerate(args) if a == "--targets"] == TRANSFER
-        assert "--root OUT/data" in job(args)
-        assert "--backbone toy" in job(args)
-        assert "--device cpu" in job(args)
+        assert {"--root OUT/data", "--backbone toy", "--device cpu"} <= set(job(args))
     brakes = ("--lambda-reg 0", "--lambda-fusion 0", "--lr 1e-2")  # the claim's, without them
     for j in listed(p):  # every job on the toy's own schedule (the quick start's, for b2n)
         schedule = [f for f in j if f.split()[0] in ("--epochs", "--lr", "--batch-size")]
@@ -166,10 +157,13 @@ def test_what_run_all_would_ignore_or_override_is_refused(run, args, says):
     assert len(p.stderr.splitlines()) == 1 and p.calls == []
 
 
-def test_gpus_without_cuda_stop_with_one_line(run):
+def test_gpus_without_cuda_or_a_failed_dataset_check_stop_before_any_job(run):
     p = run("--stages", "b2n", GPUS="0 1", FAKE_CUDA="False")
     assert p.returncode != 0 and len(p.stderr.splitlines()) == 1 and "CUDA" in p.stderr
     assert not [c for c in p.calls if c["args"][0] != "-c"]  # nothing else ran
+    p = run("--stages", "b2n", "--seeds", "1", FAKE_CHECK_FAILS="1")
+    assert p.returncode == 2 and [c["args"][0] for c in p.calls][-1].endswith("data.py")
+    assert not [c for c in p.calls if c["args"][0].endswith("dear.py")]
 
 
 def test_one_queue_per_gpu_round_robin(run, tmp_path):
@@ -185,46 +179,35 @@ def test_one_queue_per_gpu_round_robin(run, tmp_path):
 def test_a_failed_job_is_named_the_others_go_on_and_the_exit_status_says_so(run):
     p = run("--stages", "b2n,tables", "--seeds", "1", FAKE_FAIL="eurosat")
     failed = [line for line in p.stderr.splitlines() if line.startswith("FAILED ")]
-    assert p.returncode == 1
-    assert len(failed) == 2
+    assert p.returncode == 1 and len(failed) == 2
     assert all("--dataset eurosat" in line for line in failed)
     ran = [c["args"][0] for c in p.calls]
     assert sum(a.endswith("dear.py") for a in ran) == 22 and ran[-1].endswith("tables.py")
     assert ran[0].endswith("data.py")  # the datasets are checked before any job
 
 
-def test_a_failed_dataset_check_stops_before_any_job(run):
-    p = run("--stages", "b2n", "--seeds", "1", FAKE_CHECK_FAILS="1")
-    assert p.returncode == 2 and [c["args"][0] for c in p.calls][-1].endswith("data.py")
-    assert not [c for c in p.calls if c["args"][0].endswith("dear.py")]
-
-
-def test_a_second_run_all_on_the_same_out_is_refused(run, tmp_path):
+def test_the_out_lock_refuses_a_second_run_all_and_never_follows_a_link(run, tmp_path):
     first = run("--stages", "b2n", "--seeds", "1", wait=False, FAKE_WAIT=str(tmp_path / "go"))
     calls = tmp_path / "calls.jsonl"
     while not calls.exists() or "dear.py" not in calls.read_text():
         time.sleep(0.05)  # the first one runs a job
     second = run("--stages", "tables")
     (tmp_path / "go").touch()
-    assert first.wait(timeout=60) == 0
-    assert second.returncode == 2
+    assert first.wait(timeout=60) == 0 and second.returncode == 2
     assert second.stderr == ("run_all.sh: runs is in use by another run_all.sh; wait for it, or "
                              "choose another --out\n")
     assert not [c for c in second.calls if c["args"][0].endswith("tables.py")]
-
-
-def test_a_symlinked_lock_file_is_not_followed(run, tmp_path):
-    (tmp_path / "runs").mkdir()
+    calls.unlink(missing_ok=True)  # the first one's
+    (tmp_path / "runs" / ".lock").unlink()
     (tmp_path / "runs" / ".lock").symlink_to(tmp_path / "elsewhere")
     p = run("--stages", "tables")
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and p.calls == []
     assert not (tmp_path / "elsewhere").exists()
 
 
-# Real training (about a minute), run by conftest beside the other tests
 def test_smoke_runs_every_stage_on_the_toy_world(smoke):
-    """`bash run_all.sh --smoke` with the real code (started by conftest beside the other tests,
-    once the toy CLIP is there): every stage, every table."""
+    """`bash run_all.sh --smoke` with the real code (about a minute, started by conftest beside
+    the other tests once the toy CLIP is there): every stage, every table."""
     out, p = smoke
     assert p.returncode == 0, open(out.parent / "smoke.log").read()[-3000:]
     found = [json.loads(f.read_text()) for f in out.glob("*/*/*/results.json")]
@@ -232,5 +215,4 @@ def test_smoke_runs_every_stage_on_the_toy_world(smoke):
     # DeAR trains one epoch past its warm-up (at the warm-up's lr alone it stays near zero-shot)
     assert {(r["config"]["epochs"], r["config"]["warmup_epochs"]) for r in found
             if r["config"]["method"] == "dear" and r["config"]["protocol"] != "xd"} == {(2, 1)}
-    assert (out / "roles" / "J3" / "roles.json").exists()
-    assert (out / "tables" / "tables.md").exists()
+    assert (out / "roles" / "J3" / "roles.json").exists() and (out / "tables/tables.md").exists()

@@ -2,15 +2,19 @@
 nothing): cells, averages and HMs by hand, uneven result folders, published numbers, env
 differences, the toy tables."""
 
+import ast
 import csv
 import itertools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 import dear
 import tables
+from conftest import ROOT
 
 ENV = dict(python="3.11.9", torch="2.4.1", torchvision="0.19.1", cuda="12.1", cudnn=90100,
            device="NVIDIA H100", git_commit="f4cba4f", git_dirty=False)
@@ -291,3 +295,22 @@ def test_links_are_followed_round_no_cycle_and_stale_tables_go(tmp_path):
     assert "## Files skipped" not in md
     kept = os.listdir(tmp_path / "tables")
     assert "notes.csv" in kept and "table1_b2n.csv" in kept and "table5_ablations.csv" not in kept
+
+
+def test_tables_reads_results_without_torch_and_no_module_imports_a_caller():
+    """tables.py loads neither torch nor dear.py (0.15 s, not 4.6); and the project's imports go
+    one way: no module imports one that (directly or not) imports it."""
+    code = "import sys, tables; print(sorted({'torch', 'dear'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stderr
+    modules = {os.path.splitext(f)[0] for f in os.listdir(ROOT) if f.endswith(".py")} | {"clip"}
+    graph = {m: set() for m in modules}
+    for m in modules:
+        path = os.path.join(ROOT, "clip", "__init__.py") if m == "clip" else f"{ROOT}/{m}.py"
+        for node in ast.walk(ast.parse(open(path).read())):  # at any depth, inside functions too
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            graph[m] |= {n.split(".")[0] for n in names} & modules - {m}
+    reach = {m: set(graph[m]) for m in modules}
+    for _ in modules:
+        reach = {m: r | {x for n in r for x in reach[n]} for m, r in reach.items()}
+    assert not [m for m in modules if m in reach[m]], reach
