@@ -9,9 +9,8 @@ direct contributions to the image embedding; the entropy of their concepts gives
 Blocks count from 1 in flags and files (blocks 9-12 of ViT-B/16, as the paper), heads from 0.
 """
 
-import hashlib
+import contextlib
 import itertools
-import json
 import math
 import os
 import random
@@ -44,13 +43,9 @@ def read_pool(path):
     `concept<TAB>description` (assets/concepts.tsv) or bare; lines starting with '#' are
     comments."""
     lines = data.read_text(path, "write a description a line, as concept<TAB>description or bare")
-    pool = []
-    for line in lines:
-        concept, _, text = line.rpartition("\t")
-        if not line.startswith("#") and text.strip():
-            pool.append((text.strip(), concept.strip() or None))
-    unknown = {c for _, c in pool} - {None, *CONCEPTS}
-    if unknown:
+    parts = [line.rpartition("\t") for line in lines if not line.startswith("#")]
+    pool = [(text.strip(), concept.strip() or None) for concept, _, text in parts if text.strip()]
+    if unknown := {c for _, c in pool} - {None, *CONCEPTS}:
         raise data.UserError(f"{path}: unknown concepts {sorted(unknown)}; use {CONCEPTS}")
     if not pool:
         raise data.UserError(f"{path}: no descriptions; write one a line")
@@ -84,11 +79,9 @@ def label_pool(model, builtin, user=None):
     """(descriptions, concepts): the built-in pool, or the user's, whose unlabelled descriptions
     get the concept of the nearest built-in concept centroid in the model's text space."""
     pool = builtin if user is None else user
-    todo = [t for t, c in pool if c is None]
-    if todo:
-        ref_embeddings = encode_texts(model, [t for t, _ in builtin])
-        ref_concepts = [c for _, c in builtin]
-        nearest = iter(label_by_centroid(encode_texts(model, todo), ref_embeddings, ref_concepts))
+    if todo := [t for t, c in pool if c is None]:
+        ref = encode_texts(model, [t for t, _ in builtin])
+        nearest = iter(label_by_centroid(encode_texts(model, todo), ref, [c for _, c in builtin]))
         pool = [(t, c or next(nearest)) for t, c in pool]
     return [t for t, _ in pool], [c for _, c in pool]
 
@@ -110,18 +103,15 @@ def decompose(model, images, layers):
     An analysed block's attention output splits into its H heads, each with 1/H of that share:
     head h's CLS row (attention x values x its out_proj columns) + out_proj.bias / H."""
     visual = model.visual
-    blocks = visual.transformer.resblocks
-    H = visual.heads
+    blocks, H = visual.transformer.resblocks, visual.heads
     x = visual.embed(images)  # [B, 1+P, D]
     B, _, D = x.shape
-    rest = x[:, 0].float()
-    n_rest = 1
-    heads = []
+    # the parts: the sum of the other intermediates and their count; the heads' contributions
+    rest, n_rest, heads = x[:, 0].float(), 1, []
     for b, block in enumerate(blocks):
         if b + 1 not in layers:
             new = block(x)
-            rest = rest + (new[:, 0] - x[:, 0]).float()
-            n_rest += 2
+            rest, n_rest = rest + (new[:, 0] - x[:, 0]).float(), n_rest + 2  # attention and MLP
             x = new
             continue
         attn = block.attn
@@ -134,14 +124,13 @@ def decompose(model, images, layers):
         heads.append(torch.einsum("bhd,ehd->bhe", cls, w_o) + attn.out_proj.bias.float() / H)
         x = x + out
         m = block.mlp(block.ln_2(x))
-        rest = rest + m[:, 0].float()
-        n_rest += 1
+        rest, n_rest = rest + m[:, 0].float(), n_rest + 1
         x = x + m
     ln = visual.ln_post
     n = 2 * len(blocks) + 1
     r = x[:, 0].float()  # [B, D]
-    mean = r.mean(-1, keepdim=True)  # [B, 1]
-    std = (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # [B, 1]
+    # [B, 1] each: ln_post's statistics of r
+    mean, std = r.mean(-1, keepdim=True), (r.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()
 
     def through_ln(p, share):  # p [B, ..., D], worth `share` intermediates -> [B, ..., E]
         view = (B,) + (1,) * (p.dim() - 1)
@@ -170,15 +159,14 @@ def ablation(model, loader, layers, means, classes, log=print):
     image's class scores for every head would take N x heads x C numbers (9.6 GB for ImageNet
     val at ViT-B/16)."""
     device = model.visual.proj.device
-    classes = classes.to(device).float()
-    means = means.to(device).float()
+    classes, means = classes.to(device).float(), means.to(device).float()
     right, n = torch.zeros((), device=device), 0
     kept = torch.zeros(means.shape[:2], device=device)  # [nL, H]: images right once ablated
     for i, (images, labels) in enumerate(loader):
         heads, whole = head_contributions(model, images.to(device), layers)  # [b, nL, H, E], [b, E]
         y = labels.to(device)
-        scores = whole @ classes.t()  # [b, C]
-        change = (means - heads) @ classes.t()  # [b, nL, H, C]: one head at its mean
+        # [b, C], and its change [b, nL, H, C] with one head at its mean
+        scores, change = whole @ classes.t(), (means - heads) @ classes.t()
         right += (scores.argmax(-1) == y).sum()
         kept += ((scores[:, None, None] + change).argmax(-1) == y[:, None, None]).sum(0)
         n += len(y)
@@ -204,8 +192,7 @@ class GramStatistics:
     def __init__(self, shape, dim, device=None):
         self.count = 0
         self.mean = torch.zeros(*shape, dim, dtype=torch.float64, device=device)  # [*shape, E]
-        shape = (*shape, dim, dim)  # [*shape, E, E]
-        self.scatter = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.scatter = self.mean.new_zeros(*shape, dim, dim)  # [*shape, E, E]
 
     def add(self, batch):
         """batch [b, *shape, E]: one contribution per image and head."""
@@ -213,10 +200,9 @@ class GramStatistics:
         x = batch.to(self.mean).reshape(b, -1, E).transpose(0, 1)  # [heads, b, E]
         batch_mean = x.mean(1)  # [heads, E]
         x = x - batch_mean.unsqueeze(1)
-        mean = self.mean.view(-1, E)  # views, updated in place
-        scatter = self.scatter.view(-1, E, E)
-        delta = batch_mean - mean
-        total = self.count + b
+        # views, updated in place
+        mean, scatter = self.mean.view(-1, E), self.scatter.view(-1, E, E)
+        delta, total = batch_mean - mean, self.count + b  # the means' gap; the count once merged
         scatter.baddbmm_(x.transpose(1, 2), x)  # the batch's own scatter
         scatter.baddbmm_(delta.unsqueeze(2), delta.unsqueeze(1), alpha=self.count * b / total)
         mean.add_(delta, alpha=b / total)
@@ -247,8 +233,7 @@ def textspan_from_statistics(count, mean, scatter, text_embeddings, n, rank):
     picks = []
     for _ in range(n):
         j = int(((texts @ K) * texts).sum(-1).argmax())
-        norm = texts[j].norm()
-        if norm < 1e-12:
+        if (norm := texts[j].norm()) < 1e-12:
             raise data.UserError(f"the texts span {len(picks)} directions of a head, not --n {n}")
         picks.append(j)
         u = texts[j] / norm  # [E]
@@ -273,8 +258,7 @@ def concept_entropy(P):
 def default_thresholds(entropies):
     """(low, high): the 1/3 and 2/3 quantiles (linear interpolation) of the analysed heads'
     entropies."""
-    low, high = np.quantile(np.asarray(entropies, dtype=np.float64), [1 / 3, 2 / 3])
-    return float(low), float(high)
+    return tuple(float(q) for q in np.quantile(np.asarray(entropies, dtype=float), [1 / 3, 2 / 3]))
 
 
 def assign_role(entropy, P, low, high):
@@ -302,9 +286,9 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
     folds but one and scored on that one. Returns {"accuracy", "skill": {name: [nL][H]},
     "chance": {name}}, skill = (accuracy - chance) / (1 - chance), chance = the commonest class's
     share."""
-    X = contributions.double()
-    N, nL, H, E = X.shape
-    X = X.reshape(N, nL * H, E).transpose(0, 1)  # [nL*H, N, E]: all heads' probes in one batch
+    N, nL, H, E = contributions.shape
+    # [nL*H, N, E]: all heads' probes in one batch
+    X = contributions.double().reshape(N, nL * H, E).transpose(0, 1)
     fold = torch.randperm(N, generator=torch.Generator().manual_seed(seed)) % folds  # [N]
     out = {"accuracy": {}, "chance": {}, "skill": {}}
     for name, labels in factors.items():
@@ -321,8 +305,7 @@ def probe_factors(contributions, factors, folds=2, ridge=1.0, seed=0):
             W = torch.linalg.solve(G + lam.view(-1, 1, 1) * torch.eye(E, dtype=G.dtype),
                                    Xtr.transpose(1, 2) @ (Y[tr] - y_mean))
             correct += ((Xte @ W + y_mean).argmax(-1) == y[te]).sum(1).float()  # W [nL*H, E, C]
-        acc = (correct / N).view(nL, H).tolist()
-        chance = float(torch.bincount(y).max()) / N
+        acc, chance = (correct / N).view(nL, H).tolist(), float(torch.bincount(y).max()) / N
         out["accuracy"][name] = [[round(a, 4) for a in row] for row in acc]
         out["chance"][name] = round(chance, 4)
         out["skill"][name] = [[round((a - chance) / (1 - chance), 4) for a in row] for row in acc]
@@ -341,11 +324,9 @@ def control_roles(roles, control, seed):
     are kept, only which head holds which is chance."""
     if control == "none":
         return roles
-    out = {}
-    for b, heads in roles.items():
-        g = torch.Generator().manual_seed(1000 * seed + b)
-        out[b] = [dict(heads[i]) for i in torch.randperm(len(heads), generator=g).tolist()]
-    return out
+    order = {b: torch.randperm(len(heads), generator=torch.Generator().manual_seed(1000 * seed + b))
+             for b, heads in roles.items()}
+    return {b: [dict(heads[i]) for i in order[b].tolist()] for b, heads in roles.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,10 +378,8 @@ def load_roles(path, num_layers=None, num_heads=None, layers=None, sha256=None):
                              f"{num_heads}; {FIX}")
     if not set(layers or []) <= set(blocks):
         raise data.UserError(f"{path}: has blocks {blocks}, not all of {layers}; {FIX}")
-    roles = {b: [None] * H for b in blocks}
-    for e in doc["heads"]:
-        roles[e["layer"]][e["head"]] = e
-    return roles
+    at = {(e["layer"], e["head"]): e for e in doc["heads"]}  # read_roles: each head once
+    return {b: [at[b, h] for h in range(H)] for b in blocks}
 
 
 ROLE_COLORS = {"attribute": (230, 145, 56), "generalization": (61, 133, 198),
@@ -421,8 +400,7 @@ def ties(doc):
     t = doc["thresholds"]
     said = []
     for name, role in (("low", "specialists"), ("high", "generalization heads")):
-        k = sum(e["entropy"] == t[name] for e in doc["heads"])
-        if k > 1:
+        if (k := sum(e["entropy"] == t[name] for e in doc["heads"])) > 1:
             said.append(f"{k} heads tie at the {name} threshold ({t[name]:.3f} bits), all "
                         f"counted as {role}")
     if not said:
@@ -485,8 +463,7 @@ def write_report(doc, out_dir):
         f"when mean-ablated (probe accuracy {doc['ablation']['zero_shot']:.1f}%)"])
     for h in range(H):
         draw.text((44 + h * CELL, TOP - 16), f"head {h}", fill="black")
-    for row, b in enumerate(layers):
-        y = TOP + row * CELL
+    for b, y in zip(layers, itertools.count(TOP, CELL)):  # y: the top of the block's row
         draw.text((4, y + CELL // 2 - 6), f"block {b}", fill="black")
         for h in range(H):
             e, x = at[b, h], 44 + h * CELL
@@ -529,8 +506,8 @@ def draw_mask(masks, roles, J, variant, path):
     the mask treats it: under generalization-only an attribute head acts as mixed); where the mask
     blocks it, white."""
     n, H, T, _ = masks.shape
-    k = len(ATTRIBUTES)
-    groups = [[0]] + [[1 + a] for a in range(k)] + [list(range(1 + k, T))]
+    # CLS and each token alone, the patches together
+    groups = [[p] for p in range(1 + len(ATTRIBUTES))] + [list(range(1 + len(ATTRIBUTES), T))]
     allowed = masks.isfinite().cpu()
     side = len(groups) * MASK_CELL
     width, height, top = side + 70, side + 44, 60  # a panel and its gap; the title's height
@@ -595,8 +572,7 @@ def compute_roles(model, loader, pool, layers, o, classes, factors=None, log=pri
     if n > min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
         raise data.UserError(f"TextSpan cannot pick {n} texts per head from {len(texts)} texts, "
                              f"rank {rank}, {N} images")
-    keep = factors is not None
-    stats, contributions = collect_statistics(model, loader, layers, keep=keep, log=log)
+    stats, contributions = collect_statistics(model, loader, layers, factors is not None, log)
     text_embeddings = encode_texts(model, texts).to(stats.mean.device)  # [T, E]
     heads = []
     for i, block in enumerate(layers):
@@ -607,8 +583,7 @@ def compute_roles(model, loader, pool, layers, o, classes, factors=None, log=pri
                           "P": {c: round(p, 4) for c, p in P.items()},
                           "texts": [texts[j] for j in picks]})
     auto = default_thresholds([e["entropy"] for e in heads])
-    low = round(auto[0] if o["low"] is None else o["low"], 4)
-    high = round(auto[1] if o["high"] is None else o["high"], 4)
+    low, high = (round(a if o[k] is None else o[k], 4) for a, k in zip(auto, ("low", "high")))
     for e in heads:
         e.update(assign_role(e["entropy"], e["P"], low, high))
     doc = {"format": FORMAT, "model": model.name, "checkpoint_sha256": model.sha256,
@@ -619,9 +594,8 @@ def compute_roles(model, loader, pool, layers, o, classes, factors=None, log=pri
     for e, cost in zip(heads, costs.flatten().tolist()):
         e["ablation"] = round(cost, 4)
     costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r in ROLES}
-    by_role = {r: {"mean": round(sum(c) / len(c), 4), "heads": len(c)}
-               for r, c in costs.items() if c}
-    doc["ablation"] = {"zero_shot": round(accuracy, 4), "images": N, "by_role": by_role}
+    doc["ablation"] = {"zero_shot": round(accuracy, 4), "images": N, "by_role": {
+        r: {"mean": round(sum(c) / len(c), 4), "heads": len(c)} for r, c in costs.items() if c}}
     if factors is not None:
         truth = probe_factors(contributions, factors, seed=o["seed"])
         for i, e in enumerate(heads):
@@ -662,23 +636,19 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
         dataset = "folder:" + data.dataset_folder(dataset, root)
     n = o["n"] or (toyworld.TEXTS_PER_HEAD if pool == "toy" else 20)
     if pool == "toy":  # its few texts a head give a few entropies: thresholds between them
-        o["low"], o["high"] = (toyworld.THRESHOLDS[i] if o[k] is None else o[k]
-                               for i, k in enumerate(("low", "high")))
-    pool_sha256 = hashlib.sha256(json.dumps([builtin, user]).encode()).hexdigest()
+        o |= {k: t for k, t in zip(("low", "high"), toyworld.THRESHOLDS) if o[k] is None}
     inputs = {"model": model.name, "checkpoint_sha256": model.sha256, "layers": layers,
-              "dataset": dataset, "split": split, "pool_sha256": pool_sha256, "n": n}
-    inputs |= {k: o[k] for k in ("rank", "low", "high", "max_images", "seed")}
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+              "dataset": dataset, "split": split, "pool_sha256": runs.sha256_json([builtin, user]),
+              "n": n, **{k: o[k] for k in ("rank", "low", "high", "max_images", "seed")}}
+    key = runs.sha256_json(dict(sorted(inputs.items())))[:12]  # sorted: as folders named before
     name = f"{model.name}_L{layers[0]}-{layers[-1]}_{os.path.basename(dataset)}-{split}"
     name = re.sub(r"[^\w.@-]+", "-", name).strip("-")
     out_dir = out_dir or os.path.join(clip.cache_dir(), "roles", f"{name}_{key}")
     path = os.path.join(out_dir, "roles.json")
-    try:
+    with contextlib.suppress(data.UserError):  # none there, or not for these inputs: computed
         if read_roles(path).get("inputs") == inputs:
             log(f"roles: {path} (computed before, reused)")
             return path
-    except data.UserError:
-        pass  # none there, or not for these inputs: computed
     data.writable_folder(out_dir)  # before the work, not after it
     if dataset == "toyworld":
         toyworld.ensure_dataset(root)
@@ -693,8 +663,8 @@ def run(model, dataset, root, layers=None, split="test", out_dir=None, log=print
     images = data.ImageList(items, clip.transform(model.visual.input_resolution))
     loader = torch.utils.data.DataLoader(images, o["batch_size"], num_workers=o["workers"])
     factors = toyworld.factor_labels([p for p, _, _ in items]) if dataset == "toyworld" else None
-    prompts = [ds.template.format(c) for c in ds.classnames]
-    classes = encode_texts(model, prompts)  # [C, E]: the zero-shot classifier of the probe
+    # [C, E]: the zero-shot classifier of the probe
+    classes = encode_texts(model, [ds.template.format(c) for c in ds.classnames])
     doc = compute_roles(model, loader, pool, layers, dict(o, n=n), classes, factors, log)
     doc |= {"probe": {"dataset": dataset, "split": split, "images": len(items)}, "inputs": inputs}
     write_report(doc, out_dir)

@@ -9,6 +9,7 @@ The classes are the run's (base and novel for a base-to-novel run, in its config
 rebuilt with its own roles and weights, once they are what it recorded (dear.load_run).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -27,10 +28,8 @@ def predict(argv):
     parser = data.Parser(description=__doc__.splitlines()[0])
     parser.add_argument("images", nargs="+", help="image files")
     parser.add_argument("--load", required=True, help="a finished run folder")
-    parser.add_argument("--classes", help="a file of class names, one a line "
-                        "(default: the run's)")
-    parser.add_argument("--template", help="the prompt template (default: the "
-                        "run's)")
+    parser.add_argument("--classes", help="a file of class names, one a line (default: the run's)")
+    parser.add_argument("--template", help="the prompt template (default: the run's)")
     parser.add_argument("--explain", help="a new .png (or a sheet written before): "
                         "what CLS and the tokens attend to in block L, on the crop the model saw")
     parser.add_argument("--json", action="store_true", help="JSON alone on stdout, not text")
@@ -89,9 +88,8 @@ def attention_maps(model, images):
     w = w[:, :, : 1 + dear.K, 1 + dear.K :]  # queries CLS and the tokens, keys the patches
     roles = model.roles[last] if model.roles else [{"role": "mixed"}] * w.shape[1]
     mixed = [h for h, r in enumerate(roles) if r["role"] == "mixed"]
-    heads = [list(range(w.shape[1]))]  # CLS: every head
-    for a in dear.ATTRIBUTES:
-        heads.append([h for h, r in enumerate(roles) if r.get("attribute") == a] or mixed)
+    experts = [[h for h, r in enumerate(roles) if r.get("attribute") == a] for a in dear.ATTRIBUTES]
+    heads = [list(range(w.shape[1]))] + [hs or mixed for hs in experts]  # CLS: every head
     none = torch.zeros_like(w[:, 0, 0])  # a token no head lets see the patches: an empty map
     maps = [w[:, hs, k].mean(1) if hs else none for k, hs in enumerate(heads)]
     return torch.stack(maps, 1), heads
@@ -114,12 +112,9 @@ def check_sheet_path(path):
     """--explain's file: a new .png, or a sheet this wrote before (its PNG text says so); never an
     image given to classify, never any other file of the user's."""
     ours = False
-    if os.path.lexists(path):
-        try:
-            with Image.open(data.regular(path, "")) as old:
-                ours = old.text.get("Software") == SHEET
-        except (OSError, ValueError, data.UserError):
-            pass
+    with (contextlib.suppress(OSError, ValueError, data.UserError),  # none, or unreadable: not ours
+          Image.open(data.regular(path, "")) as old):
+        ours = old.text.get("Software") == SHEET
     if not path.lower().endswith(".png") or (os.path.lexists(path) and not ours):
         raise data.UserError(f"--explain {path}: give a new .png name, or a sheet this wrote (the "
                              "images to classify come after the flags)")
@@ -136,12 +131,11 @@ def draw_explain(titles, crops, maps, heads, roles, alpha, path):
     names = ["CLS"] + list(dear.ATTRIBUTES)
     labels = [f"CLS (alpha {alpha['cls']:.2f}): all heads"]
     for m in shown[1:]:
-        expert = roles and roles[heads[m][0]]["role"] == "attribute"
-        kind = "head" if expert else "mixed heads"
+        kind = "head" if roles and roles[heads[m][0]]["role"] == "attribute" else "mixed heads"
         labels.append(f"{names[m]}: {kind} {','.join(map(str, heads[m]))}")
     blind = [names[m] for m, hs in enumerate(heads) if not hs]
-    g = int(maps.shape[-1] ** 0.5)
-    height = TILE + 64
+    g, height = int(maps.shape[-1] ** 0.5), TILE + 64  # patches a side; a row's pixels
+    edges = np.arange(1, g) * TILE // g  # the pixel rows and columns between patches
     scale = Image.fromarray(heat(np.linspace(1, 0, TILE)[:, None].repeat(20, 1)))  # 1 at the top
     page = Image.new("RGB", (TILE * (1 + len(shown)) + 110, height * len(titles)), "white")
     draw = ImageDraw.Draw(page)
@@ -156,12 +150,9 @@ def draw_explain(titles, crops, maps, heads, roles, alpha, path):
             top = float(row[m].max().clamp_min(1e-12))
             share = Image.fromarray((row[m].view(g, g) / top).numpy().astype(np.float32))
             share = np.asarray(share.resize((TILE, TILE), Image.NEAREST))  # a patch: one block
-            tile = Image.fromarray((0.35 * grey + 0.65 * heat(share)).astype(np.uint8))
-            tiles = ImageDraw.Draw(tile)
-            for j in range(1, g):  # the patch grid
-                tiles.line([(j * TILE // g, 0), (j * TILE // g, TILE)], fill=(255, 255, 255))
-                tiles.line([(0, j * TILE // g), (TILE, j * TILE // g)], fill=(255, 255, 255))
-            page.paste(tile, (i * TILE, y + 32))
+            tile = (0.35 * grey + 0.65 * heat(share)).astype(np.uint8)
+            tile[edges] = tile[:, edges] = 255  # the patch grid, in white
+            page.paste(Image.fromarray(tile), (i * TILE, y + 32))
             draw.text((i * TILE + 2, y + 18), labels[i - 1], fill="black")
             draw.text((i * TILE + 2, y + 34 + TILE), f"top patch {100 * top:.1f}%", fill="black")
         if blind:

@@ -11,7 +11,6 @@ against what it is about to use: reuse and --resume the whole record (RunFolder.
 """
 
 import fcntl
-import functools
 import hashlib
 import json
 import math
@@ -30,12 +29,11 @@ from data import UserError
 # reads every flag but these three; the other calls read only their own.
 NOT_TRAINING = ("eval_only", "load", "roles_only")
 PLACE = ("root", "workers", "eval_batch_size", "device")  # where and how fast: never recorded
-READS = {
-    "zeroshot": ("dataset", "protocol", "method", "backbone", "targets", "eval_precision", "out",
-                 "resume", "force", *PLACE),
-    "eval-only": ("dataset", "protocol", "targets", "target_beta", "eval_precision", "eval_only",
-                  "load", "force", *PLACE),
-    "roles-only": ("dataset", "backbone", "J", "out", "roles_only", *PLACE)}
+READS = {"zeroshot": ("dataset", "protocol", "method", "backbone", "targets", "eval_precision",
+                      "out", "resume", "force", *PLACE),
+         "eval-only": ("dataset", "protocol", "targets", "target_beta", "eval_precision",
+                       "eval_only", "load", "force", *PLACE),
+         "roles-only": ("dataset", "backbone", "J", "out", "roles_only", *PLACE)}
 XD_ONLY = ("targets", "target_beta")
 
 
@@ -50,12 +48,11 @@ def refuse_unread(call, given, protocol, recorded):
     them from the run it loads)."""
     what = {"dear": "a DeAR run", "zeroshot": "--method zeroshot"}.get(call, "--" + call)
     for name, flag in given.items():
-        if reads(call, name):
-            if name in XD_ONLY and protocol != "xd":
-                raise UserError(f"{flag} is read by --protocol xd only: drop it, or add it")
-            continue
         why = "it takes the run's own" if call == "eval-only" and name in recorded else "drop it"
-        raise UserError(f"{flag} is not read by {what}: {why}")
+        if not reads(call, name):
+            raise UserError(f"{flag} is not read by {what}: {why}")
+        if name in XD_ONLY and protocol != "xd":
+            raise UserError(f"{flag} is read by --protocol xd only: drop it, or add it")
     if "resume" in given and "force" in given:
         raise UserError("--resume continues a run and --force restarts it: give one of them")
 
@@ -65,11 +62,9 @@ def refuse_unread(call, given, protocol, recorded):
 # {"config", "inputs", "env", "variant", "changed", "evals", ...}. The settings' schema is dear.py's
 # (every field as its flag takes it); tables.py checks the ones it reads (RUN_CONFIG).
 
-INPUTS = {"dataset_folder": str, "data_sha256": str, "backbone_sha256": str,
-          "roles_sha256": (str, None)}
-RUN_CONFIG = {"dataset": str, "protocol": ("b2n", "fewshot", "xd"), "method": ("dear", "zeroshot"),
-              "backbone": str, "shots": data.POSITIVE, "seed": int, "eval_only": bool,
-              "targets": [str]}
+INPUTS = dict(dataset_folder=str, data_sha256=str, backbone_sha256=str, roles_sha256=(str, None))
+RUN_CONFIG = dict(dataset=str, protocol=("b2n", "fewshot", "xd"), method=("dear", "zeroshot"),
+                  backbone=str, shots=data.POSITIVE, seed=int, eval_only=bool, targets=[str])
 ACCURACY = slice(0, 100)
 READOUTS = {"fused": ACCURACY, "class": ACCURACY, "image": ACCURACY, "text": ACCURACY}
 EVAL = {"dataset": str, "split": ("base", "novel", "all"), "beta": (slice(0, 1), None),
@@ -110,8 +105,7 @@ def read_results(path, config=None):
 
 def exact(path, doc, config, fix):
     """doc, if its settings are exactly the fields of this version."""
-    extra = sorted(set(doc["config"]) - set(config))
-    if extra:
+    if extra := sorted(set(doc["config"]) - set(config)):
         raise UserError(f"{path}: config {extra[0]!r} is not a setting of this version; {fix}")
     return doc
 
@@ -127,8 +121,7 @@ def check_use(run, config, now):
     doc = read_config(run, config)
     done = read_results(os.path.join(run, "results.json"), config)
     was = {**doc["inputs"], "model_sha256": done["model_sha256"]}
-    differ = [f"{k} {was[k]} recorded, {v} found" for k, v in now.items() if was[k] != v]
-    if differ:
+    if differ := [f"{k} {was[k]} recorded, {v} found" for k, v in now.items() if was[k] != v]:
         raise UserError(f"{run}: not the inputs it was run with ({'; '.join(differ)}); restore "
                         "them (its roles.json and model.pt), or run it again")
     return doc
@@ -229,11 +222,9 @@ class RunFolder:
         if not (done or (interrupted and self.resuming)):
             return None
         docs = [read_config(self.path, config, FIX_RESULTS)]
-        if done:
-            docs.append(read_results(self.file("results.json"), config))
+        docs += [read_results(self.file("results.json"), config)] if done else []
         for doc in docs:
-            diff = differences(record, doc)
-            if diff:
+            if diff := differences(record, doc):
                 raise UserError(f"{self.path} holds a run of another config ({diff}); use another "
                                 "--out, or --force")
         return docs[-1] if done else None
@@ -245,9 +236,8 @@ class RunFolder:
         trained = [p for p in model.parameters() if p.requires_grad]
         data.writable_folder(self.path, 3 * sum(p.nbytes for p in trained) + 2**20)
         if roles and os.path.realpath(roles) != os.path.realpath(self.file("roles.json")):
-            data.atomic_write(self.file("roles.json"), functools.partial(shutil.copyfile, roles))
-        data.write_json(self.file("config.json"), {**record, "classes": classes,
-                                                   "template": template})
+            data.atomic_write(self.file("roles.json"), lambda tmp: shutil.copyfile(roles, tmp))
+        data.write_json(self.file("config.json"), dict(record, classes=classes, template=template))
 
     def end(self, results):
         """results.json, last: the run is finished; its checkpoint goes."""
@@ -297,8 +287,7 @@ class Progress:
         self.log, self.epochs, self.steps, self.start = log, epochs, steps, start
         self.opt, self.precision = opt, precision
         self.every = max(1, min(50, steps // 2))
-        self.done = 0
-        self.t0 = time.time()
+        self.done, self.t0 = 0, time.time()  # the steps taken, and since when
 
     def skipped(self, steps):
         """Of `steps` so far, those AdamW did not take (its own count leaves the skipped out)."""
@@ -336,11 +325,9 @@ def environment():
         done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True)
         return done.stdout.strip()
 
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":")[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+    info = data.read_text("/proc/cpuinfo", "") if os.path.exists("/proc/cpuinfo") else []
+    names = [line.split(":")[1].strip() for line in info if line.startswith("model name")]
+    cpu = names[0] if names else (platform.processor() or platform.machine())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     return dict(python=platform.python_version(), torch=torch.__version__,
                 torchvision=torchvision.__version__, cuda=torch.version.cuda, device=device,

@@ -10,9 +10,8 @@ from clip.model import CLIP
 
 
 def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path, monkeypatch):
-    out = tmp_path / "bench.md"
-    res = bench.main(["--tiny", "--out", str(out)])
-    text = out.read_text()
+    res = bench.main(["--tiny", "--out", str(tmp_path / "bench.md")])
+    text = (tmp_path / "bench.md").read_text()
     assert "torch " + torch.__version__ in text and "`python bench.py --tiny --out" in text
     assert len(res["costs"]) == 5 * len(bench.SETTINGS)
     assert len(res["shortcuts"]) == 4 * len(bench.SETTINGS)
@@ -28,8 +27,7 @@ def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path, monke
     # exact: the same loss, never more FLOPs
     for shortcut, where, with_it, without_it, loss in res["shortcuts"]:
         saves = with_it < without_it if where.startswith("1000") else with_it <= without_it
-        assert saves, (shortcut, where)
-        assert abs(loss) < 1e-5, (shortcut, where)
+        assert saves and abs(loss) < 1e-5, (shortcut, where)
     monkeypatch.setattr(bench, "run", None)  # a folder that takes no files: refused before the work
     with pytest.raises(SystemExit, match="2"):
         bench.main(["--tiny", "--out", "/proc/self/bench.md"])

@@ -1,10 +1,7 @@
 """Tests of the vendored CLIP: model math, seams, tokenizer, checkpoint loading and downloading."""
 
-import functools
 import hashlib
-import http.server
 import os
-import threading
 
 import pytest
 import torch
@@ -22,14 +19,12 @@ from conftest import tiny_clip, tiny_state_dict
 # OpenAI's layout ([L, N, D]) with torch.nn.MultiheadAttention, fed the same state dict; it shares
 # no code with clip/model.py.
 
-
 def ref_transformer(x, sd, prefix, layers, heads, mask=None):
     ln = lambda t, name: F.layer_norm(t, t.shape[-1:], sd[name + ".weight"], sd[name + ".bias"])
     for i in range(layers):
         p = f"{prefix}.resblocks.{i}."
         mha = nn.MultiheadAttention(x.shape[-1], heads)
-        mha.load_state_dict({k[len(p + "attn.") :]: v for k,
-                             v in sd.items() if k.startswith(p + "attn.")})
+        mha.load_state_dict({k: sd[p + "attn." + k] for k in mha.state_dict()})
         h = ln(x, p + "ln_1")
         x = x + mha(h, h, h, need_weights=False, attn_mask=mask)[0]
         h = F.linear(ln(x, p + "ln_2"), sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"])
@@ -58,15 +53,11 @@ def ref_encode_text(sd, tokens, layers=2, heads=4):
     return x[torch.arange(x.shape[0]), tokens.argmax(-1)] @ sd["text_projection"]
 
 
-def images(n=2, size=32, seed=1):
-    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
-
-
+IMAGES = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 TEXTS = ["a photo of a big red fox standing.", "cat", "a photo of a dog.", "", "a photo of a cow."]
 
 
 # ---------------------------------------------------------------- model
-
 
 # one group per prompt length; one group padded to the longest
 @pytest.mark.parametrize("group_cost", [0, 10**6])
@@ -76,44 +67,36 @@ def test_features_equal_the_plain_reference(group_cost, monkeypatch):
     sd = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.dim() == 1 else v
           for k, v in tiny_state_dict(seed=3).items()}
     model, tokens = build_model(sd), clip.tokenize(TEXTS)
-    # id 0 ("!") inside a text: EOT is the argmax
-    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])
+    tokens[3, :6] = torch.tensor([49406, 0, 0, 320, 0, 49407])  # "!" (id 0) inside: EOT = argmax
     norm = lambda *fs: [F.normalize(f, dim=-1) for f in fs]
     with torch.no_grad():
-        ours_i, ours_t = norm(model.encode_image(images()), model.encode_text(tokens))
-        ref_i, ref_t = norm(ref_encode_image(sd, images()), ref_encode_text(sd, tokens))
-        logits, logits_t = model(images(), tokens)
+        ours_i, ours_t = norm(model.encode_image(IMAGES), model.encode_text(tokens))
+        ref_i, ref_t = norm(ref_encode_image(sd, IMAGES), ref_encode_text(sd, tokens))
+        logits, logits_t = model(IMAGES, tokens)
     assert (ours_i - ref_i).abs().max() < 1e-5 and (ours_t - ref_t).abs().max() < 1e-5
     assert torch.allclose(logits, model.logit_scale.exp() * ref_i @ ref_t.t(), atol=1e-4)
     assert torch.equal(logits_t, logits.t())
 
 
-def explicit_attention(attn, x, mask):
-    """Per head h: softmax(Q_h K_h^T / sqrt(d) + mask[:, h]) V_h, heads concatenated, then
-    out_proj."""
-    B, L, D = x.shape
-    H, d = attn.n_head, D // attn.n_head
-    (Wq, Wk, Wv), (bq, bk, bv) = attn.in_proj_weight.split(D), attn.in_proj_bias.split(D)
-    outs, weights = [], []
-    for h in range(H):
-        r = slice(h * d, (h + 1) * d)
-        q, k, v = x @ Wq[r].t() + bq[r], x @ Wk[r].t() + bk[r], x @ Wv[r].t() + bv[r]
-        # [B, L, L]
-        weights.append(torch.softmax(q @ k.transpose(1, 2) / d**0.5 + mask[:, h], dim=-1))
-        outs.append(weights[-1] @ v)
-    return attn.out_proj(torch.cat(outs, dim=-1)), torch.stack(weights, dim=1)
-
-
 @pytest.mark.parametrize("shape", ["LL", "HLL", "BHLL"])
 def test_masked_attention_equals_explicit_per_head_softmax(shape):
+    """Per head h: softmax(Q_h K_h^T / sqrt(d) + mask[:, h]) V_h, heads concatenated, then
+    out_proj; the mask broadcast from any of its shapes."""
     torch.manual_seed(0)
-    B, H, L, D = 3, 4, 7, 32
+    B, H, L, D, d = 3, 4, 7, 32, 8  # d: a head's width
     attn, x = MultiheadAttention(D, H), torch.randn(B, L, D)
     mask = torch.randn([{"L": L, "H": H, "B": B}[c] for c in shape])
     mask = mask.masked_fill(torch.rand(mask.shape) < 0.3,
                             float("-inf")).masked_fill(torch.eye(L, dtype=bool), 0.0)
     full = mask.expand(B, H, L, L)
-    expected, expected_w = explicit_attention(attn, x, full)
+    (Wq, Wk, Wv), (bq, bk, bv) = attn.in_proj_weight.split(D), attn.in_proj_bias.split(D)
+    outs, weights = [], []  # [B, L, d], [B, L, L] per head
+    for h in range(H):
+        r = slice(h * d, (h + 1) * d)
+        q, k, v = x @ Wq[r].t() + bq[r], x @ Wk[r].t() + bk[r], x @ Wv[r].t() + bv[r]
+        weights.append(torch.softmax(q @ k.transpose(1, 2) / d**0.5 + full[:, h], dim=-1))
+        outs.append(weights[-1] @ v)
+    expected, expected_w = attn.out_proj(torch.cat(outs, dim=-1)), torch.stack(weights, dim=1)
     out, w = attn(x, attn_mask=mask, need_weights=True)
     assert torch.allclose(attn(x, attn_mask=mask), expected, atol=1e-5)  # the fused path
     assert torch.allclose(out, expected, atol=1e-5) and torch.allclose(w, expected_w, atol=1e-6)
@@ -125,24 +108,20 @@ def test_seams_rows_and_past_compose_to_the_full_computation():
     block, L, H = m.visual.transformer.resblocks[0], 9, 4
     x = torch.randn(2, L, 64, generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(H, L, L).masked_fill(torch.rand(H, L, L) < 0.5, float("-inf"))
-    # each row its own per-head mask row; every position sees itself
-    mask[:, range(L), range(L)] = 0.0
+    mask[:, range(L), range(L)] = 0.0  # a mask per head and row; each position sees itself
     with torch.no_grad():
         for rows in (slice(0, 3), slice(L - 1, None), torch.tensor([4, 1, 7])):
             assert torch.allclose(block(x, attn_mask=mask, rows=rows),
                                   block(x, attn_mask=mask)[:, rows], atol=1e-6)
-        v = m.visual
-        tokens = v.embed(images())
+        v, tokens = m.visual, m.visual.embed(IMAGES)
         assert tokens.shape == (2, 1 + v.num_patches, 64)
         full = v.run_blocks(tokens, 0, 4)
         for k in range(5):
             assert torch.allclose(v.run_blocks(v.run_blocks(tokens, 0, k), k, 4), full, atol=1e-6)
-        assert torch.allclose(m.encode_image(images()), v.head(full[:, 0]), atol=1e-6)
+        assert torch.allclose(m.encode_image(IMAGES), v.head(full[:, 0]), atol=1e-6)
         assert torch.allclose(v.run_blocks(tokens, 0, 4, rows=slice(0, 1)), full[:, :1], atol=1e-6)
-        # no block: a cut
-        assert torch.equal(v.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])
-        # past: a text block on a suffix after 4 positions shared by every text = the block on
-        # [past, suffix]
+        assert torch.equal(v.run_blocks(tokens, 1, 1, rows=slice(0, 2)), tokens[:, :2])  # no block
+        # past: a text block on a suffix after 4 positions all texts share = it on [past, suffix]
         past, suffix = x[:1, :4], x[:, 4:]
         whole = torch.cat([past.expand(2, -1, -1), suffix], dim=1)
         whole = m.transformer.resblocks[1](whole, attn_mask=m.causal_mask(L))[:, 4:]
@@ -165,8 +144,7 @@ def test_length_buckets_cover_every_prompt_once_with_its_eot():
         assert [rows.tolist() for _, _, rows, _ in groups] == split
         assert sorted(torch.cat([idx for _, idx, _, _ in groups]).tolist()) == list(range(21))
         for n, idx, rows, pick in groups:
-            # each text read at its own EOT
-            assert torch.equal(rows[pick], eot[idx]) and n == eot[idx].max()
+            assert torch.equal(rows[pick], eot[idx]) and n == eot[idx].max()  # each at its EOT
 
 
 def test_state_dicts_load_strictly_as_copies_and_resnets_are_refused():
@@ -176,8 +154,7 @@ def test_state_dicts_load_strictly_as_copies_and_resnets_are_refused():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     with torch.no_grad():
         model.visual.proj.add_(1.0)
-    # a copy: the caller's tensor is unchanged
-    assert torch.equal(sd["visual.proj"], weights["visual.proj"])
+    assert torch.equal(sd["visual.proj"], weights["visual.proj"])  # a copy: caller's unchanged
     with pytest.raises(RuntimeError, match="Unexpected key"):
         build_model({**sd, "visual.extra": torch.zeros(1)})
     with pytest.raises(RuntimeError, match="Missing key"):
@@ -190,15 +167,13 @@ def test_state_dicts_load_strictly_as_copies_and_resnets_are_refused():
 
 # ---------------------------------------------------------------- tokenizer
 
-
 def test_tokenizer_known_ids_and_a_tampered_vocabulary_is_refused(tmp_path):
     # ids read off the merges file: id = 512 + (line number - 1) for a merge, e.g. "c at</w>" ->
     # 2368; byte symbols: "a</w>" = 256 + (ord("a") - 33) = 320, ".</w>" = 269
     t = clip.tokenize(["a photo of a cat.", "Hello   World!"])
     assert t.shape == (2, 77) and t.dtype == torch.int32
     assert t[0, :9].tolist() == [49406, 320, 1125, 539, 320, 2368, 269, 49407, 0]
-    # lower-cased, whitespace collapsed
-    assert t[1, :6].tolist() == [49406, 3306, 1002, 256, 49407, 0]
+    assert t[1, :6].tolist() == [49406, 3306, 1002, 256, 49407, 0]  # lower-cased, spaces collapsed
     tok = clip.tokenizer.get_tokenizer()
     assert tok.encode("zxqvbnm") == [89, 87, 80, 85, 10496, 332]  # only "b n" merges (rank 9984)
     assert tok.encode("don't") == [847, 713] and tok.encode("café") == [15304]
@@ -215,16 +190,13 @@ def test_tokenizer_known_ids_and_a_tampered_vocabulary_is_refused(tmp_path):
 
 # ---------------------------------------------------------------- loading and downloading
 
-
 class Archive(nn.Module):
     """A CLIP's weights under the same names plus the extras of OpenAI's TorchScript archives."""
 
     def __init__(self, model):
         super().__init__()
-        for name, child in model.named_children():
-            setattr(self, name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
+        for name, value in [*model.named_children(), *model.named_parameters(recurse=False)]:
+            setattr(self, name, value)  # a submodule or a parameter
         for key, value in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408),
                            ("vision_heads", 4), ("text_heads", 4)):
             self.register_buffer(key, torch.tensor(value))
@@ -233,8 +205,7 @@ class Archive(nn.Module):
         return x * self.logit_scale.exp()
 
 
-# deprecated, but how OpenAI's archives were made
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")  # deprecated; how OpenAI made its archives
 def test_torchscript_archives_and_plain_state_dicts_load_the_same_weights(tmp_path):
     archive = torch.jit.trace(Archive(tiny_clip(seed=5)).half(), torch.ones(2, dtype=torch.half))
     archive.save(str(tmp_path / "archive.pt"))  # fp16 weights, as published
@@ -256,42 +227,24 @@ def test_torchscript_archives_and_plain_state_dicts_load_the_same_weights(tmp_pa
         clip.load("ViT-H/99")
 
 
-@pytest.fixture
-def server(tmp_path):
-    """An http.server on 127.0.0.1 serving the folder tmp_path/www (its URL: server.url)."""
-    (www := tmp_path / "www").mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True).start()  # poll 10 ms
-    httpd.www, httpd.url = www, f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def publish(server, data, sha):
-    (server.www / sha).mkdir()
-    (server.www / sha / "ViT-T-8.pt").write_bytes(data)
-    return f"{server.url}/{sha}/ViT-T-8.pt"
-
-
 def test_download_checks_the_sha256_of_its_url_and_the_cache_dir(tmp_path, server, monkeypatch):
+    routes, url = server  # conftest's local HTTP server: routes[path] = the body served
     torch.save(tiny_state_dict(seed=2), tmp_path / "ckpt.pt")
     data = (tmp_path / "ckpt.pt").read_bytes()
     sha, cache = hashlib.sha256(data).hexdigest(), tmp_path / "cache"
-    wrong = publish(server, data, "0" * 64)  # a URL whose SHA256 is not the file's
-    monkeypatch.setattr(clip, "MODELS", {"ViT-T/8": publish(server, data, sha), "ViT-W/8": wrong})
+    # ViT-W/8: a URL whose SHA256 is not the file's
+    urls = {"ViT-T/8": f"/{sha}/ViT-T-8.pt", "ViT-W/8": f"/{'0' * 64}/ViT-T-8.pt"}
+    routes.update(dict.fromkeys(urls.values(), data))
+    monkeypatch.setattr(clip, "MODELS", {name: url + path for name, path in urls.items()})
     m, _ = clip.load("ViT-T/8", download_root=str(cache))
     assert (m.name, m.sha256, os.listdir(cache)) == ("ViT-T/8", sha, ["ViT-T-8.pt"])
-    os.remove(server.www / sha / "ViT-T-8.pt")
+    del routes[urls["ViT-T/8"]]
     assert clip.load("ViT-T/8", download_root=str(cache))[0].sha256 == sha  # from the cache
-    # a corrupt cached file is refused, not reused
-    (cache / "ViT-T-8.pt").write_bytes(data[:-1] + b"x")
+    (cache / "ViT-T-8.pt").write_bytes(data[:-1] + b"x")  # corrupt: refused, not reused
     with pytest.raises(OSError, match="not the SHA256"):
         clip.load("ViT-T/8", download_root=str(cache))
     os.remove(cache / "ViT-T-8.pt")
-    # a file that does not match its URL ...
-    with pytest.raises(RuntimeError, match="invalid hash value"):
+    with pytest.raises(RuntimeError, match="invalid hash value"):  # not its URL's SHA256 ...
         clip.load("ViT-W/8", download_root=str(cache))
     assert os.listdir(cache) == []  # ... is not kept
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "env"))

@@ -30,8 +30,7 @@ def write_split(path, image_dir, entries):
     """entries: {split: [(relative path, label, classname)]}: the images and CoOp's split JSON."""
     for n, (rel, _, _) in enumerate(e for items in entries.values() for e in items):
         make_image(os.path.join(image_dir, rel), seed=n)
-    with open(path, "w") as f:
-        json.dump({k: [list(e) for e in v] for k, v in entries.items()}, f, indent=4)
+    pathlib.Path(path).write_text(json.dumps(entries, indent=4))
 
 
 def interleave(per_class):  # the items of several classes mixed, as in the real split files
@@ -417,19 +416,6 @@ def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp
         "707-320", "Cessna 172", "A300B4"]
 
 
-def tar_bytes(member):
-    """A tar.gz of ok.txt and member: (name, kind, link target), kind file | sym | hard."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as t:
-        for name, kind, target in [("ok.txt", "file", ""), member]:
-            info = tarfile.TarInfo(name)
-            info.type, info.linkname = ({"file": tarfile.REGTYPE, "sym": tarfile.SYMTYPE,
-                                         "hard": tarfile.LNKTYPE}[kind], target)
-            info.size = 2 if kind == "file" else 0
-            t.addfile(info, io.BytesIO(b"hi") if kind == "file" else None)
-    return buf.getvalue()
-
-
 @pytest.mark.parametrize("member,refused", [
     (("../evil.txt", "file", ""), True),
     (("link", "sym", "../.."), True),
@@ -437,9 +423,16 @@ def tar_bytes(member):
     (("{out}/evil.txt", "file", ""), False),  # the filter strips the leading '/': it lands inside
 ])
 def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch, member, refused):
+    """a.tar.gz: ok.txt and member (name, kind, link target; {out}: a folder outside the root)."""
     (out := tmp_path / "outside").mkdir()
     (out / "secret.txt").write_text("secret")
-    server[0]["/a.tar.gz"] = tar_bytes(tuple(m.format(out=out) for m in member))
+    with tarfile.open(fileobj=(buf := io.BytesIO()), mode="w:gz") as t:
+        for name, kind, target in [("ok.txt", "file", ""), member]:
+            info = tarfile.TarInfo(name.format(out=out))
+            info.type = dict(file=tarfile.REGTYPE, sym=tarfile.SYMTYPE, hard=tarfile.LNKTYPE)[kind]
+            info.linkname, info.size = target.format(out=out), 2 if kind == "file" else 0
+            t.addfile(info, io.BytesIO(b"hi") if kind == "file" else None)
+    server[0]["/a.tar.gz"] = buf.getvalue()
     monkeypatch.setattr(data, "SOURCES", [("dtd", f"{server[1]}/a.tar.gz", "", "dtd/a.tar.gz",
                                            "dtd/images", "")])
     with (pytest.raises(data.UserError, match="a.tar.gz cannot be unpacked safely and whole")
@@ -448,5 +441,4 @@ def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch
     assert refused or os.path.isfile(tmp_path / "root" / "dtd" / str(out).lstrip("/") / "evil.txt")
     assert sorted(os.listdir(out)) == ["secret.txt"]
     assert not os.path.exists(tmp_path / "root" / "evil.txt")
-    # deleted: a rerun fetches it again
-    assert not os.path.exists(tmp_path / "root" / "dtd" / "a.tar.gz")
+    assert not os.path.exists(tmp_path / "root" / "dtd" / "a.tar.gz")  # a rerun fetches it again

@@ -78,8 +78,7 @@ def test_one_head_by_hand_as_textspans_prs_logger():
         head = (a[:, :, None] * v).sum(1) @ attn.out_proj.weight[:, cols].T + attn.out_proj.bias / H
         for block in blocks[b:]:
             x = block(x)
-        r = x[:, 0]  # [B, D]
-        mean = r.mean(-1, keepdim=True)
+        r, mean = x[:, 0], x[:, 0].mean(-1, keepdim=True)  # [B, D], [B, 1]
         std = (((r - mean) ** 2).mean(-1, keepdim=True) + visual.ln_post.eps).sqrt()
         n, w, beta = 2 * L + 1, visual.ln_post.weight, visual.ln_post.bias
         norm = model.encode_image(images).norm(dim=-1, keepdim=True)
@@ -113,16 +112,6 @@ def textspan_by_hand(data, texts, n, rank, departure=None):
     return picks
 
 
-def skewed(seed, N=60, E=12, T=40):
-    """Contributions with a sizeable mean (as real heads have) and unequal variances; random unit
-    texts in few dimensions, far from orthogonal."""
-    g = np.random.default_rng(seed)
-    c = g.normal(size=(N, E)) @ np.diag(np.linspace(3, 0.2,
-                                                    E)) @ np.linalg.qr(g.normal(size=(E, E)))[0]
-    texts = g.normal(size=(T, E))
-    return c + 4 * g.normal(size=E), texts / np.linalg.norm(texts, axis=1, keepdims=True)
-
-
 def stream(contributions, sizes):
     """GramStatistics of contributions [N, ...] fed in batches of the given sizes (cycled)."""
     stats = entropy.GramStatistics(contributions.shape[1:-1], contributions.shape[-1])
@@ -133,12 +122,16 @@ def stream(contributions, sizes):
     return stats
 
 
-# N < rank: only N directions
-@pytest.mark.parametrize("N, E, n, rank", [(60, 12, 5, 6), (8, 12, 3, 10)])
+@pytest.mark.parametrize("N, E, n, rank", [(60, 12, 5, 6), (8, 12, 3, 10)])  # 8 < 10: 8 directions
 def test_textspan_picks_what_textspans_iterative_removal_picks(N, E, n, rank):
     differs = {"centre_first": 0, "no_deflation": 0}
     for seed in range(6):
-        contributions, texts = skewed(seed, N=N, E=E)
+        # contributions with unequal variances and a sizeable mean (as real heads have); 40 random
+        # unit texts in few dimensions, far from orthogonal
+        g = np.random.default_rng(seed)
+        c = g.normal(size=(N, E)) * np.linspace(3, 0.2, E) @ np.linalg.qr(g.normal(size=(E, E)))[0]
+        texts, contributions = g.normal(size=(40, E)), c + 4 * g.normal(size=E)
+        texts /= np.linalg.norm(texts, axis=1, keepdims=True)
         want = textspan_by_hand(contributions, texts, n, rank)
         for sizes in ([N], [3, 1, 5]):  # all contributions at once, streamed in uneven batches
             stats = stream(torch.tensor(contributions), sizes)
@@ -188,8 +181,7 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
     labels = (whole @ classes.t()).argmax(-1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels),
                                          batch_size=5)
-    # ground truth, decoded with folds drawn by the seed
-    factors = {"parity": [i % 2 for i in range(23)]}
+    factors = {"parity": [i % 2 for i in range(23)]}  # ground truth; folds drawn by the seed
     options = dict(n=4, rank=6, low=None, high=None, seed=5)
     doc = entropy.compute_roles(model, loader, (texts, concepts), [3, 4], options, classes,
                                 factors, lambda line: None)
@@ -216,8 +208,7 @@ def test_compute_roles_on_streamed_images_equals_the_stored_path_by_hand(monkeyp
     for e in doc["heads"]:
         assert (e["texts"], e["P"], e["entropy"]) == want[e["layer"], e["head"]]
         assert e["role"] == entropy.assign_role(e["entropy"], e["P"], low, high)["role"]
-    # the heads differ: the comparison means something
-    assert len({tuple(t) for t, *_ in want.values()}) > 4
+    assert len({tuple(t) for t, *_ in want.values()}) > 4  # the heads differ: a real comparison
 
 
 # ----------------------------------------------------------------------------- entropy, roles
@@ -289,8 +280,7 @@ def test_texts_are_encoded_in_batches_as_clip_encodes_each_alone():
     texts = ["red", "a striped tail", "round", long, "blue and shiny"]
     got = entropy.encode_texts(model, texts, batch_size=2)  # [5, E]
     with torch.no_grad():
-        want = [model.encode_text(clip.tokenize([t], context_length=16,
-                                                truncate=True)) for t in texts]
+        want = [model.encode_text(clip.tokenize(t, 16, truncate=True)) for t in texts]
     torch.testing.assert_close(got, normalize(torch.cat(want), dim=-1), atol=1e-6, rtol=1e-5)
 
 
@@ -360,10 +350,9 @@ def make_doc(layers=(3, 4), H=4):
         for h in range(H):
             role, attribute = kinds[(h + i) % 4]
             P = dict.fromkeys(CONCEPTS, 0.0) | {"animal" if role == "specialist" else "color": 1.0}
-            e = {"layer": block, "head": h, "entropy": 0.25 * (h + i), "P": P,
-                 "texts": [f"text {block}.{h}"], "ablation": 0.5 * h - i}
-            e |= {"role": role, "attribute": attribute}
-            heads.append(e | ({"concept": "animal"} if role == "specialist" else {}))
+            heads.append({"layer": block, "head": h, "entropy": 0.25 * (h + i), "P": P,
+                          "texts": [f"text {block}.{h}"], "ablation": 0.5 * h - i, "role": role,
+                          "attribute": attribute} | ({"concept": "animal"} if P["animal"] else {}))
     costs = {r: [e["ablation"] for e in heads if e["role"] == r] for r, _ in kinds}
     by_role = {r: {"mean": sum(c) / len(c), "heads": len(c)} for r, c in costs.items()}
     return {"format": entropy.FORMAT, "model": "tiny", "checkpoint_sha256": "ab" * 32,
@@ -437,7 +426,6 @@ def test_the_mask_picture_colours_what_each_head_allows(tmp_path, variant):
     paper's rules (test_dear.hand_allowed, on one position per group) allow, white elsewhere;
     under generalization-only an attribute head is drawn as the mixed head it acts as."""
     from test_dear import LAYOUTS, hand_allowed, roles_of
-
     roles = roles_of(LAYOUTS)
     masks = torch.stack([dear.role_mask(roles[b], 16, variant) for b in (3, 4)])
     entropy.draw_mask(masks, [roles[3], roles[4]], 3, variant, tmp_path / "mask.png")
@@ -479,8 +467,7 @@ def test_the_cache_is_reused_only_for_equal_inputs(world):
     tiny = runs.load_backbone("tiny", "cpu")
     path = entropy.run(tiny, "imagenet", str(world), [3, 4], **base)
     cache, folder = os.path.split(os.path.dirname(path))
-    assert cache == str(world / "cache" / "roles") and folder.startswith("tiny_L3-4_imagenet-test_")
-    assert len(folder) == len("tiny_L3-4_imagenet-test_") + 12
+    assert cache == str(world / "cache" / "roles") and folder[:-12] == "tiny_L3-4_imagenet-test_"
     assert sorted(os.listdir(os.path.dirname(path))) == ["roles.json", "roles.md", "roles.png"]
     stamp = os.stat(path).st_mtime_ns
     assert entropy.run(tiny, "imagenet", "elsewhere", [3, 4], **base) == path  # named: any root

@@ -70,8 +70,8 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     b, n = (e["accuracy"] for e in results["evals"])
     assert [e["split"] for e in results["evals"]] == ["base", "novel"]
     assert results["hm"] == pytest.approx(2 * b * n / (b + n))
-    for name in ("config.json", "roles.json", "roles.md", "roles.png", "log.txt", "model.pt",
-                 "results.json"):
+    for name in ("config.json", "roles.json", "roles.md", "roles.png", "mask.png", "log.txt",
+                 "model.pt", "results.json"):
         assert os.path.isfile(os.path.join(rdir, name)), name
     assert not os.path.exists(os.path.join(rdir, "checkpoint.pt"))
     env = results["env"]
@@ -516,6 +516,23 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     assert dear.eval_beta(dataclasses.replace(x, target_beta="source"), "dtd") == 0.55
     targets = "--protocol xd --targets folder:a,b --targets dtd,eurosat --dataset imagenet".split()
     assert dear.resolve(dear.parse_args(targets)[0]).targets == ["folder:a,b", "dtd", "eurosat"]
+
+
+@pytest.mark.parametrize("protocol, dataset, want", [
+    # (epochs, batch, lr, warm-up epochs, crop scale): the README's rows "epochs / batch / lr" and
+    # "augmentation"; the toy's rows are ours (its backbone: toy), the others MMRL's and MMRL++'s
+    ("b2n", "toyworld", (20, 4, 1e-3, 1, 1.0)), ("fewshot", "toyworld", (50, 32, 1e-3, 1, 1.0)),
+    ("b2n", "dtd", (10, 4, 1e-3, 1, 0.5)), ("fewshot", "dtd", (100, 32, 2e-3, 1, 0.5)),
+    ("b2n", "imagenet", (5, 32, 1e-3, 1, 0.5)), ("xd", "imagenet", (1, 32, 1e-3, 0, 0.5))])
+def test_default_schedules_as_the_readme_states_them_and_a_default_run_is_named_default(
+        protocol, dataset, want):
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    assert "toy b2n 20 epochs, toy few-shot 50 at 1e-3" in readme and "(toy: scale 1," in readme
+    c = dear.resolve(dear.Config(dataset=dataset, protocol=protocol))
+    assert (c.epochs, c.batch_size, c.lr, c.warmup_epochs, c.crop_scale) == want
+    assert c.backbone == ("toy" if dataset == "toyworld" else "ViT-B/16")
+    folder = runs.run_dir(c, dear.changed_flags(c))[0]
+    assert os.path.basename(os.path.normpath(folder)) == f"dear-default-shots{c.shots}-seed1"
 
 
 def test_epochs_reshuffle_and_reseed_and_the_readouts_read_each_side_alone(world, tmp_path, spy):

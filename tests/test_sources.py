@@ -45,8 +45,7 @@ COOP = {
     "imagenet_a": ("ImageNetA", "imagenet-adversarial", "imagenet-a", "classnames.txt"),
     "imagenet_r": ("ImageNetR", "imagenet-rendition", "imagenet-r", "classnames.txt"),
 }
-# CoOp@ff61507 datasets/caltech101.py and datasets/eurosat.py NEW_CNAMES, every entry
-RENAMES = {
+RENAMES = {  # CoOp@ff61507 datasets/caltech101.py and datasets/eurosat.py NEW_CNAMES, every entry
     "caltech101": {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard",
                    "Motorbikes": "motorbike"},
     "eurosat": {"AnnualCrop": "Annual Crop Land", "Forest": "Forest",
