@@ -152,7 +152,8 @@ def remove_leftovers(path, tag):
     """Delete what a killed process left of its work on path (`<path>.<tag><pid>`, pid gone)."""
     for p in glob.glob(glob.escape(path) + f".{tag}*"):
         pid = p.rpartition(f".{tag}")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):  # Linux's table of processes
+        # Linux's table of processes; without one (another system) nothing is known gone
+        if pid.isdigit() and os.path.isdir("/proc/self") and not os.path.exists(f"/proc/{pid}"):
             remove(p)
 
 
@@ -200,10 +201,11 @@ def writable_folder(path, size=0):
     blocks for real, so a full disk or a file size limit (ulimit -f) says so here."""
     os.makedirs(path, exist_ok=True)
     with tempfile.TemporaryFile(dir=path) as f:
-        if size:
-            try:
+        try:  # not on every system or file system: then the empty file is the check
+            if size and hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(f.fileno(), 0, size)
-            except OSError as e:
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                 raise OSError(e.errno, f"{e.strerror} (the work writes {size:,} bytes)", path)
         return path
 

@@ -69,6 +69,7 @@ def pytest_configure(config):
                             "cuda: needs a CUDA device; skipped where there is none (-m cuda)")
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m: only the selected tests start the commands
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
@@ -180,6 +181,7 @@ def pytest_sessionfinish(session):
     for proc in [PRETRAIN.get("proc")] + list(BACKGROUND.values()):
         if proc is not None and proc.poll() is None:
             proc.kill()
+            proc.wait()  # no process left behind, not even a zombie
     shutil.rmtree(WORK, ignore_errors=True)
 
 

@@ -55,8 +55,7 @@ JSON_LAYOUTS = {  # raw class names as the split JSON stores them -> the names p
     "dtd": {"banded": "banded", "blotchy": "blotchy"},
     "eurosat": {"AnnualCrop": "Annual Crop Land", "Forest": "Forest", "SeaLake": "Sea or Lake"},
     "ucf101": {"Apply_Eye_Makeup": "Apply Eye Makeup", "Archery": "Archery"},
-    "toyworld": {"red_circle": "red circle", "blue_square": "blue square"},
-}
+    "toyworld": {"red_circle": "red circle", "blue_square": "blue square"}}
 
 
 def build_json(root, name):
@@ -309,8 +308,7 @@ def half_unpacked(root):
         r, "fgvc_aircraft", "images_variant_train.txt"), "a").write("1 X\n2 Y\n") and None,
      "{root}/fgvc_aircraft/images_variant_train.txt: '1 X' is not '<image id> <variant>'"),
     ("eurosat", lambda r: open(os.path.join(r, "eurosat"), "w").close(),  # an OS error
-     "{root}/eurosat/split_zhou_EuroSAT.json: Not a directory"),
-])
+     "{root}/eurosat/split_zhou_EuroSAT.json: Not a directory")])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, name, setup, words):
     root = str(tmp_path)
     fill = {"root": root, **((setup and setup(root)) or {})}

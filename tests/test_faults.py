@@ -116,16 +116,14 @@ FILES = {
         "not finite": (lambda ck: dict(ck, model=dict(ck["model"], w=ck["model"]["w"] * np.nan)),
                        "does not fit this model"),
         "out of range": (lambda ck: dict(ck, epoch=3), "holds epoch 3, not one of 1..1")}),
-    "backbone.pt": (
-        lambda run, p: torch.save(tiny_state_dict(vision_width=32, text_width=32), p),
-        lambda p: runs.load_backbone(str(p), "cpu"),
-        {"lacks a key": (lambda sd: without(sd, "ln_final.weight"), "not a ViT CLIP checkpoint"),
-         "lacks its head counts": (lambda sd: without(sd, "vision_heads"),
-                                   "width 32 is not a multiple of 64")}),
+    "backbone.pt": (lambda run, p: torch.save(tiny_state_dict(vision_width=32, text_width=32), p),
+                    lambda p: runs.load_backbone(str(p), "cpu"), {
+        "lacks a key": (lambda sd: without(sd, "ln_final.weight"), "not a ViT CLIP checkpoint"),
+        "lacks its head counts": (lambda sd: without(sd, "vision_heads"),
+                                  "width 32 is not a multiple of 64")}),
     "classes.txt": (lambda run, p: p.write_text("red\ngreen\n"),
                     lambda p: data.read_text(str(p), "one class a line"), {}),
-    "image.png": (lambda run, p: Image.new("RGB", (8, 8)).save(p), data.open_image, {}),
-}
+    "image.png": (lambda run, p: Image.new("RGB", (8, 8)).save(p), data.open_image, {})}
 CUT = {".json": "not a JSON file", ".pt": "not a", ".txt": "", ".png": "not a readable image"}
 # every kind of file: what may stand in its place (the words, or by the file's extension)
 ANY = {"missing": "not found", "a FIFO": "not a regular file", "a folder": "not a regular file",
@@ -355,13 +353,16 @@ def edit_run(run, tmp, what):
         edit_json(copy / "config.json", ("inputs", "roles_sha256"), "0" * 64)
     elif what == "its backbone":
         edit_json(copy / "config.json", ("inputs", "backbone_sha256"), "0" * 64)
+    elif what == "its results, a setting out of range":  # read at every use, as config.json
+        edit_json(copy / "results.json", ("config", "beta"), 2.0)
     return copy
 
 
 @pytest.mark.parametrize("use", ["--eval-only", "predict"])
 @pytest.mark.parametrize("what, says", [
     ("its weights", "model_sha256"), ("its roles", "roles_sha256"),
-    ("its roles, gone (the cache's differ)", "roles_sha256"), ("its backbone", "backbone_sha256")])
+    ("its roles, gone (the cache's differ)", "roles_sha256"), ("its backbone", "backbone_sha256"),
+    ("its results, a setting out of range", "['beta'] = 2.0 is not in [0, 1]")])
 def test_a_run_is_used_only_with_the_inputs_it_recorded(run, world, tmp_path, capsys, use, what,
                                                         says):
     copy, shapes = edit_run(run, tmp_path, what), f"folder:{world / 'shapes'}"
@@ -371,8 +372,11 @@ def test_a_run_is_used_only_with_the_inputs_it_recorded(run, world, tmp_path, ca
         main, args = dear.main, ["--dataset", shapes, "--eval-only", "--workers", "0"]
     with pytest.raises(SystemExit):
         main(args + ["--load", str(copy)])
-    err = capsys.readouterr().err
-    assert f"{copy}: not the inputs it was run with" in err and says in err, err
+    head, tail = ((f"{copy / 'results.json'}: ", runs.FIX_RESULTS) if what.startswith("its res")
+                  else (f"{copy}: not the inputs it was run with", "restore them (its roles.json "
+                        "and model.pt), or run it again"))
+    line = (err := capsys.readouterr().err).splitlines()[-1]  # after the roles' log lines
+    assert line.startswith(f"error: {head}") and says in line and line.endswith(f"; {tail}"), err
     assert not (copy / "eval").exists() or not list((copy / "eval").rglob("results.json"))
 
 
@@ -399,7 +403,7 @@ def test_no_write_goes_through_a_link_in_the_out_tree(world, tmp_path, capsys, l
     assert os.listdir(target) == ["log.txt"] and (target / "log.txt").read_text() == "keep me"
 
 
-def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path):
+def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path, monkeypatch):
     """SIGTERM (and Ctrl-C) during a write: the process says one line and exits 143 (130), its
     temporary file gone; a file a killed process left (its pid gone) goes at the next write of
     the same path, one of a live process stays."""
@@ -419,6 +423,12 @@ def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path):
     with pytest.raises(data.UserError):
         data.unpack(str(tmp_path / "b.zip"))
     assert sorted(os.listdir(tmp_path)) == ["a.json", f"a.json.tmp{os.getppid()}"]
+    # a system without /proc cannot tell a dead pid: its leftover stays
+    (tmp_path / "a.json.tmp999999999").mkdir()
+    monkeypatch.setattr(os.path, "isdir", lambda p, isdir=os.path.isdir: p != "/proc/self"
+                        and isdir(p))
+    data.write_json(tmp_path / "a.json", {})
+    assert (tmp_path / "a.json.tmp999999999").exists()
 
 
 def default_signals():
@@ -450,7 +460,12 @@ def test_the_space_the_work_writes_is_proven_before_it(world, tmp_path, monkeypa
                                f"{tmp_path}"], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and "File too large (the work writes" in done.stderr
         return
-    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(full))
+    unsupported = OSError(errno.EOPNOTSUPP, "Operation not supported")  # then the empty file
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(unsupported))
+    assert data.writable_folder(str(tmp_path / "any"), 10**15) == str(tmp_path / "any")
+    monkeypatch.delattr(os, "posix_fallocate")  # another system
+    assert data.writable_folder(str(tmp_path / "any"), 10**15) == str(tmp_path / "any")
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(full), False)
     with pytest.raises((SystemExit, OSError)) as e:
         if where == "toy CLIP":
             monkeypatch.setattr(toyworld, "pretrain", lambda *a, **k: pytest.fail("pretrained"))

@@ -60,12 +60,14 @@ def test_predict_agrees_with_the_model_and_names_each_logit_sets_own_first(fewsh
 
 @pytest.mark.parametrize("name, why", [
     ("mine.jpg", "give a new .png name"), ("photo.png", "give a new .png name, or a sheet this"),
-    ("input", "give a new .png name"), ("sheet.png", None)])
+    ("input", "give a new .png name"), ("sheet.png", None),
+    ("notes.png", "give a new .png name, or a sheet this")])  # a user's file, not an image
 def test_the_sheet_is_written_only_where_the_user_meant(fewshot, tmp_path, capsys, name, why):
     """--explain takes a new .png, or a sheet it wrote before; never an image given to classify
     (`--explain mine.jpg red.png` took the JPEG as the sheet's name), never a user's file."""
     rdir, image = fewshot[1], fewshot[3][0][0]
     Image.new("RGB", (8, 8), "red").save(tmp_path / "photo.png")
+    (tmp_path / "notes.png").write_text("my notes")
     before = open(image, "rb").read()
     path = image if name == "input" else str(tmp_path / name)
     args = ["--load", rdir, "--explain", path, image]
@@ -76,6 +78,7 @@ def test_the_sheet_is_written_only_where_the_user_meant(fewshot, tmp_path, capsy
     else:
         fails(capsys, why, args, predict.main)
         assert open(image, "rb").read() == before
+        assert (tmp_path / "notes.png").read_text() == "my notes"
 
 
 def test_the_sheet_shows_the_crop_the_model_saw_on_its_patch_grid(fewshot, tmp_path):

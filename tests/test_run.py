@@ -210,8 +210,7 @@ WIRING = {
     "load": "test_eval_only_and_predict_rebuild_the_run_they_load",
     "resume": "test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers",
     "force": "test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config",
-    "roles_only": "test_roles_only_writes_the_roles_of_its_J",
-}
+    "roles_only": "test_roles_only_writes_the_roles_of_its_J"}
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +311,10 @@ def test_each_call_refuses_every_flag_it_does_not_read_whatever_its_value(mode):
             if runs.reads(mode, name) and not xd:
                 runs.refuse_unread(mode, given, cfg.protocol, dear.RECORDED)
                 continue
-            with pytest.raises(data.UserError, match=re.escape(flag)
-                               + ".*(run's own|drop it|add it)$"):
+            what = {"dear": "a DeAR run", "zeroshot": "--method zeroshot"}.get(mode, f"--{mode}")
+            says = (" is read by --protocol xd only: drop it, or add it" if runs.reads(mode, name)
+                    else f" is not read by {what}: (it takes the run's own|drop it)")
+            with pytest.raises(data.UserError, match=re.escape(flag) + says + "$"):
                 runs.refuse_unread(mode, given, cfg.protocol, dear.RECORDED)
 
 
@@ -326,8 +327,7 @@ CARRIED = {
     "roles (file, control, seed)": lambda m, t: m.roles == t.roles,
     "mask": lambda m, t: torch.equal(m.masks, t.masks),
     "weights": lambda m, t: all(torch.equal(v, t.trainable_state()[k])
-                                for k, v in m.trainable_state().items()),
-}
+                                for k, v in m.trainable_state().items())}
 
 
 @pytest.mark.parametrize("mode", ["eval-only", "predict"])
@@ -583,3 +583,11 @@ def test_toy_quick_start_beats_zero_shot_on_the_novel_classes(quick_start):
     assert deAR["hm"] > zero["hm"]
     for name in ("roles.png", "mask.png"):
         assert os.path.exists(out / "b2n/toyworld/dear-default-shots16-seed1" / name)
+    assert all(set(e["readouts"]) == {"fused", "class", "image", "text"} for e in deAR["evals"])
+    # the toy's roles can test the claim: an expert of every toy attribute, two roles in a block,
+    # no head at a threshold, every head's ablation cost
+    doc = json.load(open(out / "b2n/toyworld/dear-default-shots16-seed1/roles.json"))
+    heads, t = doc["heads"], doc["thresholds"]
+    assert {e["attribute"] for e in heads} >= {"color", "shape", "texture", "location"}
+    assert any(len({e["role"] for e in heads if e["layer"] == b}) >= 2 for b in doc["layers"])
+    assert all(e["entropy"] not in (t["low"], t["high"]) and "ablation" in e for e in heads)

@@ -43,8 +43,7 @@ COOP = {
                    "classnames.txt"),
     "imagenet_sketch": ("ImageNetSketch", "imagenet-sketch", "images", "classnames.txt"),
     "imagenet_a": ("ImageNetA", "imagenet-adversarial", "imagenet-a", "classnames.txt"),
-    "imagenet_r": ("ImageNetR", "imagenet-rendition", "imagenet-r", "classnames.txt"),
-}
+    "imagenet_r": ("ImageNetR", "imagenet-rendition", "imagenet-r", "classnames.txt")}
 RENAMES = {  # CoOp@ff61507 datasets/caltech101.py and datasets/eurosat.py NEW_CNAMES, every entry
     "caltech101": {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard",
                    "Motorbikes": "motorbike"},
@@ -52,8 +51,7 @@ RENAMES = {  # CoOp@ff61507 datasets/caltech101.py and datasets/eurosat.py NEW_C
                 "HerbaceousVegetation": "Herbaceous Vegetation Land", "Highway": "Highway or Road",
                 "Industrial": "Industrial Buildings", "Pasture": "Pasture Land",
                 "PermanentCrop": "Permanent Crop Land", "Residential": "Residential Buildings",
-                "River": "River", "SeaLake": "Sea or Lake"},
-}
+                "River": "River", "SeaLake": "Sea or Lake"}}
 # MMRL@27d8821 base_to_novel.sh / few_shot.sh and cross_datasets.sh: the datasets and xd targets
 B2N = {"dtd", "eurosat", "ucf101", "oxford_flowers", "oxford_pets", "fgvc_aircraft", "caltech101",
        "food101", "stanford_cars", "sun397", "imagenet"}
@@ -232,8 +230,7 @@ TOKEN_CASES = {  # text: the nearest wrong rule, which gives other pieces
     "\u6771\u4eac cr\u00e8me": "bytes 0x80-0xa0 as Latin-1 characters (no such symbol)",
     "a\u00a0 photo\t\n of": "whitespace: only ' ' collapsed (clean_text)",
     "hello!!! (a/b)...": "one piece per punctuation character",
-    "x<|endoftext|>y": "special tokens not matched first",
-}
+    "x<|endoftext|>y": "special tokens not matched first"}
 
 
 @pytest.mark.parametrize("text", TOKEN_CASES)

@@ -308,8 +308,10 @@ def test_tables_reads_results_without_torch_and_no_module_imports_a_caller():
     for m in modules:
         path = os.path.join(ROOT, "clip", "__init__.py") if m == "clip" else f"{ROOT}/{m}.py"
         for node in ast.walk(ast.parse(open(path).read())):  # at any depth, inside functions too
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            graph[m] |= {n.split(".")[0] for n in names} & modules - {m}
+            if isinstance(node, ast.ImportFrom):  # from M import x
+                graph[m] |= {(node.module or "").split(".")[0]} & modules - {m}
+            elif isinstance(node, ast.Import):
+                graph[m] |= {a.name.split(".")[0] for a in node.names} & modules - {m}
     reach = {m: set(graph[m]) for m in modules}
     for _ in modules:
         reach = {m: r | {x for n in r for x in reach[n]} for m, r in reach.items()}
