@@ -2,8 +2,8 @@
 
 Read top to bottom: 1. the attribute tokens, 2. the role-based mask, 3. the DeAR module (Figure 2;
 the text side stated plainly, then its fast form), 4. logits, fusion and loss, 5. the recipe
-(Config: every flag; MMRL and MMRL++'s tables), 6. training, 7. evaluation, 8. the run, predict and
-the command line. A run's folder and records are runs.py's, the head roles entropy.py's, the
+(Config: every flag; MMRL and MMRL++'s tables), 6. training, 7. evaluation, 8. the run and the
+command line. A run's folder and records are runs.py's, the head roles entropy.py's, the
 datasets data.py's.
 
 Blocks count from 1 in the paper (J = 9: the tokens enter block 9 of 12), in the flags and in the
@@ -13,7 +13,7 @@ the vision blocks that hold the tokens, and self.roles[i] the head roles of the 
 examples:
   python dear.py --dataset toyworld                  # offline, a tiny CLIP, minutes on a CPU
   python dear.py --dataset eurosat --shots 16        # base-to-novel, seed 1, ViT-B/16
-  python dear.py predict --load RUN a.jpg --explain x.png   # classify and explain your own images
+  python predict.py --load RUN --explain x.png a.jpg   # classify and explain your own images
 environment: DATA (default --root), CLIP_CACHE (checkpoints, the toy CLIP, head roles; default
   ~/.cache/clip)
 """
