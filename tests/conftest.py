@@ -41,9 +41,8 @@ def tiny_state_dict(seed=0, vision_layers=4, vision_width=64, vision_heads=4, pa
                      vision_width=vision_width, vision_patch_size=patch, vision_heads=vision_heads,
                      context_length=context_length, vocab_size=49408, transformer_width=text_width,
                      transformer_heads=text_heads, transformer_layers=text_layers)
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    sd["vision_heads"], sd["text_heads"] = torch.tensor(vision_heads), torch.tensor(text_heads)
-    return sd
+    heads = dict(vision_heads=torch.tensor(vision_heads), text_heads=torch.tensor(text_heads))
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **heads}
 
 
 def tiny_clip(**sizes):
@@ -51,7 +50,7 @@ def tiny_clip(**sizes):
     return build_model(tiny_state_dict(**sizes))
 
 
-TEXTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "texts")
+TEXTS = os.path.join(ROOT, "tests", "texts")
 
 
 def reviewed(name, text):
@@ -65,8 +64,7 @@ def reviewed(name, text):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers",
-                            "cuda: needs a CUDA device; skipped where there is none (-m cuda)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where there is none")
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m: only the selected tests start the commands

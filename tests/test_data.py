@@ -415,11 +415,9 @@ def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp
 
 
 @pytest.mark.parametrize("member,refused", [
-    (("../evil.txt", "file", ""), True),
-    (("link", "sym", "../.."), True),
+    (("../evil.txt", "file", ""), True), (("link", "sym", "../.."), True),
     (("hard", "hard", "{out}/secret.txt"), True),
-    (("{out}/evil.txt", "file", ""), False),  # the filter strips the leading '/': it lands inside
-])
+    (("{out}/evil.txt", "file", ""), False)])  # the filter strips the leading '/': it lands inside
 def test_an_archive_escaping_its_folder_is_refused(tmp_path, server, monkeypatch, member, refused):
     """a.tar.gz: ok.txt and member (name, kind, link target; {out}: a folder outside the root)."""
     (out := tmp_path / "outside").mkdir()

@@ -92,7 +92,9 @@ FILES = {
         "a string for a count": ((("evals", 0, "n"), "16"), "is not a whole number"),
         "not finite": ((("evals", 0, "accuracy"), np.nan), "is not a number in [0, 100]"),
         "out of range": ((("evals", 1, "accuracy"), 150), "= 150 is not a number in [0, 100]"),
-        "a setting out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]")}),
+        "a setting out of range": ((("config", "beta"), 2.0), "['beta'] = 2.0 is not in [0, 1]"),
+        "from another version": ((("config", "pool"), 3), "'pool' is not a setting of this"),
+        "no HM": ((("hm",), DROP), "its hm is not the HM of its base and novel")}),
     "roles.json": (None, entropy.read_roles, {
         "lacks a key": ((("num_heads",), DROP), "lacks 'num_heads'"),
         "a string for a count": ((("heads", 0, "head"), "0"), "is not a whole number"),

@@ -116,8 +116,9 @@ def watch(monkeypatch):
         seen["model"].append(m)
         seen["init"].append({k: v.clone() for k, v in m.trainable_state().items()})
         fc = m.clip.visual.transformer.resblocks[0].mlp.c_fc
-        set_classes = m.set_classes
+        set_classes, encode_classes = m.set_classes, m.encode_classes
         m.set_classes = lambda *a: seen["classes"].append(a) or set_classes(*a)
+        m.encode_classes = lambda: seen["encodes"].append(m.training) or encode_classes()
         fc.register_forward_hook(lambda mod, i, out: seen["dtype", m.training].append(out.dtype))
         return m
 
@@ -136,9 +137,10 @@ def watch(monkeypatch):
         return real_loss(out, labels, t0, alpha, lambda_reg, lambda_fusion)
 
     def evaluate(model, ds, split, c, rule="fused", *args):
-        out = real_evaluate(model, ds, split, c, rule, *args)
+        encodes, out = len(seen["encodes"]), real_evaluate(model, ds, split, c, rule, *args)
         seen["eval"].append(dict(rule=rule, beta=model.beta, classes=ds.classnames, items=ds.test,
-                                 template=ds.template, readouts=out["readouts"]))
+                                 template=ds.template, readouts=out["readouts"],
+                                 encodes=len(seen["encodes"]) - encodes))
         return out
 
     monkeypatch.setattr(dear, "DeAR", model)
@@ -184,7 +186,9 @@ WIRING = {
         s["model"][0].roles[0], P, "generalization-only")) and not torch.equal(
         s["model"][0].masks[0], dear.role_mask(s["model"][0].roles[0], P)),
     "attr_tokens": "test_xd_and_zero_shot_runs_read_their_own_flags",
-    "novel_logits": lambda r, s, w, roles: [e["rule"] for e in s["eval"]] == ["fused", "cls"],
+    "novel_logits": lambda r, s, w, roles: [e["rule"] for e in s["eval"]] == ["fused", "cls"]
+    and (e := r["evals"][1])["accuracy"] == e["readouts"]["class"] == pytest.approx(sum(
+        p["accuracy"] * p["n"] for p in e["per_class"]) / e["n"]),  # over 3 batches of 7
     "target_beta": "test_xd_and_zero_shot_runs_read_their_own_flags",
     "roles": lambda r, s, w, roles: sorted(map(str, s["model"][0].roles[0])) == sorted(
         map(str, roles[4])),
@@ -201,7 +205,7 @@ WIRING = {
     "crop_scale": lambda r, s, w, roles: loaders(s, dear.SeededImages)[0][0].transform.transforms[
         0].scale == (0.7, 1.0),
     "eval_batch_size": lambda r, s, w, roles: {k["batch_size"] for _, k in loaders(
-        s, data.ImageList)} == {7},
+        s, data.ImageList)} == {7} and [e["encodes"] for e in s["eval"]] == [1, 1],  # t once
     "workers": lambda r, s, w, roles: {k["num_workers"] for _, k in s["loader"]} == {1},
     "device": lambda r, s, w, roles: s["model"][0].w.device.type == "cpu",
     "precision": lambda r, s, w, roles: set(s["dtype", True]) == {torch.bfloat16},
@@ -275,7 +279,7 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
         assert not spy["model"][0].use_tokens and len(spy["step"]) == steps
         assert r["train"] == (None if "zeroshot" in flags else {"steps": 0, "trainable": 0})
         assert r["inputs"]["roles_sha256"] is None  # no roles computed or read
-        assert [e["split"] for e in r["evals"]] == ["base", "novel"]
+        assert [(e["split"], e["beta"]) for e in r["evals"]] == [("base", None), ("novel", None)]
         # predict on it: the class logits alone, at weight 1 (and no model.pt to read)
         image = data.build_dataset(f"folder:{world / 'shapes'}", "").test[0][0]
         evidence = predict.main(["--load", folder_of(args), image])[0]["evidence"]

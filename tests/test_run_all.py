@@ -19,8 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_ALL = os.path.join(ROOT, "run_all.sh")
 B2N = ("imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 "
-       "dtd eurosat ucf101")
-B2N, DG = B2N.split(), ["imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
+       "dtd eurosat ucf101").split()
+DG = ["imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
 ABLATIONS = [(f,) for f in ("--mask generalization-only", "--mask none", "--no-attr-tokens",
                              "--lambda-fusion 0", "--J 7", "--J 11", "--beta 0.5", "--beta 0.7",
                              "--beta 0.9", "--novel-logits cls", "--roles-control random",
@@ -58,8 +58,7 @@ def run(tmp_path):
                   stderr=subprocess.PIPE, text=True)
         if not wait:
             return subprocess.Popen(cmd, **kw)
-        p = subprocess.run(cmd, timeout=60, **kw)
-        log = tmp_path / "calls.jsonl"
+        p, log = subprocess.run(cmd, timeout=60, **kw), tmp_path / "calls.jsonl"
         p.calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
         return p
@@ -112,8 +111,7 @@ def test_list_covers_every_table(run):
     for ds, ablation, s in itertools.product(("dtd", "eurosat", "oxford_flowers"), ABLATIONS,
                                              (1, 2, 3)):
         add(f"--dataset {ds}", "--protocol b2n", f"--seed {s}", "--resume", *ablation)
-    p = run("--list", "--root", "DATA", "--out", "OUT")
-    jobs = listed(p)
+    jobs = listed(p := run("--list", "--root", "DATA", "--out", "OUT"))
     assert Counter(jobs) == want
     assert [stage_of(j) for j in jobs[:3]] == ["roles"] * 3 and "first 3 line(s)" in p.stderr
     assert Counter(map(stage_of, jobs)) == dict(roles=3, b2n=11 + 33, xd=4, fewshot=11 + 165,
@@ -132,9 +130,8 @@ def test_toy_transfer_sets_reach_dear_py_as_separate_targets(run):
     for j in listed(p):  # every job on the toy's own schedule (the quick start's, for b2n)
         schedule = [f for f in j if f.split()[0] in ("--epochs", "--lr", "--batch-size")]
         assert not schedule or set(brakes) <= set(j) and schedule == ["--lr 1e-2"], j
-    roles = [j for j in listed(p) if "--roles-only" in j]
-    assert sorted(f for j in roles for f in j if f.startswith("--J ")) == ["--J 2", "--J 3",
-            "--J 4"]
+    roles = [f for j in listed(p) if "--roles-only" in j for f in j if f.startswith("--J ")]
+    assert sorted(roles) == ["--J 2", "--J 3", "--J 4"]
 
 
 @pytest.mark.parametrize("args, stages", [(["--stages", "b2n,xd"], dict(b2n=22, xd=2)), (["--skip",
@@ -179,8 +176,7 @@ def test_one_queue_per_gpu_round_robin(run, tmp_path):
 def test_a_failed_job_is_named_the_others_go_on_and_the_exit_status_says_so(run):
     p = run("--stages", "b2n,tables", "--seeds", "1", FAKE_FAIL="eurosat")
     failed = [line for line in p.stderr.splitlines() if line.startswith("FAILED ")]
-    assert p.returncode == 1 and len(failed) == 2
-    assert all("--dataset eurosat" in line for line in failed)
+    assert p.returncode == 1 and len(failed) == 2 and all("--dataset eurosat" in f for f in failed)
     ran = [c["args"][0] for c in p.calls]
     assert sum(a.endswith("dear.py") for a in ran) == 22 and ran[-1].endswith("tables.py")
     assert ran[0].endswith("data.py")  # the datasets are checked before any job

@@ -253,6 +253,7 @@ BAD = {"truncated": lambda text: text[: len(text) // 2],
                                                                   '"dataset": "ucf101", "split"'),
        "no evaluations": lambda text: json.dumps(dict(json.loads(text), evals=[])),
        "an HM of other numbers": lambda text: json.dumps(dict(json.loads(text), hm=99.0)),
+       "an HM off by 0.01": lambda text: json.dumps(dict(d := json.loads(text), hm=d["hm"] + 0.01)),
        "a copy": lambda text: text}
 WHY = {"truncated": ": not a JSON file", "not UTF-8": ": not a JSON file",
        "older version": "lacks 'changed'", "accuracy 150": "= 150.0 is not a number in [0, 100]",
@@ -262,6 +263,7 @@ WHY = {"truncated": ": not a JSON file", "not UTF-8": ": not a JSON file",
        "another dataset's evaluations": "evaluates [('ucf101', 'base'), ('ucf101', 'novel')], but "
        "its config asks for [('dtd', 'base'), ('dtd', 'novel')]",
        "no evaluations": "evaluates nothing, but", "an HM of other numbers": "its hm is not the HM",
+       "an HM off by 0.01": "its hm is not the HM",
        "a copy": "the same run as"}
 
 
