@@ -13,8 +13,7 @@ def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path, monke
     res = bench.main(["--tiny", "--out", str(tmp_path / "bench.md")])
     text = (tmp_path / "bench.md").read_text()
     assert "torch " + torch.__version__ in text and "`python bench.py --tiny --out" in text
-    assert len(res["costs"]) == 5 * len(bench.SETTINGS)
-    assert len(res["shortcuts"]) == 4 * len(bench.SETTINGS)
+    assert [len(res[k]) / len(bench.SETTINGS) for k in ("costs", "shortcuts")] == [5, 4]
     for what, where, *_ in res["costs"] + res["shortcuts"]:
         assert f"| {what} | {where} |" in text
     for what, _, r, base, trainable in res["costs"]:
@@ -34,8 +33,7 @@ def test_tiny_bench_writes_every_row_and_the_shortcuts_only_save(tmp_path, monke
 
 
 def block(T, R, D):
-    """FLOPs of one block on T positions computing R rows: k, v of T rows and q of R, attention,
-    out_proj, MLP."""
+    """FLOPs of a block on T positions computing R rows: k, v of T; q, attention, out, MLP of R."""
     return (2 * T * D * 2 * D + 2 * R * D * D + 2 * 2 * R * T * D + 2 * R * D * D
             + 2 * 2 * R * D * 4 * D)
 
@@ -57,12 +55,10 @@ def test_all_three_takes_every_shortcut_away():
 
 
 def test_flop_count_of_a_clip_forward_equals_the_count_by_hand():
-    torch.manual_seed(0)
-    # 4 vision blocks of width 64, 32 px in patches of 8; 2 text blocks of 64; E = 32
+    torch.manual_seed(0)  # 4 vision blocks of width 64, 32 px in patches of 8; 2 text blocks of 64
     m = CLIP(**bench.TINY).eval()
     images, text = torch.randn(2, 3, 32, 32), clip.tokenize(["a photo of a dog."])
-    D, P, E, n = 64, 16, 32, int(text.argmax()) + 1  # n: positions up to EOT
-    # the last: CLS
+    D, P, E, n = 64, 16, 32, int(text.argmax()) + 1  # n: positions up to EOT; the last block: CLS
     image = 2 * P * (3 * 8 * 8) * D + 3 * block(1 + P, 1 + P, D) + block(1 + P, 1, D) + 2 * D * E
     prompt = block(n, n, D) + block(n, 1, D) + 2 * D * E  # the last block: EOT only
     with torch.no_grad():

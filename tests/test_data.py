@@ -273,7 +273,7 @@ def test_equal_prompts_are_refused(tmp_path, a, b):
         data.build_dataset(f"folder:{tmp_path}", None)
 
 
-def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
+def test_16_bit_and_float_images_are_scaled_to_8_bit(tmp_path):
     levels = np.array([[0, 257 * 100], [65535, 257 * 50 + 100]], dtype=np.uint16)
     want = np.array([[0, 100], [255, 50]], dtype=np.uint8)
     Image.fromarray(levels).save(tmp_path / "deep.png")
@@ -285,6 +285,10 @@ def test_16_bit_images_are_scaled_to_8_bit(tmp_path):
     assert (np.asarray(data.to_rgb(small))[..., 1] == want).all()
     edge = Image.fromarray(np.array([[0, 255, 256]], dtype=np.int32))  # 256: not 8-bit
     assert np.asarray(data.to_rgb(edge))[0, :, 2].tolist() == [0, 1, 1]
+    f = Image.fromarray(np.array([[0.0, 1.0], [0.8, 0.2]], dtype=np.float32))  # mode F, in [0, 1]
+    assert np.asarray(data.to_rgb(f))[..., 0].tolist() == [[0, 255], [204, 51]]  # 0.8: 204, not 205
+    with pytest.raises(ValueError, match=r"floating-point pixels outside \[0, 1\]"):
+        data.to_rgb(Image.fromarray(np.array([[1.5]], dtype=np.float32)))
 
 
 # -------------------------------------------------------------------------------------- errors, CLI
