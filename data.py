@@ -140,6 +140,12 @@ def os_error(e):
     return where + (e.strerror or str(e)) + (f"; {step}" if step else "")
 
 
+def first_line(e, width=80):
+    """What a library's error says, in one line of at most width characters: its first line, or
+    its kind where it says nothing (torch's EOFError on an empty file)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:width]
+
+
 def remove(path):
     """Delete a file or a folder tree, if there is one (never through a link)."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -242,12 +248,15 @@ def regular(path, fix):
 
 
 def read_text(path, fix):
-    """A UTF-8 text file's lines, stripped, blank ones dropped."""
+    """A UTF-8 text file's lines, stripped, blank ones dropped; a file with none is refused."""
     try:
         with open(regular(path, fix), encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()]
+            lines = [line.strip() for line in f if line.strip()]
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    if not lines:
+        raise UserError(f"{path}: no lines (empty or blank); {fix}")
+    return lines
 
 
 def read_json(path, schema, fix):
@@ -322,8 +331,7 @@ def read_torch(path, fix, schema=None):
     try:
         obj = torch.load(regular(path, fix), map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        why = str(e).strip().splitlines()[0][:80]
-        raise UserError(f"{path}: not a whole torch file ({why}); {fix}") from None
+        raise UserError(f"{path}: not a whole torch file ({first_line(e)}); {fix}") from None
     if schema is not None and (wrong := mismatch(obj, schema)):
         raise UserError(f"{path}: {wrong}; {fix}")
     return obj

@@ -203,13 +203,12 @@ class DeAR(nn.Module):
         f0 = self.frozen_feature(x) if with_frozen or not self.use_tokens else None  # [B, E]
         if not self.use_tokens:  # zero-shot CLIP
             logits, feats, t = cosine_logits(f0.unsqueeze(1), t, scale)  # [B, 1, C]
-            return dict(logits=logits, fused=logits[:, 0], f_cls=feats[:, 0], f0=f0.float(), t=t)
+            return dict(logits=logits, fused=logits[:, 0], f_cls=feats[:, 0], f0=f0, t=t)
         x = self.token_blocks(x)  # [B, 1+K, D]  tokens from J, role masks
         f_cls, f_attr = self.image_features(x)  # [B, E], [B, K, E]
         feats = torch.cat([f_cls.unsqueeze(1), f_attr], 1)  # [B, 1+K, E]
         logits, feats, t = cosine_logits(feats, t, scale)  # [B, 1+K, C]  six logit sets
         fused = fuse(logits, self.alpha())  # [B, C]  sum_k alpha_k logits_k
-        f0 = None if f0 is None else f0.float()
         return dict(logits=logits, fused=fused, f_cls=feats[:, 0], f_attr=feats[:, 1:], f0=f0, t=t)
 
     def frozen_prefix(self, images):
@@ -219,11 +218,11 @@ class DeAR(nn.Module):
             return visual.run_blocks(visual.embed(images), 0, self.blocks.start)
 
     def frozen_feature(self, x):
-        """f^0 [B, E]: blocks J..L without tokens; the last block computes CLS alone."""
+        """f^0 [B, E] in fp32: blocks J..L without tokens; the last block computes CLS alone."""
         visual = self.clip.visual
         with torch.no_grad():
             cls = visual.run_blocks(x, self.blocks.start, self.blocks.stop, rows=slice(0, 1))
-            return F.normalize(visual.head(cls[:, 0]), dim=-1)
+            return F.normalize(visual.head(cls[:, 0]).float(), dim=-1)
 
     def token_blocks(self, x, stop=None):
         """Blocks J..L with the tokens: inserted at J, mixed from J+1, each block under its role
@@ -631,8 +630,7 @@ def train(model, ds, c: Config, folder):
                                              num_workers=c.workers, pin_memory=cuda)
         model.train()
         for step, (x, y) in enumerate(loader):
-            x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 out = model(x, with_frozen=True)
             loss, parts = dear_loss(out, y, model.t0, model.alpha(), c.lambda_reg, c.lambda_fusion)
@@ -733,8 +731,10 @@ def compute_roles(c: Config, clip_model, log):
 
 
 def read_datasets(c: Config):
-    """(the training set, [(dataset, split, logits rule)] to evaluate): every split is read before
-    anything is written, so that a missing dataset stops the call here."""
+    """(the training set, [(dataset, split, logits rule)] to evaluate): every split (and a --roles
+    file) is read before anything is loaded or written, so that a bad one stops the call here."""
+    if c.roles and not c.eval_only:  # --eval-only: the run's own; load_roles: its fit to the model
+        entropy.read_roles(c.roles)
     if c.dataset == "toyworld":
         toyworld.ensure_dataset(c.root)
     if c.protocol == "b2n":

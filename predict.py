@@ -39,12 +39,12 @@ def predict(argv):
         check_sheet_path(a.explain)
     saved = runs.read_config(a.load, dear.CONFIG)
     c = dear.resolve(dear.Config(**saved["config"], device=a.device))
-    model = dear.load_run(a.load, c, lambda line: print(line, file=sys.stderr))[0]
     names = data.read_text(a.classes, "one class name a line") if a.classes else saved["classes"]
     template = a.template or saved["template"]
     data.check_prompts(names, template)
-    model.eval().set_classes(names, template)
     images = [data.open_image(f, "pass image files (PNG, JPEG, ...)") for f in a.images]
+    model = dear.load_run(a.load, c, lambda line: print(line, file=sys.stderr))[0]  # then the work
+    model.eval().set_classes(names, template)
     preprocess = clip.transform(model.clip.visual.input_resolution)
     x = torch.stack([preprocess(im) for im in images]).to(c.device)
     with torch.no_grad():

@@ -325,7 +325,10 @@ def environment():
         done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True)
         return done.stdout.strip()
 
-    info = data.read_text("/proc/cpuinfo", "") if os.path.exists("/proc/cpuinfo") else []
+    try:
+        info = data.read_text("/proc/cpuinfo", "")
+    except (UserError, OSError):  # no /proc (not Linux), or an empty one
+        info = []
     names = [line.split(":")[1].strip() for line in info if line.startswith("model name")]
     cpu = names[0] if names else (platform.processor() or platform.machine())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
@@ -374,7 +377,7 @@ def load_backbone(name, device, log=print):
     try:
         model, _ = clip.load(path, device=device)
     except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
-        why = str(e).strip().splitlines()[0][:100]
+        why = data.first_line(e, 100)
         raise UserError(f"{path}: not a ViT CLIP checkpoint ({why}); {fix}") from None
     try:
         clip.tokenizer.get_tokenizer()  # the BPE vocabulary, checked before any work

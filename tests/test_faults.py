@@ -4,7 +4,6 @@ write is whole or absent after a failure or Ctrl-C; an OS error reads as its pat
 every script's main turns these into one line and an exit status, and a bug keeps its traceback."""
 
 import errno
-import json
 import os
 import pathlib
 import re
@@ -29,10 +28,7 @@ import tables
 import toyworld
 from conftest import CLASSES, ROOT, tiny_state_dict
 from test_data import fake_eurosat
-from test_run import argv, folder_of
-
-DROP = object()  # an edit that deletes the key
-
+from test_run import DROP, argv, edit_json, folder_of
 
 @pytest.fixture(scope="module")
 def run(world, tmp_path_factory):
@@ -63,17 +59,6 @@ def resumed(path):
 
 def without(d, key):
     return {k: v for k, v in d.items() if k != key}
-
-
-def edit_json(path, keys, value):
-    """The value at keys in the JSON file at path set to value (DROP: deleted)."""
-    doc = inner = json.loads(path.read_text())
-    for k in keys[:-1]:
-        inner = inner[k]
-    inner[keys[-1]] = value
-    if value is DROP:
-        del inner[keys[-1]]
-    path.write_text(json.dumps(doc))
 
 
 # Each kind of file the project reads back: (how it is made from the finished run (None: the
@@ -129,7 +114,8 @@ FILES = {
 CUT = {".json": "not a JSON file", ".pt": "not a", ".txt": "", ".png": "not a readable image"}
 # every kind of file: what may stand in its place (the words, or by the file's extension)
 ANY = {"missing": "not found", "a FIFO": "not a regular file", "a folder": "not a regular file",
-       "cut off": CUT, "not UTF-8": {**CUT, ".txt": "not UTF-8 text"}}
+       "cut off": CUT, "not UTF-8": {**CUT, ".txt": "not UTF-8 text"},
+       "empty": {**CUT, ".txt": "no lines"}}
 CASES = [(name, kind) for name, (_, _, edits) in FILES.items() for kind in [*ANY, *edits]
          if (name, kind) not in (("classes.txt", "cut off"),  # half a text file is still text
                                  ("checkpoint.pt", "missing"))]  # none: nothing to resume
@@ -147,9 +133,9 @@ def test_every_reader_refuses_each_kind_of_bad_file_in_one_line_naming_it(run, t
     if kind in ("missing", "a FIFO", "a folder"):
         path.unlink()
         {"a FIFO": os.mkfifo, "a folder": os.mkdir}.get(kind, lambda p: None)(path)
-    elif kind in ("cut off", "not UTF-8"):
+    elif kind in ("cut off", "not UTF-8", "empty"):
         b = path.read_bytes()
-        path.write_bytes(b[: len(b) // 2] if kind == "cut off" else b"\xff\xfe\x00" + b)
+        path.write_bytes({"cut off": b[: len(b) // 2], "empty": b""}.get(kind, b"\xff\xfe\x00" + b))
     elif ext == ".json":
         edit_json(path, *edits[kind][0])
     else:
@@ -275,6 +261,9 @@ def test_an_unusable_clip_cache_is_found_before_the_toy_pretraining(tmp_path, mo
     assert "file" in e.value.filename
     with pytest.raises(OSError, match="/proc/self/"):  # a folder that takes no files: even root's
         data.writable_folder("/proc/self")
+    monkeypatch.setattr(runs, "load_backbone", lambda *a: pytest.fail("the backbone loaded first"))
+    with pytest.raises(data.UserError, match="file: not a JSON file"):  # a --roles of no roles
+        dear.run(dear.Config("toyworld", roles=str(tmp_path / "file")))
 
 
 # folder:PATH datasets as users lay them out: (folders and their images, what is read or said)
@@ -419,12 +408,12 @@ def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path, 
         p.send_signal(sig)
         assert p.wait(30) == code and p.stderr.read().strip().splitlines() == ["interrupted"]
         assert os.listdir(tmp_path) == []
-    for name in ("a.json.tmp999999999", "b.zip.unpacking999999999", f"a.json.tmp{os.getppid()}"):
+    for name in ("x.tmp.tmp999999999", "b.zip.unpacking999999999", f"x.tmp.tmp{os.getppid()}"):
         (tmp_path / name).mkdir()
-    data.write_json(tmp_path / "a.json", {})
+    data.write_json(tmp_path / "x.tmp", {})  # a name with the tag inside: the pid is after the last
     with pytest.raises(data.UserError):
         data.unpack(str(tmp_path / "b.zip"))
-    assert sorted(os.listdir(tmp_path)) == ["a.json", f"a.json.tmp{os.getppid()}"]
+    assert sorted(os.listdir(tmp_path)) == ["x.tmp", f"x.tmp.tmp{os.getppid()}"]
     # a system without /proc cannot tell a dead pid: its leftover stays
     (tmp_path / "a.json.tmp999999999").mkdir()
     monkeypatch.setattr(os.path, "isdir", lambda p, isdir=os.path.isdir: p != "/proc/self"
@@ -477,6 +466,7 @@ def test_the_space_the_work_writes_is_proven_before_it(world, tmp_path, monkeypa
             dear.main(argv(world, tmp_path, "--epochs 1"))
     said = capsys.readouterr().err if where == "a run" else str(e.value)
     assert "No space left on device (the work writes" in said and str(tmp_path) in said
+    assert "free some space there" in said if where == "a run" else e.value.errno == errno.ENOSPC
 
 
 def test_a_seed_at_the_top_of_its_range_draws_batches(world, tmp_path):
@@ -487,9 +477,9 @@ def test_a_seed_at_the_top_of_its_range_draws_batches(world, tmp_path):
 @pytest.mark.parametrize("what, says", [
     ("two {}", "template 'a {} of a {}.': it needs exactly one {}"),
     ("a named field", "template 'a {name}.': it needs exactly one {}"),
-    ("no class names", "no class names"), ("a J beyond the depth", "--J 7: "),
+    ("no class names", "names.txt: no lines"), ("a J beyond the depth", "--J 7: "),
     ("a float image in [0, 1]", None), ("a float image in [0, 255]", "floating-point pixels")])
-def test_recorded_and_given_values_are_checked_before_use(run, tmp_path, capsys, what, says):
+def test_values_are_checked_before_the_model_loads(run, tmp_path, capsys, monkeypatch, what, says):
     pixels = np.full((8, 8), 0.5 if "[0, 1]" in what else 200.0, np.float32)
     Image.fromarray(pixels, mode="F").save(image := tmp_path / "f.tiff")
     args = ["--load", str(run), str(image)]
@@ -505,6 +495,7 @@ def test_recorded_and_given_values_are_checked_before_use(run, tmp_path, capsys,
     if says is None:
         assert predict.main(args)[0]["top5"]  # scaled by 255, classified
         return
+    monkeypatch.setattr(dear, "load_run", lambda *a: pytest.fail("the model loaded first"))
     with pytest.raises(SystemExit):
         predict.main(args)
     assert says in capsys.readouterr().err

@@ -53,6 +53,20 @@ def logged(rdir):
     return [tuple(int(v or 0) for v in m) for m in re.findall(line, log, re.M)]
 
 
+DROP = object()  # an edit that deletes the key
+
+
+def edit_json(path, keys, value):
+    """The value at keys in the JSON file at path set to value (DROP: deleted)."""
+    doc = inner = json.loads(path.read_text())
+    for k in keys[:-1]:
+        inner = inner[k]
+    inner[keys[-1]] = value
+    if value is DROP:
+        del inner[keys[-1]]
+    path.write_text(json.dumps(doc))
+
+
 def fails(capsys, words, args, main=dear.main):
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -88,14 +102,11 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     again, _ = run(world, tmp_path)
     assert "done already" in capsys.readouterr().out and again == results
     # the same folder recorded with another checkpoint: named, refused, not reused
-    config = json.load(open(os.path.join(rdir, "config.json")))
-    config["inputs"]["backbone_sha256"] = "0" * 64
-    json.dump(config, open(os.path.join(rdir, "config.json"), "w"))
+    config, saved = pathlib.Path(rdir, "config.json"), pathlib.Path(rdir, "results.json")
+    edit_json(config, ("inputs", "backbone_sha256"), "0" * 64)
     fails(capsys, "backbone_sha256", argv(world, tmp_path))
-    r = json.load(open(os.path.join(rdir, "results.json")))
-    r["evals"][0]["accuracy"] = 150.0
-    json.dump(r, open(os.path.join(rdir, "results.json"), "w"))
-    json.dump(dict(config, inputs=again["inputs"]), open(os.path.join(rdir, "config.json"), "w"))
+    edit_json(saved, ("evals", 0, "accuracy"), 150.0)
+    edit_json(config, ("inputs",), again["inputs"])
     fails(capsys, "= 150.0 is not a number in [0, 100]", argv(world, tmp_path))
     forced, _ = run(world, tmp_path, "--force")  # clears the folder, and runs again
     assert "done already" not in capsys.readouterr().out and forced["evals"] == results["evals"]
@@ -401,9 +412,7 @@ def test_every_recorded_difference_stops_reuse_and_resume(world, trained, tmp_pa
         if state == "interrupted":
             os.remove(copy / "results.json")
             (copy / "checkpoint.pt").write_bytes(b"")
-        doc = json.load(open(copy / file))
-        doc[group][key] = value
-        data.write_json(copy / file, doc)
+        edit_json(copy / file, (group, key), value)
         fails(capsys, f"{group}.{key}: ", args + ["--resume"] * (state == "interrupted"))
 
 

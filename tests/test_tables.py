@@ -263,8 +263,7 @@ WHY = {"truncated": ": not a JSON file", "not UTF-8": ": not a JSON file",
        "another dataset's evaluations": "evaluates [('ucf101', 'base'), ('ucf101', 'novel')], but "
        "its config asks for [('dtd', 'base'), ('dtd', 'novel')]",
        "no evaluations": "evaluates nothing, but", "an HM of other numbers": "its hm is not the HM",
-       "an HM off by 0.01": "its hm is not the HM",
-       "a copy": "the same run as"}
+       "an HM off by 0.01": "its hm is not the HM", "a copy": "the same run as"}
 
 
 @pytest.mark.parametrize("kind", BAD)
