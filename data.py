@@ -873,6 +873,7 @@ def check(name, root, shots, seed, subsample, open_images):
 
 
 POSITIVE = number(int, lambda v: v >= 1, "a whole number >= 1")
+COUNT = number(int, lambda v: v >= 0, "a count >= 0")
 
 
 def check_or_download(argv):

@@ -395,7 +395,6 @@ SCHEDULES = {
 DEPTHS = {"ViT-B/32": 12, "ViT-B/16": 12, "ViT-L/14": 24, "ViT-L/14@336px": 24}
 
 TEXT = data.text  # a path, a name, a list: never empty
-COUNT = data.number(int, lambda v: v >= 0, "a count >= 0")
 SEED = data.number(int, lambda v: 0 <= v < 2**32, "a seed in [0, 2^32)")
 CROP = data.number(float, lambda v: 0 < v <= 1, "in (0, 1]")
 UNIT = data.number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -443,13 +442,13 @@ class Config:
     epochs: int = opt(None, "default: b2n 10 (ImageNet 5, toy 20), fewshot 100 (ImageNet 5, toy "
                       "50), xd 1", data.POSITIVE)
     batch_size: int = opt(None, "default: 4 (b2n), 32 (ImageNet b2n, fewshot, xd)", data.POSITIVE)
-    warmup_epochs: int = opt(None, "epochs at --warmup-lr first (default 1; xd 0)", COUNT)
+    warmup_epochs: int = opt(None, "epochs at --warmup-lr first (default 1; xd 0)", data.COUNT)
     lr: float = opt(None, "AdamW lr (default: 1e-3; fewshot 2e-3, ImageNet fewshot 1e-3)", RATE)
     warmup_lr: float = opt(1e-5, "learning rate of the warm-up epochs", RATE)
     weight_decay: float = opt(5e-4, "AdamW weight decay", NONNEG)
     crop_scale: float = opt(None, "smallest area of a training crop (default 0.5, toy 1)", CROP)
     eval_batch_size: int = opt(100, "evaluation batch size", data.POSITIVE, kind="place")
-    workers: int = opt(None, "loader processes (default: up to 4)", COUNT, kind="place")
+    workers: int = opt(None, "loader processes (default: up to 4)", data.COUNT, kind="place")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N", kind="place")
     precision: str = opt("amp", "amp: fp16 + GradScaler on CUDA, fp32 on a CPU (MMRL's); the head "
                          "and the loss in fp32 always", choices=("amp", "fp16", "bf16", "fp32"))

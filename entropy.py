@@ -683,7 +683,6 @@ def parse_blocks(text):
 
 def roles_of(argv):
     p = data.Parser(description="Concept Entropy: the roles of CLIP's attention heads.")
-    count = data.number(int, lambda v: v >= 0, "a count >= 0")
     bits = data.number(float, lambda v: True, "a finite number")
     p.add_argument("--backbone", default="ViT-B/16", help="a CLIP name, a checkpoint file or toy")
     p.add_argument("--dataset", required=True, help="probe dataset: a data.py name or folder:PATH")
@@ -692,7 +691,7 @@ def roles_of(argv):
                    "ImageNet val, as TextSpan)")
     p.add_argument("--layers", type=parse_blocks, help="blocks from 1, e.g. 9-12 (default: last 4)")
     p.add_argument("--max-images", type=data.POSITIVE, help="a sample of this many (default: all)")
-    p.add_argument("--seed", type=count, default=0, help="seed of that sample")
+    p.add_argument("--seed", type=data.COUNT, default=0, help="seed of that sample")
     p.add_argument("--n", type=data.POSITIVE, help="TextSpan's texts per head (default 20; toy: 5)")
     p.add_argument("--rank", type=data.POSITIVE, default=80, help="TextSpan's SVD rank")
     p.add_argument("--low", type=bits, help="H <= low bits: specialist (default: 1/3 quantile)")
@@ -702,7 +701,7 @@ def roles_of(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda (default: cuda where available)")
     p.add_argument("--batch-size", type=data.POSITIVE, default=64, help="images a batch")
-    p.add_argument("--workers", type=count, default=0, help="data loader workers")
+    p.add_argument("--workers", type=data.COUNT, default=0, help="data loader workers")
     args = p.parse_args(argv)
     if None not in (args.low, args.high) and args.low > args.high:
         raise data.UserError("--low must not exceed --high")

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.error
 
 import data
 from data import UserError
@@ -379,6 +380,8 @@ def load_backbone(name, device, log=print):
     except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
         why = data.first_line(e, 100)
         raise UserError(f"{path}: not a ViT CLIP checkpoint ({why}); {fix}") from None
+    except urllib.error.URLError as e:  # offline, or refused: the file, and where it goes
+        raise UserError(f"{clip.MODELS[name]}: {e.reason}; save it in {clip.cache_dir()}") from None
     try:
         clip.tokenizer.get_tokenizer()  # the BPE vocabulary, checked before any work
     except ValueError as e:

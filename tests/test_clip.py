@@ -12,6 +12,7 @@ from torch import nn
 import clip
 import clip.model
 import clip.tokenizer
+import runs
 from clip.model import MultiheadAttention, build_model, length_buckets
 from conftest import tiny_clip, tiny_state_dict
 
@@ -248,7 +249,9 @@ def test_download_checks_the_sha256_of_its_url_and_the_cache_dir(tmp_path, serve
         clip.load("ViT-W/8", download_root=str(cache))
     assert os.listdir(cache) == []  # ... is not kept
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "env"))
-    assert clip.cache_dir() == str(tmp_path / "env")
+    with pytest.raises(runs.UserError, match=f"^{url}{urls['ViT-T/8']}: Not Found; save it in "
+                       f"{tmp_path / 'env'}$"):  # offline or refused: one line, the URL
+        runs.load_backbone("ViT-T/8", "cpu")
     assert clip.cache_dir(str(tmp_path / "r")) == str(tmp_path / "r")
     monkeypatch.delenv("CLIP_CACHE")
     assert clip.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "clip")

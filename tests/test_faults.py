@@ -354,8 +354,7 @@ def edit_run(run, tmp, what):
     ("its weights", "model_sha256"), ("its roles", "roles_sha256"),
     ("its roles, gone (the cache's differ)", "roles_sha256"), ("its backbone", "backbone_sha256"),
     ("its results, a setting out of range", "['beta'] = 2.0 is not in [0, 1]")])
-def test_a_run_is_used_only_with_the_inputs_it_recorded(run, world, tmp_path, capsys, use, what,
-                                                        says):
+def test_a_run_is_used_only_with_its_recorded_inputs(run, world, tmp_path, capsys, use, what, says):
     copy, shapes = edit_run(run, tmp_path, what), f"folder:{world / 'shapes'}"
     if use == "predict":
         main, args = predict.main, [data.build_dataset(shapes, "").test[0][0]]
@@ -438,8 +437,7 @@ def test_ctrl_c_during_the_imports_is_one_line():
 
 
 @pytest.mark.parametrize("where", ["toy CLIP", "a run", "ulimit -f"])
-def test_the_space_the_work_writes_is_proven_before_it(world, tmp_path, monkeypatch, capsys,
-                                                      where):
+def test_the_space_the_work_writes_is_proven_first(world, tmp_path, monkeypatch, capsys, where):
     """The bytes of the largest file the work writes, taken for real (posix_fallocate) before
     minutes of pretraining or training: a full disk or a file size limit stops the call there,
     naming the user's folder."""
