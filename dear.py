@@ -187,9 +187,7 @@ class DeAR(nn.Module):
 
     def attr_proj(self):
         """P_attr [D, E]."""
-        if self.kind == "mmrlpp":
-            return self.clip.visual.proj + self.P_A @ self.P_B
-        return self.P_full
+        return self.clip.visual.proj + self.P_A @ self.P_B if self.kind == "mmrlpp" else self.P_full
 
     def alpha(self):
         return self.w.softmax(0)  # [1 + K]: alpha_cls, alpha_color, ...

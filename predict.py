@@ -35,14 +35,16 @@ def predict(argv):
     parser.add_argument("--json", action="store_true", help="JSON alone on stdout, not text")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     a = parser.parse_args(argv)
-    if a.explain:
-        check_sheet_path(a.explain)
     saved = runs.read_config(a.load, dear.CONFIG)
     c = dear.resolve(dear.Config(**saved["config"], device=a.device))
+    if a.explain and not (c.method == "dear" and c.attr_tokens):
+        raise data.UserError(f"--explain: {a.load} has no attribute tokens to explain")
     names = data.read_text(a.classes, "one class name a line") if a.classes else saved["classes"]
     template = a.template or saved["template"]
     data.check_prompts(names, template)
     images = [data.open_image(f, "pass image files (PNG, JPEG, ...)") for f in a.images]
+    if a.explain:
+        check_sheet_path(a.explain)
     model = dear.load_run(a.load, c, lambda line: print(line, file=sys.stderr))[0]  # then the work
     model.eval().set_classes(names, template)
     preprocess = clip.transform(model.clip.visual.input_resolution)
@@ -63,8 +65,6 @@ def predict(argv):
             sets = [f"{k} (alpha {v['alpha']:.2f}) {v['top']}" for k, v in evidence.items()]
             print("  by logit set: " + ", ".join(sets))
     if a.explain:
-        if not model.use_tokens:
-            raise data.UserError(f"--explain: {a.load} has no attribute tokens to explain")
         maps, heads = attention_maps(model, x)  # [B, 1+K, P]
         crops = [clip.crop(model.clip.visual.input_resolution)(im) for im in images]
         titles = [f"{f}: {r['top5'][0][0]} {r['top5'][0][1]:.0%}" for f, r in zip(a.images, report)]
@@ -118,6 +118,7 @@ def check_sheet_path(path):
     if not path.lower().endswith(".png") or (os.path.lexists(path) and not ours):
         raise data.UserError(f"--explain {path}: give a new .png name, or a sheet this wrote (the "
                              "images to classify come after the flags)")
+    data.writable_folder(os.path.dirname(path) or ".")  # made, and proven, before the work
 
 
 def draw_explain(titles, crops, maps, heads, roles, alpha, path):

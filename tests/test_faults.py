@@ -122,8 +122,7 @@ CASES = [(name, kind) for name, (_, _, edits) in FILES.items() for kind in [*ANY
 
 
 @pytest.mark.parametrize("name, kind", CASES)
-def test_every_reader_refuses_each_kind_of_bad_file_in_one_line_naming_it(run, tmp_path, name,
-        kind):
+def test_every_reader_refuses_each_bad_file_in_one_line_naming_it(run, tmp_path, name, kind):
     make, read, edits = FILES[name]
     path, ext = tmp_path / name, (tmp_path / name).suffix
     for f in ("config.json", "roles.json", "model.pt"):  # what built() reads beside the file
@@ -236,8 +235,7 @@ RAISED = {"a user error": (data.UserError("x.json: not a JSON file; fix it"), 2,
 
 @pytest.mark.parametrize("raised", RAISED)
 @pytest.mark.parametrize("script", MAINS)
-def test_every_main_turns_user_errors_os_errors_and_ctrl_c_into_one_line(monkeypatch, capsys,
-        script, raised):
+def test_mains_say_user_and_os_errors_and_ctrl_c_in_one_line(monkeypatch, capsys, script, raised):
     (module, inner), (exc, code, line) = MAINS[script], RAISED[raised]
     monkeypatch.setattr(module, inner, lambda *a, **k: (_ for _ in ()).throw(exc))
     with pytest.raises(SystemExit) as e:
@@ -475,28 +473,30 @@ def test_a_seed_at_the_top_of_its_range_draws_batches(world, tmp_path):
 @pytest.mark.parametrize("what, says", [
     ("two {}", "template 'a {} of a {}.': it needs exactly one {}"),
     ("a named field", "template 'a {name}.': it needs exactly one {}"),
-    ("no class names", "names.txt: no lines"), ("a J beyond the depth", "--J 7: "),
+    ("no class names", "names.txt: no lines"), ("a recorded J beyond the depth", "--J 7: "),
+    ("a recorded run without tokens", "has no attribute tokens to explain"),
     ("a float image in [0, 1]", None), ("a float image in [0, 255]", "floating-point pixels")])
 def test_values_are_checked_before_the_model_loads(run, tmp_path, capsys, monkeypatch, what, says):
     pixels = np.full((8, 8), 0.5 if "[0, 1]" in what else 200.0, np.float32)
     Image.fromarray(pixels, mode="F").save(image := tmp_path / "f.tiff")
-    args = ["--load", str(run), str(image)]
+    args = ["--load", str(run), "--explain", str(sheet := tmp_path / "new" / "s.png"), str(image)]
     if "field" in what or "{}" in what:
         args += ["--template", "a {} of a {}." if "{}" in what else "a {name}."]
     elif what == "no class names":
         (tmp_path / "names.txt").write_text("\n\n")
         args += ["--classes", str(tmp_path / "names.txt")]
-    elif "J" in what:
+    elif "recorded" in what:  # --explain on it: refused unless it has tokens
         shutil.copytree(run, tmp_path / "copy")
-        edit_json(tmp_path / "copy" / "config.json", ("config", "J"), 7)
+        key, value = ("J", 7) if "J" in what else ("attr_tokens", False)
+        edit_json(tmp_path / "copy" / "config.json", ("config", key), value)
         args[1] = str(tmp_path / "copy")
     if says is None:
-        assert predict.main(args)[0]["top5"]  # scaled by 255, classified
+        assert predict.main(args)[0]["top5"] and sheet.exists()  # classified, in a new folder
         return
     monkeypatch.setattr(dear, "load_run", lambda *a: pytest.fail("the model loaded first"))
     with pytest.raises(SystemExit):
         predict.main(args)
-    assert says in capsys.readouterr().err
+    assert says in capsys.readouterr().err and not sheet.parent.exists()
 
 
 def test_reads_never_block_on_a_fifo(world, tmp_path, capsys, monkeypatch):
