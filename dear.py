@@ -827,8 +827,8 @@ def report(model, c: Config, folder):
 def roles_only(c: Config):
     """The roles a run would mask with, copied from the cache into OUT/roles/J<J>/ (where tables.py
     reads them), with their report and mask.png."""
+    dest = data.makedirs_below(c.out, os.path.join(c.out, "roles", f"J{c.J}"))  # before the work
     model, roles = build(c, print)
-    dest = data.makedirs_below(c.out, os.path.join(c.out, "roles", f"J{c.J}"))
     data.atomic_write(os.path.join(dest, "roles.json"), functools.partial(shutil.copyfile, roles))
     report(model, c, dest)
     print(f"roles copied to {dest}")

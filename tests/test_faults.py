@@ -262,6 +262,8 @@ def test_an_unusable_clip_cache_is_found_before_the_toy_pretraining(tmp_path, mo
     monkeypatch.setattr(runs, "load_backbone", lambda *a: pytest.fail("the backbone loaded first"))
     with pytest.raises(data.UserError, match="file: not a JSON file"):  # a --roles of no roles
         dear.run(dear.Config("toyworld", roles=str(tmp_path / "file")))
+    with pytest.raises(NotADirectoryError):  # --roles-only's --out, before the roles
+        dear.roles_only(dear.resolve(dear.Config("toyworld", out=str(tmp_path / "file"))))
 
 
 # folder:PATH datasets as users lay them out: (folders and their images, what is read or said)

@@ -29,8 +29,7 @@ def fewshot(world, tmp_path_factory):
     return results, rdir, model[0], test
 
 
-def test_predict_agrees_with_the_model_and_names_each_logit_sets_own_first(fewshot, tmp_path,
-        capsys):
+def test_predict_agrees_with_the_model_and_names_each_logit_sets_first(fewshot, tmp_path, capsys):
     """The top 5 by the fused logits (softmax), and for each logit set the class it alone ranks
     first, as the rebuilt model computes them; --json: JSON alone on stdout, the sheet's line on
     stderr."""
