@@ -571,7 +571,7 @@ def compute_roles(model, loader, pool, layers, o, classes, factors=None, log=pri
     N, E = len(loader.dataset), visual.proj.shape[1]
     if n > min(len(texts), rank, E, N - 1):  # N centred images span N - 1 directions
         raise data.UserError(f"TextSpan cannot pick {n} texts per head from {len(texts)} texts, "
-                             f"rank {rank}, {N} images")
+                             f"rank {rank}, {N} images; lower --n, or give more of them")
     stats, contributions = collect_statistics(model, loader, layers, factors is not None, log)
     text_embeddings = encode_texts(model, texts).to(stats.mean.device)  # [T, E]
     heads = []
