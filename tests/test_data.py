@@ -365,8 +365,7 @@ def fake_eurosat(routes, url, monkeypatch, md5=None):
     monkeypatch.setattr(data, "DRIVE", f"{url}/drive?id=")
 
 
-def test_download_eurosat_refuses_a_wrong_md5_and_prints_held_back_drive_files(tmp_path, server,
-        monkeypatch, capsys):
+def test_download_refuses_a_wrong_md5_names_held_back_files(tmp_path, server, monkeypatch, capsys):
     routes, url = server
     fake_eurosat(routes, url, monkeypatch, md5="0" * 32)
     routes["/drive?id=SPLIT"] = b"<!DOCTYPE html><html>quota exceeded</html>"
@@ -397,8 +396,7 @@ def test_download_eurosat_refuses_a_wrong_md5_and_prints_held_back_drive_files(t
     assert not (tmp_path / "eurosat" / "EuroSAT.zip").exists()
 
 
-def test_download_fgvc_aircraft_moves_the_archives_data_folder_to_coops_name(tmp_path, server,
-        monkeypatch, capsys):
+def test_fgvc_download_moves_its_data_folder_to_coops_name(tmp_path, server, monkeypatch, capsys):
     """fgvc-aircraft-2013b/data/ becomes fgvc_aircraft/ (DATASETS.md; the archive's README and
     evaluation code stay where unpacked); a source to fetch by hand is said, the next fetched."""
     routes, url = server

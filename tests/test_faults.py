@@ -6,6 +6,7 @@ every script's main turns these into one line and an exit status, and a bug keep
 import errno
 import os
 import pathlib
+import platform
 import re
 import shutil
 import signal
@@ -115,7 +116,7 @@ CUT = {".json": "not a JSON file", ".pt": "not a", ".txt": "", ".png": "not a re
 # every kind of file: what may stand in its place (the words, or by the file's extension)
 ANY = {"missing": "not found", "a FIFO": "not a regular file", "a folder": "not a regular file",
        "cut off": CUT, "not UTF-8": {**CUT, ".txt": "not UTF-8 text"},
-       "empty": {**CUT, ".txt": "no lines"}}
+       "empty": {**CUT, ".txt": "no lines", ".pt": "(EOFError);"}}
 CASES = [(name, kind) for name, (_, _, edits) in FILES.items() for kind in [*ANY, *edits]
          if (name, kind) not in (("classes.txt", "cut off"),  # half a text file is still text
                                  ("checkpoint.pt", "missing"))]  # none: nothing to resume
@@ -192,8 +193,7 @@ WRITES = {
 
 @pytest.mark.parametrize("fault", ["disk full", "Ctrl-C", "SIGTERM"])
 @pytest.mark.parametrize("what", WRITES)
-def test_every_write_is_whole_or_absent_after_a_full_disk_or_ctrl_c(world, tmp_path, monkeypatch,
-        capsys, server, what, fault):
+def test_each_write_is_whole_or_absent(world, tmp_path, monkeypatch, capsys, server, what, fault):
     make, target = WRITES[what]
     fake_eurosat(*server, monkeypatch)  # the downloads' source, and a toy CLIP pretrained at once
     monkeypatch.setattr(toyworld, "pretrain", lambda *a, **k: torch.nn.Linear(1, 1))
@@ -419,6 +419,10 @@ def test_a_kill_leaves_nothing_and_its_leftovers_go_on_the_next_write(tmp_path, 
                         and isdir(p))
     data.write_json(tmp_path / "a.json", {})
     assert (tmp_path / "a.json.tmp999999999").exists()
+    monkeypatch.setattr(data, "read_text", lambda *a: (_ for _ in ()).throw(FileNotFoundError()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nor cpuinfo: platform's name
+    assert (env := runs.environment()) == dict(env, python=platform.python_version(), device=(
+        platform.processor() or platform.machine()), cudnn=torch.backends.cudnn.version())
 
 
 def default_signals():

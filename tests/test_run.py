@@ -90,10 +90,10 @@ def test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config(world, 
     assert not os.path.exists(os.path.join(rdir, "checkpoint.pt"))
     env = results["env"]
     git = [subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True).stdout.strip()
-           for a in (["rev-parse", "HEAD"], ["status", "--porcelain"])]
+           for a in (["rev-parse", "HEAD"], ["status", "--porcelain"])]  # outside git: None, False
     cpus = [line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "model name" in line]
-    assert (env["torchvision"], env["git_commit"], env["git_dirty"]) == (
-        torchvision.__version__, git[0] or None, bool(git[1]))  # None, False: not a git checkout
+    assert (env["torchvision"], env["cuda"], env["git_commit"], env["git_dirty"]) == (
+        torchvision.__version__, torch.version.cuda, git[0] or None, bool(git[1]))
     assert env["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else cpus[0])
     assert env["torch"] in open(os.path.join(rdir, "log.txt")).readline()
     assert (results["inputs"]["roles_sha256"] == hashlib.sha256(open(os.path.join(rdir,
@@ -221,9 +221,9 @@ WIRING = {
     "device": lambda r, s, w, roles: s["model"][0].w.device.type == "cpu",
     "precision": lambda r, s, w, roles: set(s["dtype", True]) == {torch.bfloat16},
     "eval_precision": lambda r, s, w, roles: set(s["dtype", False]) == {torch.bfloat16},
-    "eval_only": "test_eval_only_and_predict_rebuild_the_run_they_load",
-    "load": "test_eval_only_and_predict_rebuild_the_run_they_load",
-    "resume": "test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers",
+    "eval_only": "test_eval_only_predict_rebuild_a_run",
+    "load": "test_eval_only_predict_rebuild_a_run",
+    "resume": "test_resume_ends_as_an_uninterrupted_run_any_workers",
     "force": "test_b2n_run_writes_its_folder_and_reuses_it_only_for_its_own_config",
     "roles_only": "test_roles_only_writes_the_roles_of_its_J"}
 
@@ -277,6 +277,8 @@ def test_xd_and_zero_shot_runs_read_their_own_flags(world, tmp_path, spy, monkey
     assert [(e["dataset"], e["split"], e["beta"]) for e in r["evals"]] == [
         (f"folder:{world / 'shapes'}", "all", 0.6), (target, "all", 0.15)]
     assert [e["beta"] for e in spy["eval"]] == [0.6, 0.15]
+    trained = next(d.items for d, _ in spy["loader"] if isinstance(d, dear.SeededImages))
+    assert trained == data.build_dataset(r["evals"][0]["dataset"], "", 4, 1).train  # shots, seed
     dear.main(argv(world, tmp_path, xd + " --target-beta source"))
     assert [e["beta"] for e in spy["eval"][2:]] == [0.6, 0.6]
     steps = len(spy["step"])
@@ -346,8 +348,7 @@ CARRIED = {
 
 
 @pytest.mark.parametrize("mode", ["eval-only", "predict"])
-def test_eval_only_and_predict_rebuild_the_run_they_load(world, trained, spy, tmp_path, capsys,
-        monkeypatch, mode):
+def test_eval_only_predict_rebuild_a_run(world, trained, spy, tmp_path, capsys, monkeypatch, mode):
     """--eval-only evaluates the run's model with its logits rules on the call's dataset; predict
     names the run's classes (base and novel) in the run's template, or --classes; both mask with
     the run's own roles.json (the file it was given has gone)."""
@@ -416,8 +417,7 @@ def test_every_recorded_difference_stops_reuse_and_resume(world, trained, tmp_pa
         fails(capsys, f"{group}.{key}: ", args + ["--resume"] * (state == "interrupted"))
 
 
-def test_resume_ends_with_the_weights_of_an_uninterrupted_run_whatever_the_workers(world, tmp_path,
-        monkeypatch, capsys):
+def test_resume_ends_as_an_uninterrupted_run_any_workers(world, tmp_path, monkeypatch, capsys):
     """... and the log: steps 3 and 6 of 6 each epoch (every steps // 2), the ETA by the time per
     step so far times the steps left in this call, 0 s at its end."""
     clock = itertools.count(0, 100).__next__  # 100 s at each reading: the ETAs logged are exact
@@ -474,8 +474,7 @@ def test_bad_input_is_one_line_and_exit_2(world, tmp_path, capsys, flags, says):
     assert not os.path.exists(tmp_path / "b2n") or says in ("--J 9", "CUDA")
 
 
-def test_a_nonfinite_loss_stops_fp32_and_is_skipped_and_counted_under_fp16(world, tmp_path,
-        monkeypatch, capsys):
+def test_a_nonfinite_loss_stops_fp32_is_skipped_under_fp16(world, tmp_path, monkeypatch, capsys):
     real, calls = dear.dear_loss, []
 
     def poisoned(out, *a):
@@ -537,8 +536,7 @@ def test_lr_schedule_and_xd_target_beta_by_hand():
     ("b2n", "toyworld", (20, 4, 1e-3, 1, 1.0)), ("fewshot", "toyworld", (50, 32, 1e-3, 1, 1.0)),
     ("b2n", "dtd", (10, 4, 1e-3, 1, 0.5)), ("fewshot", "dtd", (100, 32, 2e-3, 1, 0.5)),
     ("b2n", "imagenet", (5, 32, 1e-3, 1, 0.5)), ("xd", "imagenet", (1, 32, 1e-3, 0, 0.5))])
-def test_default_schedules_as_the_readme_states_them_and_a_default_run_is_named_default(
-        protocol, dataset, want):
+def test_default_schedules_as_the_readme_says_and_the_run_named_default(protocol, dataset, want):
     readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
     assert "toy b2n 20 epochs, toy few-shot 50 at 1e-3" in readme and "(toy: scale 1," in readme
     c = dear.resolve(dear.Config(dataset=dataset, protocol=protocol))
