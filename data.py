@@ -825,7 +825,7 @@ def unpack(archive):
             os.replace(os.path.join(tmp, name), dest)
     except bad as e:
         remove(archive)
-        why = f"{archive} cannot be unpacked safely and whole ({e}); deleted: run again"
+        why = f"{archive} cannot be unpacked safely and whole ({first_line(e)}); deleted: run again"
         raise UserError(why) from None
     finally:
         remove(tmp)

@@ -35,7 +35,7 @@ CLIP_PUB = "CLIP (published)"
 MMRL_PUB = "MMRL (published)"
 PAPER_DEAR = "DeAR (paper)"
 PEERS = ["VaMP (published)", "Promise (published)"]  # the strongest published peers at ViT-B/16
-READOUTS = ("fused", "class", "image", "text")  # what each evaluation records (dear.evaluate)
+READOUTS = tuple(runs.READOUTS)  # what each evaluation records (dear.evaluate), in its order
 # what a roles.json holds: each role's mean-ablation cost
 ROLE_NAMES = ("attribute", "generalization", "mixed", "specialist")
 ROLES = {"ablation": {"by_role": {r + "?": {"mean": float, "heads": int} for r in ROLE_NAMES}}}
